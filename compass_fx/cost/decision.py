@@ -1,0 +1,55 @@
+"""The outcome of choosing how to run one pair: the winner and every candidate's prediction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+STRATEGIES = ("sequential", "decompose", "fuse")
+SCHEDULES = ("ring", "double_ring", "direct")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a pair and its predicted time (None when no model was consulted)."""
+
+    strategy: str
+    parts: int = 1
+    schedule: str | None = None
+    seconds: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "decompose":
+            return f"decompose(d={self.parts})"
+        if self.strategy == "fuse":
+            return f"fuse({self.schedule})"
+        return self.strategy
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the compiler will do with a pair, and why.
+
+    ``candidates`` holds every option that was considered with its predicted seconds, so that a
+    report can show the margin by which the winner won.
+    """
+
+    strategy: str
+    parts: int = 1
+    schedule: str | None = None
+    predicted_s: float | None = None
+    candidates: tuple[Candidate, ...] = field(default=())
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"Decision.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"Decision.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+    @property
+    def label(self) -> str:
+        return Candidate(self.strategy, self.parts, self.schedule).label
+
+    @property
+    def rewrites(self) -> bool:
+        return self.strategy != "sequential"

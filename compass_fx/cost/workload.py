@@ -1,0 +1,50 @@
+"""What the cost model needs to know about one matmul<->collective pair, free of any FX graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PAIR_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One pair, reduced to numbers.
+
+    m is the row count of the full (gathered / pre-scatter) activation, n and k the local weight
+    shard's columns and rows (so one rank's GEMM is m x n x k).  ``matmuls`` counts GEMMs that
+    share the collective (a gather feeding w1 and w3, or a reduce-scatter of a sum of two mms);
+    their FLOPs add up.  ``feasible_parts`` lists the part counts the graph allows (each divides
+    the split dimension); None means every divisor of the local row count.
+    """
+
+    kind: str
+    m: int
+    n: int
+    k: int
+    dtype: str = "bfloat16"
+    group_size: int = 8
+    matmuls: int = 1
+    feasible_parts: tuple[int, ...] | None = None
+    extra_n: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.kind not in PAIR_KINDS:
+            raise ValueError(f"Workload.kind must be one of {PAIR_KINDS}, got {self.kind!r}")
+        for name in ("m", "n", "k", "group_size", "matmuls"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
+
+    @property
+    def local_rows(self) -> int:
+        """Rows each rank holds before a gather or after a scatter (all_reduce: all of them)."""
+        if self.kind == "matmul_all_reduce":
+            return self.m
+        return self.m // self.group_size
+
+    def parts_allowed(self) -> tuple[int, ...]:
+        """Part counts this workload may be decomposed into, ascending; 1 means not decomposed."""
+        if self.feasible_parts is not None:
+            return tuple(sorted(set(self.feasible_parts) | {1}))
+        rows = self.local_rows
+        return tuple(d for d in range(1, rows + 1) if rows % d == 0)
