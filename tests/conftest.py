@@ -1,0 +1,33 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from rank_pool import RankPool  # noqa: E402
+
+
+class _Pools:
+    """Pools for one test module, started on first use, restarted if a failure killed one."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """``ranks(world_size)`` gives this module's gloo pool of that size."""
+    pools = _Pools()
+    yield pools
+    pools.close()

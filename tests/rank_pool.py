@@ -1,0 +1,95 @@
+"""A pool of real torch.distributed ranks (gloo), spawned once and reused by many tests.
+
+Spawning and initialising a process group costs seconds, so a test module starts one pool per
+world size and sends it functions to run.  A function must be importable (module level); it runs
+on every rank at once with the rank's number as first argument, and its return values come back
+as a list indexed by rank.  A failure on any rank raises here with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(rank, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned processes in one gloo group, taking work until closed."""
+
+    def __init__(self, world_size: int, timeout_s: float = 600.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results),
+                                   daemon=True) for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, *args, **kwargs)`` on every rank; return the results by rank."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, Any] = {}
+        failures = []
+        while len(out) + len(failures) < self.world_size:
+            try:
+                rank, ok, value = self._results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on all ranks within {self.timeout_s}s")
+            if ok:
+                out[rank] = value
+            else:
+                failures.append(f"--- rank {rank} ---\n{value}")
+        if failures:
+            # The other ranks may be stuck in a collective with the failed one: start afresh.
+            self.close(force=True)
+            raise RuntimeError(f"{fn.__name__} failed:\n" + "\n".join(failures))
+        return [out[r] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
