@@ -11,9 +11,11 @@ class Workload:
     """One pair, reduced to numbers.
 
     m is the row count of the full (gathered / pre-scatter) activation, n and k the local weight
-    shard's columns and rows (so one rank's GEMM is m x n x k).  ``matmuls`` counts GEMMs that
-    share the collective (a gather feeding w1 and w3, or a reduce-scatter of a sum of two mms);
-    their FLOPs add up.  ``feasible_parts`` lists the part counts the graph allows (each divides
+    shard's columns and rows (so one rank's GEMM is m x n x k, 2*m*n*k FLOPs).  ``matmuls`` counts
+    GEMM launches that share the collective (a gather feeding w1 and w3, or a reduce-scatter of a
+    sum of two mms); n and k already include them: a gather feeding several GEMMs sums their
+    output columns into n, a reduced sum of GEMMs sums their inner dims into k, so 2*m*n*k stays
+    the pair's total FLOP count.  ``feasible_parts`` lists the part counts the graph allows (each divides
     the split dimension); None means every divisor of the local row count.
     """
 

@@ -1,0 +1,108 @@
+"""The options a user can pass as ``torch.compile(model, backend="compass", options={...})``.
+
+Every option is checked here, once, so that a typo is a clear ``ValueError`` naming the option
+instead of a silently ignored setting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+STRATEGY_CHOICES = ("auto", "off", "decompose", "fuse")
+INNER_CHOICES = ("inductor", "eager")
+SCHEDULE_CHOICES = ("ring", "double_ring", "direct")
+
+
+@dataclass(frozen=True)
+class CompassOptions:
+    """Validated options.
+
+    strategy: "auto" lets the cost model choose per pair; "off" leaves every graph as it is (the
+        pairs are still found and reported); "decompose" forces InterDecom; "fuse" forces the
+        fused operators with ``schedule``.
+    chunks: forces the InterDecom part count (implies strategy "decompose" under "auto").
+    inner: the compiler that receives the rewritten graphs.
+    dump_dir: where each graph's code is written before and after the rewrite.
+    group: only collectives of this process group name are touched (None: all groups).
+    topology: a preset name or a Topology object for the cost model (None: its default).
+    schedule: the fused operators' schedule when strategy is "fuse".
+    """
+
+    strategy: str = "auto"
+    chunks: int | None = None
+    inner: str = "inductor"
+    dump_dir: str | None = None
+    group: str | None = None
+    topology: Any = None
+    schedule: str = "double_ring"
+    mode: str | None = None
+
+    def cache_key(self) -> str:
+        """A stable digest of everything that changes what the pass produces."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["topology"] = getattr(self.topology, "name", self.topology)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _group_name(value: Any) -> str | None:
+    """Accept a group name, a ProcessGroup or a 1-D DeviceMesh and return the group's name."""
+    if value is None or isinstance(value, str):
+        return value
+    if hasattr(value, "get_group"):  # DeviceMesh
+        if getattr(value, "ndim", 1) != 1:
+            raise ValueError("option 'group': pass a 1-D DeviceMesh (e.g. mesh['tp']), "
+                             f"got a {value.ndim}-D mesh")
+        value = value.get_group()
+    if hasattr(value, "group_name"):
+        return value.group_name
+    raise ValueError(f"option 'group' must be a group name, a ProcessGroup or a 1-D DeviceMesh, got {value!r}")
+
+
+def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **extra: Any) -> CompassOptions:
+    """Validate user options (a dict, keywords, or both) into ``CompassOptions``."""
+    if isinstance(options, CompassOptions):
+        raw = dataclasses.asdict(options)
+    elif options is None:
+        raw = {}
+    elif isinstance(options, Mapping):
+        raw = dict(options)
+    else:
+        raise ValueError(f"options must be a dict, got {type(options).__name__}")
+    raw.update(extra)
+    known = {f.name for f in dataclasses.fields(CompassOptions)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown compass option(s) {unknown}; known options: {sorted(known)}")
+
+    strategy = raw.get("strategy", "auto")
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"option 'strategy' must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    chunks = raw.get("chunks")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"option 'chunks' must be a positive int, got {chunks!r}")
+    if chunks is not None and strategy in ("off", "fuse"):
+        raise ValueError(f"option 'chunks' cannot be combined with strategy={strategy!r}")
+    inner = raw.get("inner", "inductor")
+    if inner not in INNER_CHOICES:
+        raise ValueError(f"option 'inner' must be one of {INNER_CHOICES}, got {inner!r}")
+    schedule = raw.get("schedule", "double_ring")
+    if schedule not in SCHEDULE_CHOICES:
+        raise ValueError(f"option 'schedule' must be one of {SCHEDULE_CHOICES}, got {schedule!r}")
+    dump_dir = raw.get("dump_dir")
+    if dump_dir is not None:
+        if not isinstance(dump_dir, (str, Path)):
+            raise ValueError(f"option 'dump_dir' must be a path, got {dump_dir!r}")
+        dump_dir = str(dump_dir)
+    topology = raw.get("topology")
+    if topology is not None and not isinstance(topology, str) and not hasattr(topology, "graph"):
+        raise ValueError(f"option 'topology' must be a preset name or a Topology, got {topology!r}")
+    mode = raw.get("mode")
+    if mode is not None and not isinstance(mode, str):
+        raise ValueError(f"option 'mode' must be a string, got {mode!r}")
+    return CompassOptions(strategy=strategy, chunks=chunks, inner=inner, dump_dir=dump_dir,
+                          group=_group_name(raw.get("group")), topology=topology,
+                          schedule=schedule, mode=mode)

@@ -1,0 +1,140 @@
+"""The dataclasses that describe one matched matmul<->collective site in an FX graph."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..cost.workload import Workload
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How the rows of the 2-D matmul operands map onto the logical tensor around a collective.
+
+    ``shape`` is the full logical tensor (gathered, or before the scatter), e.g. ``[B, S, D]`` with
+    ``dim`` = 1 for sequence parallelism over S.  The 2-D matmul operands are that tensor with the
+    leading dims flattened, so row r of the matmul is a multi-index into ``shape[:-1]``; splitting
+    ``shape[dim]`` into ``[world, parts, rows]`` tells which rows belong to which rank and part.
+    """
+
+    shape: tuple[int, ...]
+    dim: int
+    world: int
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def local_extent(self) -> int:
+        """Extent of ``dim`` that one rank holds."""
+        return self.shape[self.dim] // self.world
+
+    def feasible_parts(self) -> tuple[int, ...]:
+        n = self.local_extent
+        return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass
+class RowConsumer:
+    """``mm(V, B)`` / ``addmm(bias, V, B)``: output rows follow the gathered rows."""
+
+    mm: fx.Node
+    view: fx.Node
+
+
+@dataclass
+class ContractionConsumer:
+    """``mm(t(V), Y)`` or ``mm(t(Y), V)``: the gathered rows are the contraction dim (weight grad)."""
+
+    mm: fx.Node
+    view: fx.Node
+    other: fx.Node          # Y, whose rows pair with V's rows
+    gathered_on_left: bool  # True for mm(t(V), Y)
+
+
+@dataclass
+class Pair:
+    """One matched site, everything the lowering and the cost model need.
+
+    For ``all_gather_matmul`` the collective's logical result feeds the consumers; for the
+    producer kinds, ``terms`` are the mm/addmm nodes whose sum is reduced.
+    """
+
+    kind: str
+    graph: str
+    collective: fx.Node
+    wait: fx.Node
+    layout: RowLayout
+    group_name: str
+    group_size: int
+    dtype: torch.dtype
+    reduce_op: str | None = None
+    # all_gather_matmul
+    shard: fx.Node | None = None            # the collective's input (this rank's shard)
+    logical: fx.Node | None = None          # the gathered tensor in its logical shape
+    row_consumers: list[RowConsumer] = field(default_factory=list)
+    contraction_consumers: list[ContractionConsumer] = field(default_factory=list)
+    other_users: int = 0                    # uses that need the whole gathered tensor
+    # matmul_reduce_scatter / matmul_all_reduce
+    terms: list[fx.Node] = field(default_factory=list)
+    reduced: fx.Node | None = None          # the collective's input in its logical shape
+
+    @property
+    def matmuls(self) -> list[fx.Node]:
+        if self.kind == "all_gather_matmul":
+            return [c.mm for c in self.row_consumers] + [c.mm for c in self.contraction_consumers]
+        return list(self.terms)
+
+    def mnk(self) -> tuple[int, int, int]:
+        """m = full rows; n, k such that 2*m*n*k is the FLOP count of all matmuls sharing the collective.
+
+        A gather feeding several GEMMs sums their output columns into n (same K); a reduced sum of
+        several GEMMs sums their inner dims into k (same N).
+        """
+        m = self.layout.rows
+        if self.kind == "all_gather_matmul":
+            k = self.layout.shape[-1]
+            n = sum(int(c.mm.meta["val"].shape[-1]) for c in self.row_consumers)
+            n += sum(int(c.other.meta["val"].shape[-1]) for c in self.contraction_consumers)
+            return m, n, k
+        n = self.layout.shape[-1]
+        k = sum(int(mm_operands(t)[0].meta["val"].shape[-1]) for t in self.terms)
+        return m, n, k
+
+    def feasible_parts(self) -> tuple[int, ...]:
+        if self.kind == "matmul_all_reduce":
+            m = self.layout.rows
+            return tuple(d for d in range(1, m + 1) if m % d == 0)
+        return self.layout.feasible_parts()
+
+    def workload(self) -> Workload:
+        m, n, k = self.mnk()
+        dtype = str(self.dtype).replace("torch.", "")
+        return Workload(kind=self.kind, m=m, n=max(n, 1), k=max(k, 1), dtype=dtype,
+                        group_size=self.group_size, matmuls=len(self.matmuls),
+                        feasible_parts=self.feasible_parts())
+
+    def describe(self) -> str:
+        m, n, k = self.mnk()
+        return f"{self.kind}[{self.collective.name}] m={m} n={n} k={k} dim={self.layout.dim}"
+
+
+def mm_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The two matrix operands of an mm or addmm node."""
+    if mm.target is torch.ops.aten.addmm.default:
+        return mm.args[1], mm.args[2]
+    return mm.args[0], mm.args[1]
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A collective (or candidate pair) left untouched, and why."""
+
+    graph: str
+    node: str
+    kind: str
+    reason: str
