@@ -1,0 +1,135 @@
+"""Property tests of the ring, double-ring and direct schedules for W = 1..16 (pure Python)."""
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compass_fx.kernels.schedules import (SCHEDULES, Piece, all_gather_schedule, parts_of,
+                                          reduce_scatter_schedule, split_rows)
+
+WORLDS = range(1, 17)
+
+
+def _check_pairing(scheds):
+    """Every send at step s has exactly one matching receive on the peer at step s, and back."""
+    w = len(scheds)
+    n_steps = {len(s.steps) for s in scheds}
+    assert len(n_steps) == 1, "ranks disagree on the number of steps"
+    for step in range(n_steps.pop()):
+        sends = Counter((r, t.peer, t.piece) for r in range(w) for t in scheds[r].steps[step].sends)
+        recvs = Counter((t.peer, r, t.piece) for r in range(w) for t in scheds[r].steps[step].recvs)
+        assert sends == recvs, f"step {step}: sends and receives do not pair up"
+        assert all(c == 1 for c in sends.values())
+        assert all(src != dst for src, dst, _ in sends)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_all_gather_every_piece_once(name, w):
+    scheds = [all_gather_schedule(name, w, r) for r in range(w)]
+    _check_pairing(scheds)
+    parts = parts_of(name)
+    everything = {Piece(b, p) for b in range(w) for p in range(parts)}
+    for r, sch in enumerate(scheds):
+        assert sch.rank == r and sch.world_size == w and sch.parts == parts
+        received = Counter(t.piece for s in sch.steps for t in s.recvs)
+        assert all(c == 1 for c in received.values()), "a piece arrived twice"
+        assert set(received) == everything - {Piece(r, p) for p in range(parts)}
+        # consume order: every piece exactly once, own block first, then in arrival order
+        assert sorted(sch.order) == sorted(everything)
+        arrival = sch.arrival_step()
+        own = [p for p in sch.order if p.block == r]
+        assert sch.order[:parts] == tuple(own)
+        assert [arrival[p] for p in sch.order[parts:]] == sorted(arrival[p] for p in sch.order[parts:])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_all_gather_simulation_only_sends_what_is_held(name, w):
+    scheds = [all_gather_schedule(name, w, r) for r in range(w)]
+    held = [{Piece(r, p) for p in range(parts_of(name))} for r in range(w)]
+    for step in range(len(scheds[0].steps)):
+        for r in range(w):
+            for t in scheds[r].steps[step].sends:
+                assert t.piece in held[r], f"rank {r} sends {t.piece} before holding it"
+        for r in range(w):
+            held[r] |= {t.piece for t in scheds[r].steps[step].recvs}
+    assert all(len(h) == w * parts_of(name) for h in held)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("w", WORLDS)
+def test_reduce_scatter_every_contribution_summed_once(name, w):
+    scheds = [reduce_scatter_schedule(name, w, r) for r in range(w)]
+    _check_pairing(scheds)
+    parts = parts_of(name)
+    everything = {Piece(b, p) for b in range(w) for p in range(parts)}
+    # acc[r][piece] = multiset of ranks whose partial product is in rank r's running sum
+    acc = [{pc: Counter({r: 1}) for pc in everything} for r in range(w)]
+    sent = [set() for _ in range(w)]
+    for r, sch in enumerate(scheds):
+        assert sorted(sch.order) == sorted(everything)
+        assert sch.order[-parts:] == tuple(Piece(r, p) for p in range(parts)), "own block last"
+        # pieces are produced in the order the steps send them
+        sends = [t.piece for s in sch.steps for t in s.sends]
+        assert list(sch.order[:len(sends)]) == sends
+    for step in range(len(scheds[0].steps)):
+        messages = []
+        for r in range(w):
+            for t in scheds[r].steps[step].sends:
+                assert t.piece not in sent[r], "a running sum was sent twice"
+                sent[r].add(t.piece)
+                messages.append((t.peer, t.piece, acc[r][t.piece]))
+                acc[r][t.piece] = Counter()
+        for dst, piece, contrib in messages:
+            acc[dst][piece] += contrib
+    for r in range(w):
+        for p in range(parts):
+            assert acc[r][Piece(r, p)] == Counter(range(w)), f"rank {r} part {p}"
+        # every other piece's contributions left this rank exactly once
+        assert sent[r] == everything - {Piece(r, p) for p in range(parts)}
+        assert all(not acc[r][pc] for pc in sent[r])
+
+
+@pytest.mark.parametrize("w", [2, 3, 8, 16])
+def test_double_ring_halves_steps_of_each_half(w):
+    """Both directions of every link carry a half each step: r sends to both neighbours."""
+    for r in range(w):
+        for sch in (all_gather_schedule("double_ring", w, r), reduce_scatter_schedule("double_ring", w, r)):
+            for step in sch.steps:
+                peers = sorted(t.peer for t in step.sends)
+                assert peers == sorted([(r + 1) % w, (r - 1) % w])
+                assert {t.piece.part for t in step.sends} == {0, 1}
+
+
+def test_unknown_schedule_names_the_argument():
+    with pytest.raises(ValueError, match="schedule"):
+        all_gather_schedule("tree", 4, 0)
+    with pytest.raises(ValueError, match="schedule"):
+        reduce_scatter_schedule("", 4, 0)
+    with pytest.raises(ValueError):
+        all_gather_schedule("ring", 4, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 1000), parts=st.integers(1, 4))
+def test_split_rows_covers_block(rows, parts):
+    spans = split_rows(rows, parts)
+    assert len(spans) == parts and spans[0][0] == 0 and spans[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    sizes = [b - a for a, b in spans]
+    assert max(sizes) - min(sizes) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(w=st.integers(1, 16), data=st.data())
+def test_neighbours_agree_random_rank(w, data):
+    name = data.draw(st.sampled_from(SCHEDULES))
+    r = data.draw(st.integers(0, w - 1))
+    for make in (all_gather_schedule, reduce_scatter_schedule):
+        mine = make(name, w, r)
+        for i, step in enumerate(mine.steps):
+            for t in step.sends:
+                theirs = make(name, w, t.peer).steps[i].recvs
+                assert any(x.peer == r and x.piece == t.piece for x in theirs)
