@@ -1,0 +1,2 @@
+def supported(dtype):
+    return False

@@ -1,0 +1,208 @@
+"""The fused operators as torch.library custom ops in namespace ``compass``.
+
+Registered once when ``compass_fx.kernels`` is imported.  Each op has a fake (meta) kernel so it
+survives tracing as one node, an any-backend kernel (the schedule over point-to-point messages,
+:mod:`.cpu_impl`), a CUDA kernel (symmetric memory + Triton, :mod:`.cuda_impl`, which falls back
+to the any-backend kernel where it has no implementation), and autograd whose backward is
+expressed through the other ops, so eager training works too.
+
+Layout: every matrix is 2-D and rows are rank-major blocks, exactly as
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on dim 0 lay them out.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from . import cpu_impl
+from .schedules import SCHEDULES, check_schedule_name
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_common(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: int) -> None:
+    check_schedule_name(schedule)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got group_size={group_size}")
+    if a.dim() != 2:
+        raise ValueError(f"expected a 2-D left operand, got shape {tuple(a.shape)}")
+    for b in bs:
+        if b.dim() != 2 or b.shape[0] != a.shape[1]:
+            raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+        if b.dtype != a.dtype or b.device != a.device:
+            raise ValueError(f"operands differ in dtype/device: {a.dtype}/{a.device} vs {b.dtype}/{b.device}")
+
+
+def _check_divisible(rows: int, group_size: int) -> None:
+    if rows % group_size:
+        raise ValueError(f"reduce-scatter needs rows divisible by group_size: {rows} % {group_size} != 0")
+
+
+# --------------------------------------------------------------------------------------------
+# compass::all_gather_matmul
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("compass::all_gather_matmul", mutates_args=(),
+                         schema="(Tensor a_shard, Tensor[] bs, str schedule, str group_name, "
+                                "int group_size) -> (Tensor, Tensor[])")
+def all_gather_matmul(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str,
+                      group_size: int) -> tuple[Tensor, list[Tensor]]:
+    """gathered = all_gather(a_shard, dim 0); outs[j] = gathered @ bs[j] (one gather, many weights)."""
+    _check_common(a_shard, bs, schedule, group_size)
+    return cpu_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+
+
+@all_gather_matmul.register_fake
+def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+    _check_common(a_shard, bs, schedule, group_size)
+    rows = a_shard.shape[0] * group_size
+    return a_shard.new_empty((rows, a_shard.shape[1])), [a_shard.new_empty((rows, b.shape[1])) for b in bs]
+
+
+@all_gather_matmul.register_kernel("cuda")
+def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+    _check_common(a_shard, bs, schedule, group_size)
+    from . import cuda_impl
+
+    if cuda_impl.supported(a_shard.dtype):
+        return cuda_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+    return cpu_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+
+
+def _ag_setup(ctx, inputs, output) -> None:
+    _, bs, schedule, group_name, group_size = inputs
+    gathered, _ = output
+    ctx.args = (schedule, group_name, group_size)
+    ctx.n_bs = len(bs)
+    ctx.save_for_backward(gathered, *bs)
+
+
+def _ag_backward(ctx, grad_gathered, grad_outs):
+    """d a_shard = reduce_scatter(sum_j d out_j @ b_j^T + d gathered); d b_j = gathered^T @ d out_j."""
+    schedule, group_name, group_size = ctx.args
+    gathered, *bs = ctx.saved_tensors
+    grad_outs = list(grad_outs) if grad_outs is not None else [None] * len(bs)
+    live = [(g, b) for g, b in zip(grad_outs, bs) if g is not None]
+    grad_a = None
+    if live:
+        g_cat = torch.cat([g for g, _ in live], dim=1) if len(live) > 1 else live[0][0]
+        b_cat = torch.cat([b.t() for _, b in live], dim=0) if len(live) > 1 else live[0][1].t()
+        grad_a = matmul_reduce_scatter(g_cat.contiguous(), b_cat, schedule, group_name, group_size)
+    if grad_gathered is not None:
+        rs = torch.ops._c10d_functional.reduce_scatter_tensor(grad_gathered.contiguous(), "sum",
+                                                              group_size, group_name)
+        rs = torch.ops._c10d_functional.wait_tensor(rs)
+        grad_a = rs if grad_a is None else grad_a + rs
+    grad_bs = [None if g is None else gathered.t() @ g for g in grad_outs]
+    return grad_a, grad_bs, None, None, None
+
+
+all_gather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# compass::matmul_reduce_scatter
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("compass::matmul_reduce_scatter", mutates_args=(),
+                         schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
+def matmul_reduce_scatter(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
+    """reduce_scatter(a @ b, "sum") on dim 0, pieces produced in the order the ring sends them."""
+    _check_common(a, [b], schedule, group_size)
+    _check_divisible(a.shape[0], group_size)
+    return cpu_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+
+
+@matmul_reduce_scatter.register_fake
+def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    _check_common(a, [b], schedule, group_size)
+    _check_divisible(a.shape[0], group_size)
+    return a.new_empty((a.shape[0] // group_size, b.shape[1]))
+
+
+@matmul_reduce_scatter.register_kernel("cuda")
+def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    _check_common(a, [b], schedule, group_size)
+    _check_divisible(a.shape[0], group_size)
+    from . import cuda_impl
+
+    if cuda_impl.supported(a.dtype):
+        return cuda_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+    return cpu_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+
+
+def _rs_setup(ctx, inputs, output) -> None:
+    a, b, schedule, group_name, group_size = inputs
+    ctx.args = (schedule, group_name, group_size)
+    ctx.save_for_backward(a, b)
+
+
+def _rs_backward(ctx, grad):
+    """The adjoint of reduce-scatter is all-gather: d a = all_gather(d out) @ b^T, d b = a^T @ it."""
+    schedule, group_name, group_size = ctx.args
+    a, b = ctx.saved_tensors
+    gathered, (grad_a,) = all_gather_matmul(grad.contiguous(), [b.t()], schedule, group_name, group_size)
+    return grad_a, a.t() @ gathered, None, None, None
+
+
+matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# compass::matmul_all_reduce
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("compass::matmul_all_reduce", mutates_args=(),
+                         schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
+def matmul_all_reduce(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
+    """all_reduce(a @ b, "sum"): reduce-scatter then all-gather on the same rings."""
+    _check_common(a, [b], schedule, group_size)
+    return cpu_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
+
+
+@matmul_all_reduce.register_fake
+def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    _check_common(a, [b], schedule, group_size)
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@matmul_all_reduce.register_kernel("cuda")
+def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    _check_common(a, [b], schedule, group_size)
+    from . import cuda_impl
+
+    if cuda_impl.supported(a.dtype) and a.shape[0] % group_size == 0:
+        return cuda_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
+    return cpu_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
+
+
+def _ar_setup(ctx, inputs, output) -> None:
+    a, b, *_ = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _ar_backward(ctx, grad):
+    """Row-parallel convention (Megatron's, and DTensor's Partial->Replicate): the output and its
+    gradient are replicated, so the collective's backward is the identity and only the local
+    matmuls remain.  (The literal adjoint, an all-reduce of the gradient, would count a loss
+    that every rank computes identically ``group_size`` times.)"""
+    a, b = ctx.saved_tensors
+    return grad @ b.t(), a.t() @ grad, None, None, None
+
+
+matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
+
+
+# --------------------------------------------------------------------------------------------
+def fused_schedules_available(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Schedules with a real fused implementation for ``device_type``/``dtype``.
+
+    CPU: the point-to-point implementation, for floating dtypes.  CUDA: the symmetric-memory +
+    Triton implementation, where Triton is importable and the dtype is one its GEMM supports.
+    Anything else: none (the cost model then offers no fusion)."""
+    if device_type == "cpu":
+        return SCHEDULES if dtype in _FLOAT_DTYPES else ()
+    if device_type == "cuda":
+        from . import cuda_impl
+
+        return SCHEDULES if cuda_impl.supported(dtype) else ()
+    return ()

@@ -1,0 +1,169 @@
+"""The compass:: fused operators on real gloo process groups against torch.distributed + torch.mm."""
+import pytest
+import torch
+
+import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+from compass_fx.kernels import SCHEDULES, fused_schedules_available
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
+
+
+def _inputs(rank, seed, shape, dtype):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _group():
+    import torch.distributed as dist
+
+    pg = dist.group.WORLD
+    return pg.group_name, dist.get_world_size()
+
+
+def _all_gather(x):
+    import torch.distributed as dist
+
+    out = x.new_empty((x.shape[0] * dist.get_world_size(), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
+
+
+def _reduce_scatter(x):
+    import torch.distributed as dist
+
+    out = x.new_empty((x.shape[0] // dist.get_world_size(), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous())
+    return out
+
+
+def _forward_case(rank, schedule, dtype, m, k, ns):
+    """Forward of all three ops against the collectives; returns the max errors seen."""
+    import torch.distributed as dist
+
+    name, w = _group()
+    a_shard = _inputs(rank, 1, (m, k), dtype)
+    bs = [_inputs(rank, 2 + j, (k, n), dtype) for j, n in enumerate(ns)]
+    # weights stored [N, K] and used transposed, as nn.Linear does
+    bs[-1] = bs[-1].t().contiguous().t()
+    gathered, outs = torch.ops.compass.all_gather_matmul(a_shard, bs, schedule, name, w)
+    ref_g = _all_gather(a_shard)
+    assert torch.equal(gathered, ref_g)
+    for out, b in zip(outs, bs):
+        torch.testing.assert_close(out, ref_g @ b, **TOL[dtype])
+
+    a = _inputs(rank, 7, (m * w, k), dtype)
+    b = _inputs(rank, 8, (k, ns[0]), dtype)
+    rs = torch.ops.compass.matmul_reduce_scatter(a, b, schedule, name, w)
+    ref = (a.float() @ b.float())
+    torch.testing.assert_close(rs.float(), _reduce_scatter(ref), **TOL[dtype])
+
+    # all-reduce, also with rows that do not divide by the world size
+    for rows in (m * w, m * w + 1):
+        a = _inputs(rank, 9, (rows, k), dtype)
+        ar = torch.ops.compass.matmul_all_reduce(a, b, schedule, name, w)
+        ref = a.float() @ b.float()
+        dist.all_reduce(ref)
+        torch.testing.assert_close(ar.float(), ref, **TOL[dtype])
+        assert ar.dtype == dtype and ar.shape == (rows, ns[0])
+    return True
+
+
+def _backward_case(rank, schedule):
+    name, w = _group()
+    m, k, n1, n2 = 3, 5, 4, 6
+    a_shard = _inputs(rank, 11, (m, k), torch.float64).requires_grad_()
+    b1 = _inputs(rank, 12, (k, n1), torch.float64).requires_grad_()
+    b2 = _inputs(rank, 13, (k, n2), torch.float64).requires_grad_()
+    g1, g2 = _inputs(rank, 14, (m * w, n1), torch.float64), _inputs(rank, 15, (m * w, n2), torch.float64)
+    gg = _inputs(rank, 16, (m * w, k), torch.float64)
+    gathered, (o1, o2) = torch.ops.compass.all_gather_matmul(a_shard, [b1, b2], schedule, name, w)
+    ((o1 * g1).sum() + (o2 * g2).sum() + (gathered * gg).sum()).backward()
+    ref_g = _all_gather(a_shard.detach())
+    torch.testing.assert_close(a_shard.grad, _reduce_scatter(g1 @ b1.detach().t() + g2 @ b2.detach().t() + gg))
+    torch.testing.assert_close(b1.grad, ref_g.t() @ g1)
+    torch.testing.assert_close(b2.grad, ref_g.t() @ g2)
+
+    a = _inputs(rank, 17, (m * w, k), torch.float64).requires_grad_()
+    b = _inputs(rank, 18, (k, n1), torch.float64).requires_grad_()
+    g = _inputs(rank, 19, (m, n1), torch.float64)
+    (torch.ops.compass.matmul_reduce_scatter(a, b, schedule, name, w) * g).sum().backward()
+    full_g = _all_gather(g)
+    torch.testing.assert_close(a.grad, full_g @ b.detach().t())
+    torch.testing.assert_close(b.grad, a.detach().t() @ full_g)
+
+    a.grad = b.grad = None
+    g = _inputs(0, 20, (m * w, n1), torch.float64)  # replicated gradient, as after a replicated loss
+    (torch.ops.compass.matmul_all_reduce(a, b, schedule, name, w) * g).sum().backward()
+    torch.testing.assert_close(a.grad, g @ b.detach().t())
+    torch.testing.assert_close(b.grad, a.detach().t() @ g)
+    return True
+
+
+def _errors_case(rank):
+    name, w = _group()
+    a, b = torch.randn(2 * w, 3), torch.randn(3, 4)
+    for bad in ("tree", "Ring", ""):
+        with pytest.raises(ValueError, match="schedule"):
+            torch.ops.compass.matmul_reduce_scatter(a, b, bad, name, w)
+    with pytest.raises(ValueError, match="group_size"):
+        torch.ops.compass.matmul_all_reduce(a, b, "ring", name, w + 1)
+    with pytest.raises(ValueError, match="divisible"):
+        torch.ops.compass.matmul_reduce_scatter(a[:-1], b, "ring", name, w)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_forward_matches_collectives(ranks, world, schedule):
+    # m=5 makes the double ring's halves uneven (3 + 2 rows)
+    assert ranks(world).run(_forward_case, schedule, torch.float32, 5, 8, (6, 7)) == [True] * world
+    assert ranks(world).run(_forward_case, schedule, torch.bfloat16, 4, 16, (8,)) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_single_row_shards(ranks, world):
+    """Shards of one row: the double ring's second half is empty and must be skipped consistently."""
+    for schedule in SCHEDULES:
+        assert ranks(world).run(_forward_case, schedule, torch.float32, 1, 4, (3,)) == [True] * world
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_backward_matches_adjoint(ranks, schedule):
+    assert ranks(2).run(_backward_case, schedule) == [True, True]
+
+
+def test_bad_arguments(ranks):
+    assert ranks(2).run(_errors_case) == [True, True]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_world_size_one_without_process_group(schedule):
+    a, b1, b2 = torch.randn(6, 4), torch.randn(4, 3), torch.randn(4, 5)
+    gathered, (o1, o2) = torch.ops.compass.all_gather_matmul(a, [b1, b2], schedule, "0", 1)
+    assert torch.equal(gathered, a) and gathered.data_ptr() != a.data_ptr()
+    torch.testing.assert_close(o1, a @ b1)
+    torch.testing.assert_close(o2, a @ b2)
+    torch.testing.assert_close(torch.ops.compass.matmul_reduce_scatter(a, b1, schedule, "0", 1), a @ b1)
+    torch.testing.assert_close(torch.ops.compass.matmul_all_reduce(a, b1, schedule, "0", 1), a @ b1)
+
+
+def test_opcheck_and_fake_shapes():
+    a, b = torch.randn(8, 4), torch.randn(4, 3)
+    for op, args in ((torch.ops.compass.all_gather_matmul, (a, [b, b], "ring", "0", 1)),
+                     (torch.ops.compass.matmul_reduce_scatter, (a, b, "double_ring", "0", 1)),
+                     (torch.ops.compass.matmul_all_reduce, (a, b, "direct", "0", 1))):
+        torch.library.opcheck(op, args)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fa, fb = torch.empty(8, 4), torch.empty(4, 3)
+        g, (o,) = torch.ops.compass.all_gather_matmul(fa, [fb], "ring", "0", 4)
+        assert g.shape == (32, 4) and o.shape == (32, 3)
+        assert torch.ops.compass.matmul_reduce_scatter(fa, fb, "ring", "0", 4).shape == (2, 3)
+        assert torch.ops.compass.matmul_all_reduce(fa, fb, "ring", "0", 4).shape == (8, 3)
+
+
+def test_schedules_available():
+    assert fused_schedules_available("cpu", torch.float32) == SCHEDULES
+    assert fused_schedules_available("cpu", torch.int64) == ()
+    assert fused_schedules_available("xla", torch.float32) == ()
