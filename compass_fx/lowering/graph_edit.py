@@ -18,6 +18,9 @@ from torch.utils._pytree import tree_map
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+# Marks nodes a rewrite created, so that the matcher never rewrites its own output again.
+PART_MARK = "compass_part"
+
 
 class NodeBuilder:
     """Creates nodes before ``anchor`` in ``graph`` and fills in their fake-tensor metadata."""
@@ -119,16 +122,3 @@ def stable_toposort(graph: fx.Graph) -> None:
     for node in order[1:]:
         prev.append(node)
         prev = node
-
-
-def erase_unused(nodes: Iterable[fx.Node]) -> None:
-    """Erase the given nodes that nothing uses any more, users before producers."""
-    remaining = set(nodes)
-    changed = True
-    while changed:
-        changed = False
-        for node in list(remaining):
-            if not node.users:
-                node.graph.erase_node(node)
-                remaining.discard(node)
-                changed = True

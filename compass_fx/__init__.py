@@ -1,0 +1,11 @@
+"""compass_fx: a torch.compile backend that hides tensor-parallel communication behind computation.
+
+    model = torch.compile(model, backend="compass")
+    report = compass_fx.explain(model, *example_inputs)
+"""
+from .explain import explain, last_report
+from .options import CompassOptions, parse_options
+from .report import Report
+
+__all__ = ["CompassOptions", "Report", "explain", "last_report", "parse_options"]
+__version__ = "0.1.0"

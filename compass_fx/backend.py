@@ -1,0 +1,93 @@
+"""The ``torch.compile`` backend: AOTAutograd, the compass pass on each graph, the inner compiler.
+
+Inductor's own ``compile_fx`` drives AOTAutograd (its decompositions, joint-graph passes and
+partitioner), and the pass runs in its ``inner_compile`` hook, on the forward and the backward
+graph, right before Inductor lowers them.  So the graphs rewritten are exactly those Inductor
+would have compiled; with ``inner="eager"`` the rewritten graphs run as plain PyTorch instead.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from .options import CompassOptions, parse_options
+from .passes.run import compass_pass
+from .report import GraphReport
+
+log = logging.getLogger("compass_fx")
+
+# Recent graph reports, newest last: what ``last_report`` shows and tests inspect.
+history: collections.deque[GraphReport] = collections.deque(maxlen=256)
+_collectors: list[list[GraphReport]] = []
+
+
+@contextlib.contextmanager
+def collect_reports() -> Iterator[list[GraphReport]]:
+    """Collect the reports of every graph compiled inside the block."""
+    sink: list[GraphReport] = []
+    _collectors.append(sink)
+    try:
+        yield sink
+    finally:
+        _collectors.remove(sink)
+
+
+def _record(report: GraphReport) -> None:
+    history.append(report)
+    for sink in _collectors:
+        sink.append(report)
+
+
+def _eager_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def compass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None,
+                    mode: str | None = None, **unexpected: Any) -> Callable:
+    """Entry point for ``torch.compile(model, backend="compass", options={...})``."""
+    if unexpected:
+        raise ValueError(f"unknown compass backend argument(s) {sorted(unexpected)}; "
+                         "pass settings as options={...}")
+    opts = parse_options(options, **({"mode": mode} if mode is not None and mode != "default" else {}))
+    return compile_graph(gm, example_inputs, opts)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompassOptions,
+                  finish: Callable | None = None) -> Callable:
+    """AOTAutograd + compass pass + inner compiler (``finish`` overrides the inner compiler)."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    topology = _topology(opts)
+    if finish is None:
+        finish = compile_fx_inner if opts.inner == "inductor" else _eager_inner
+
+    def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        kind = "backward" if kwargs.get("is_backward") else ("forward" if kwargs.get("is_inference") is False
+                                                             else "inference")
+        _record(compass_pass(graph, kind, opts, topology))
+        return finish(graph, inputs, **kwargs)
+
+    config_patches = {}
+    if opts.mode is not None:
+        config_patches.update(torch._inductor.list_mode_options(opts.mode))
+    # The AOTAutograd cache would serve a graph compiled without this pass (or with other
+    # options) and skip inner_compile altogether; keep it out of the way.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+
+
+def _topology(opts: CompassOptions) -> Any:
+    if opts.topology is None or not isinstance(opts.topology, str):
+        return opts.topology
+    from . import cost
+
+    if not hasattr(cost, "Topology"):
+        raise ValueError("option 'topology': no topology model is available in this version")
+    return cost.Topology.preset(opts.topology)

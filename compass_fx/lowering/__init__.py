@@ -1,0 +1,1 @@
+"""Graph rewrites: InterDecom pipelines and calls of the fused operators."""

@@ -1,0 +1,30 @@
+"""Turn the user's options and the cost model's advice into one Decision per pair."""
+from __future__ import annotations
+
+from ..cost import Decision, select
+from ..options import CompassOptions
+from .pairs import Pair
+
+
+class Infeasible(Exception):
+    """The options ask for something this pair's shape cannot take; the pair stays as it is."""
+
+
+def decide(pair: Pair, options: CompassOptions, topology: object | None = None) -> Decision:
+    """The strategy for ``pair``: forced by options, or chosen by ``cost.select``.
+
+    A forced part count that the pair's shape cannot take raises ``Infeasible`` with the reason.
+    """
+    if options.strategy == "off":
+        return Decision("sequential", reason="strategy='off'")
+    if options.strategy == "decompose" or options.chunks is not None:
+        parts = options.chunks if options.chunks is not None else pair.group_size
+        if parts not in pair.feasible_parts():
+            extent = pair.layout.rows if pair.kind == "matmul_all_reduce" else pair.layout.local_extent
+            raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {extent})")
+        if parts == 1:
+            return Decision("sequential", reason="chunks=1")
+        return Decision("decompose", parts, reason=f"forced: chunks={parts}")
+    if options.strategy == "fuse":
+        return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
+    return select(pair.workload(), topology)
