@@ -1,6 +1,28 @@
-"""The performance framework: workloads, decisions and the selection between strategies."""
-from .decision import Candidate, Decision, SCHEDULES, STRATEGIES
-from .select import select
+"""The performance framework: topology, GEMM / collective / overlap models, the decomposition
+model, selection between strategies and the cost hooks.
+
+Planning without a graph::
+
+    from compass_fx.cost import Topology, Workload, plan, gemm_seconds
+    topo = Topology.preset("a6000-nvlink-pairs-pcie-8")
+    w = Workload(kind="all_gather_matmul", m=16384, n=7168, k=8192, dtype="bfloat16", group_size=8)
+    d = plan(w, topo)              # Decision: .strategy, .parts, .predicted_s, .candidates
+"""
+from .collective import collective_seconds, collective_time
+from .decision import SCHEDULES, STRATEGIES, Candidate, Decision
+from .decomposition import DecompositionModel, optimum_expression
+from .gemm import gemm_seconds, gemm_time, split_gemm_seconds
+from .gpus import GPUS, GpuSpec, gpu_spec, load_calibration
+from .hooks import CostHookError, clear_cost_hooks, register_cost_hook, unregister_cost_hook
+from .select import plan, select
+from .strategies import decomposition_model, fused_seconds, sequential_seconds
+from .topology import Topology
 from .workload import PAIR_KINDS, Workload
 
-__all__ = ["Candidate", "Decision", "PAIR_KINDS", "SCHEDULES", "STRATEGIES", "Workload", "select"]
+__all__ = [
+    "Candidate", "CostHookError", "Decision", "DecompositionModel", "GPUS", "GpuSpec", "PAIR_KINDS",
+    "SCHEDULES", "STRATEGIES", "Topology", "Workload", "clear_cost_hooks", "collective_seconds",
+    "collective_time", "decomposition_model", "fused_seconds", "gemm_seconds", "gemm_time", "gpu_spec",
+    "load_calibration", "optimum_expression", "plan", "register_cost_hook", "select",
+    "sequential_seconds", "split_gemm_seconds", "unregister_cost_hook",
+]

@@ -39,6 +39,25 @@ class Decision:
     predicted_s: float | None = None
     candidates: tuple[Candidate, ...] = field(default=())
     reason: str = ""
+    # The decomposition model behind the decompose candidates: T(d) = A*d + B + C/d, d* = sqrt(C/A).
+    coefficients: tuple[float, float, float] | None = None
+    d_star: float | None = None
+    topology: str | None = None
+
+    def candidate(self, label: str) -> Candidate:
+        """The candidate with this label, e.g. ``"decompose(d=4)"`` (KeyError if absent)."""
+        for c in self.candidates:
+            if c.label == label:
+                return c
+        raise KeyError(f"no candidate {label!r}; have {[c.label for c in self.candidates]}")
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted sequential time over the winner's (None without predictions)."""
+        seq = next((c.seconds for c in self.candidates if c.strategy == "sequential"), None)
+        if seq is None or not self.predicted_s:
+            return None
+        return seq / self.predicted_s
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -1,21 +1,73 @@
-"""The single place where a pair's strategy is chosen when the user leaves it to the compiler."""
+"""The single place where a pair's strategy is chosen: every candidate predicted, hooks applied,
+the fastest taken.
+
+Deterministic: the predictions are pure functions of the workload and the topology, candidates
+come in a fixed order (sequential, decompose by ascending d, fuse in ``SCHEDULES`` order), and a
+tie goes to the earlier, simpler candidate, so every rank of a group reaches the same decision.
+"""
 from __future__ import annotations
 
-from .decision import Candidate, Decision
+from .decision import SCHEDULES, Candidate, Decision
+from .hooks import apply_cost_hooks
+from .strategies import decompose_parts, decomposition_model, fused_seconds, sequential_seconds
+from .topology import Topology
 from .workload import Workload
 
 
-def select(workload: Workload, topology: object | None = None) -> Decision:
-    """Choose how to run ``workload``.
+def _check_schedules(fused_schedules: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(fused_schedules, str):
+        fused_schedules = (fused_schedules,)
+    unknown = [s for s in fused_schedules if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"fused_schedules must name schedules from {SCHEDULES}, got {unknown}")
+    return tuple(s for s in SCHEDULES if s in fused_schedules)
 
-    Placeholder policy until the performance model lands: decompose into ``group_size`` parts
-    when that is feasible, otherwise leave the pair sequential.  Deterministic by construction.
+
+def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
+    seq = candidates[0]
+    if winner is seq:
+        others = [c for c in candidates[1:] if c.seconds is not None]
+        if not others:
+            return "sequential: no other strategy is feasible for this pair"
+        best = min(others, key=lambda c: c.seconds)
+        return f"sequential: best alternative {best.label} would be {best.seconds / seq.seconds:.2f}x slower"
+    return f"{winner.label} {seq.seconds / winner.seconds:.2f}x faster than sequential"
+
+
+def select(workload: Workload, topology: Topology | None = None, *,
+           fused_schedules: tuple[str, ...] = ()) -> Decision:
+    """Choose how to run ``workload`` on ``topology`` (default: :meth:`Topology.default`).
+
+    Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
+    most ``MAX_PARTS``) predicted by the decomposition model; fuse(s) only for the schedules in
+    ``fused_schedules`` — the fused operators the caller has for this device and dtype.
     """
-    allowed = workload.parts_allowed()
-    parts = workload.group_size
-    if parts > 1 and parts in allowed:
-        chosen = Candidate("decompose", parts)
-        return Decision("decompose", parts, candidates=(Candidate("sequential"), chosen),
-                        reason=f"default policy: one part per rank (d={parts})")
-    return Decision("sequential", candidates=(Candidate("sequential"),),
-                    reason=f"d={parts} does not divide the split dimension")
+    if workload is None or not isinstance(workload, Workload):
+        raise ValueError(f"select: workload must be a Workload, got {workload!r}")
+    topo = Topology.default() if topology is None else topology
+    if not isinstance(topo, Topology):
+        raise ValueError(f"select: topology must be a Topology or None, got {topology!r}")
+    schedules = _check_schedules(fused_schedules)
+    topo.group(workload.group_size)  # ValueError when the group does not fit the machine
+
+    candidates = [Candidate("sequential", 1, None, sequential_seconds(workload, topo))]
+    coefficients = d_star = None
+    parts = decompose_parts(workload) if workload.group_size > 1 else ()
+    if parts:
+        model = decomposition_model(workload, topo, parts)
+        coefficients, d_star = (model.A, model.B, model.C), model.d_star()
+        candidates += [Candidate("decompose", d, None, model.seconds(d)) for d in parts]
+    if workload.group_size > 1:
+        candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s)) for s in schedules]
+
+    candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]
+    winner = min(candidates, key=lambda c: c.seconds)  # min keeps the first of equal ones
+    return Decision(winner.strategy, winner.parts, winner.schedule, winner.seconds, tuple(candidates),
+                    _reason(winner, candidates), coefficients, d_star, topo.name)
+
+
+def plan(workload: Workload, topology: Topology | None = None, *,
+         fused_schedules: tuple[str, ...] = SCHEDULES) -> Decision:
+    """What-if planning without a graph (CLI, benchmarks, reports): like :func:`select`, but by
+    default with every fused schedule, i.e. the whole framework of the paper."""
+    return select(workload, topology, fused_schedules=fused_schedules)

@@ -1,0 +1,187 @@
+"""Measuring GEMMs on a real GPU and fitting the GEMM model's per-GPU constants to them.
+
+Shared by ``compass-fx calibrate`` (which writes a calibration file, see gpus.py) and the
+validation benchmark (benchmarks/gemm_model_validation.py).  A measurement is the time of one
+(m x k) @ (k x n) GEMM run as ``parts`` back-to-back GEMMs of m/parts rows, as InterDecom runs it.
+The fit is a deterministic coordinate search that minimises the median relative error of the
+absolute times and of the split/unsplit ratios together.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .gemm import gemm_seconds
+from .gpus import GpuSpec, with_overrides
+
+LLAMA3_WIDTHS = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}  # (hidden, ffn)
+
+
+@dataclass(frozen=True)
+class GemmMeasurement:
+    m: int
+    n: int
+    k: int
+    parts: int
+    seconds: float
+
+
+def grid_shapes(tokens: Iterable[int] = (2048, 4096, 8192, 16384), group_sizes: Iterable[int] = (2, 4, 8),
+                models: Iterable[str] = tuple(LLAMA3_WIDTHS)) -> list[tuple[int, int, int]]:
+    """The distinct per-rank GEMMs of the sweep grid: the MLP's column-parallel GEMM
+    (m, ffn/tp, hidden) and row-parallel GEMM (m, hidden, ffn/tp)."""
+    shapes = []
+    for model in models:
+        hidden, ffn = LLAMA3_WIDTHS[model]
+        for tp in group_sizes:
+            for m in tokens:
+                for shape in ((m, ffn // tp, hidden), (m, hidden, ffn // tp)):
+                    if shape not in shapes:
+                        shapes.append(shape)
+    return shapes
+
+
+def measure_gemms(shapes: Sequence[tuple[int, int, int]], parts: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                  dtype: str = "bfloat16", device: str = "cuda", min_time_s: float = 0.02,
+                  progress: bool = False) -> list[GemmMeasurement]:
+    """Median time of each shape split into each part count (CUDA events on a GPU; a wall clock
+    on CPU, for dry runs)."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    cuda = device.startswith("cuda")
+    out = []
+    for i, (m, n, k) in enumerate(shapes):
+        a = torch.randn(m, k, device=device, dtype=tdtype)
+        b = torch.randn(k, n, device=device, dtype=tdtype)
+        c = torch.empty(m, n, device=device, dtype=tdtype)
+        for d in parts:
+            if m % d:
+                continue
+            rows = m // d
+            pieces = [(a[j * rows:(j + 1) * rows], c[j * rows:(j + 1) * rows]) for j in range(d)]
+
+            def run() -> None:
+                for x, y in pieces:
+                    torch.mm(x, b, out=y)
+
+            out.append(GemmMeasurement(m, n, k, d, _median_time(run, cuda, min_time_s)))
+        if progress:
+            print(f"  measured {i + 1}/{len(shapes)}: {m}x{n}x{k}", flush=True)
+        del a, b, c
+    return out
+
+
+def _median_time(fn, cuda: bool, min_time_s: float) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = max(5, min(100, math.ceil(min_time_s / once)))
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_errors(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str = "bfloat16") -> dict:
+    """Relative errors of the model: on absolute times, and on split/unsplit ratios (parts > 1)."""
+    unsplit = {(r.m, r.n, r.k): r.seconds for r in measurements if r.parts == 1}
+    abs_err, ratio_err, rows = [], [], []
+    for r in measurements:
+        predicted = r.parts * gemm_seconds(r.m // r.parts, r.n, r.k, dtype, spec)
+        e = predicted / r.seconds - 1.0
+        abs_err.append(abs(e))
+        row = {"m": r.m, "n": r.n, "k": r.k, "parts": r.parts, "measured_s": r.seconds,
+               "model_s": predicted, "abs_error": e}
+        base = unsplit.get((r.m, r.n, r.k))
+        if r.parts > 1 and base:
+            measured_ratio = r.seconds / base
+            model_ratio = predicted / gemm_seconds(r.m, r.n, r.k, dtype, spec)
+            row.update(measured_ratio=measured_ratio, model_ratio=model_ratio,
+                       ratio_error=model_ratio / measured_ratio - 1.0)
+            ratio_err.append(abs(row["ratio_error"]))
+        rows.append(row)
+    return {"median_abs_error": statistics.median(abs_err) if abs_err else None,
+            "median_ratio_error": statistics.median(ratio_err) if ratio_err else None,
+            "p90_ratio_error": _quantile(ratio_err, 0.9), "p90_abs_error": _quantile(abs_err, 0.9),
+            "rows": rows}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _objective(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str) -> float:
+    e = model_errors(measurements, spec, dtype)
+    return (e["median_abs_error"] or 0) + (e["median_ratio_error"] or 0) + 0.5 * (e["p90_ratio_error"] or 0)
+
+
+def fit_gpu_spec(measurements: Sequence[GemmMeasurement], base: GpuSpec, dtype: str = "bfloat16",
+                 rounds: int = 3) -> GpuSpec:
+    """Fit efficiency, the overheads, the small tiles' relative efficiencies and split-K to the
+    measurements (coordinate search over fixed grids; deterministic)."""
+    if not measurements:
+        raise ValueError("fit_gpu_spec: measurements must not be empty")
+    grids = {
+        "efficiency": [x / 100 for x in range(40, 101, 2)],
+        "kernel_overhead_s": [x * 1e-7 for x in range(0, 101, 5)],
+        "wave_overhead_s": [x * 1e-7 for x in range(0, 61, 3)],
+        "tile1": [x / 20 for x in range(4, 21)],
+        "tile2": [x / 20 for x in range(2, 21)],
+        "max_split_k": [1, 2, 4, 8],
+    }
+
+    def make(spec: GpuSpec, name: str, value: float) -> GpuSpec:
+        if name.startswith("tile"):
+            i = int(name[-1])
+            tiles = list(spec.tiles)
+            tiles[i] = (tiles[i][0], tiles[i][1], value)
+            return with_overrides(spec, tiles=tuple(tiles))
+        return with_overrides(spec, **{name: value})
+
+    best, best_score = base, _objective(measurements, base, dtype)
+    for _ in range(rounds):
+        improved = False
+        for name, grid in grids.items():
+            for value in grid:
+                candidate = make(best, name, value)
+                score = _objective(measurements, candidate, dtype)
+                if score < best_score - 1e-9:
+                    best, best_score, improved = candidate, score, True
+        if not improved:
+            break
+    return with_overrides(best, source="fitted to measurements")
+
+
+def write_calibration(path: "str | Path", specs: Sequence[GpuSpec], extra: dict | None = None) -> None:
+    """A calibration file gpus.load_calibration reads: {"gpus": {name: constants}, ...}."""
+    keep = ("efficiency", "kernel_overhead_s", "wave_overhead_s", "tiles", "max_split_k", "source")
+    data = {"gpus": {s.name: {k: v for k, v in s.to_dict().items() if k in keep} for s in specs}}
+    data.update(extra or {})
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")

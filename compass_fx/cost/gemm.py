@@ -1,0 +1,81 @@
+"""How long one GEMM takes on one GPU: roofline plus tile/wave quantization plus fixed overheads.
+
+Assumptions (each one a constant of :class:`~compass_fx.cost.gpus.GpuSpec`):
+
+* The library tiles the m x n output into tiles of one of a few shapes; each SM computes one tile
+  (or one K-slice of a tile, with split-K) per *wave*, and a GEMM takes ``ceil(units / SMs)``
+  waves.  This is why splitting M into d parts costs more than d times less: a part with fewer
+  tiles than SMs still pays a whole wave.  The library is assumed to pick the fastest tiling.
+* A wave runs at the sustained per-SM rate (``efficiency`` of peak, times the tile's relative
+  efficiency) plus a fixed ``wave_overhead_s`` (pipeline fill and epilogue).
+* Memory: each operand is read once and the output written once at ``memory_efficiency`` of
+  HBM bandwidth; split-K adds fp32 partials written and read back.  The GEMM takes the larger
+  of compute and memory time (roofline), plus ``kernel_overhead_s`` per launch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .gpus import GpuSpec, dtype_bytes, gpu_spec
+
+
+@dataclass(frozen=True)
+class GemmTime:
+    """A GEMM prediction, kept in parts so that the overlap model can slow each part separately."""
+
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    tile: tuple[int, int]
+    waves: int
+    split_k: int
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.overhead_s
+
+
+def _check_dims(m: int, n: int, k: int) -> None:
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"gemm {name} must be a positive int, got {value!r}")
+
+
+def gemm_time(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSpec" = "H200") -> GemmTime:
+    """The model's breakdown for an (m x k) @ (k x n) GEMM."""
+    _check_dims(m, n, k)
+    spec = gpu_spec(gpu)
+    elt = dtype_bytes(dtype)
+    hbm = spec.hbm_gbps * 1e9 * spec.memory_efficiency
+    rate_sm = spec.peak_flops(dtype) * spec.efficiency / spec.sms
+    best: tuple[float, tuple[int, int], int, int] | None = None
+    for tm, tn, rel in spec.tiles:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        split = 1
+        while split <= spec.max_split_k:
+            if split == 1 or (k // split >= 256 and tiles * split <= 2 * spec.sms):
+                waves = math.ceil(tiles * split / spec.sms)
+                per_wave = 2.0 * tm * tn * math.ceil(k / split) / (rate_sm * rel) + spec.wave_overhead_s
+                t = waves * per_wave
+                if split > 1:
+                    t += m * n * 4 * (split + 1) / hbm
+                if best is None or t < best[0]:
+                    best = (t, (tm, tn), waves, split)
+            split *= 2
+    assert best is not None
+    memory = (m * k + k * n + m * n) * elt / hbm
+    return GemmTime(best[0], memory, spec.kernel_overhead_s, best[1], best[2], best[3])
+
+
+def gemm_seconds(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSpec" = "H200") -> float:
+    """Predicted seconds of one (m x k) @ (k x n) GEMM on ``gpu`` (a key of ``GPUS``)."""
+    return gemm_time(m, n, k, dtype, gpu).seconds
+
+
+def split_gemm_seconds(m: int, n: int, k: int, parts: int, dtype: str = "bfloat16",
+                       gpu: "str | GpuSpec" = "H200") -> float:
+    """Seconds of the same GEMM run as ``parts`` back-to-back GEMMs of m/parts rows each."""
+    if not isinstance(parts, int) or parts < 1 or m % parts:
+        raise ValueError(f"parts must be a positive divisor of m={m}, got {parts!r}")
+    return parts * gemm_seconds(m // parts, n, k, dtype, gpu)

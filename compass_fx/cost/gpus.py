@@ -1,0 +1,164 @@
+"""Per-GPU constants for the GEMM and overlap models, and the calibration file that refines them.
+
+The figures are datasheet peaks (dense, no sparsity) times a sustained fraction that cuBLAS
+reaches on large GEMMs; the sustained fraction, the per-kernel overhead and the per-wave overhead
+are what ``compass-fx calibrate`` re-fits on a real GPU.  Everything here is plain data so that
+every rank computes the same predictions.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp8": "float8_e4m3fn"}
+
+CALIBRATION_ENV = "COMPASS_FX_CALIBRATION"
+
+
+def canonical_dtype(dtype: object) -> str:
+    """``torch.bfloat16``, ``"torch.bfloat16"``, ``"bf16"`` -> ``"bfloat16"``; ValueError if unknown."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return name
+
+
+def dtype_bytes(dtype: object) -> int:
+    return DTYPE_BYTES[canonical_dtype(dtype)]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What the models need to know about one GPU model.
+
+    ``peak_tflops`` maps a dtype class (``"16bit"``, ``"fp32"``, ``"fp8"``) to the dense tensor-core
+    peak.  ``efficiency`` is the fraction of that peak a large, well-shaped cuBLAS GEMM sustains
+    per SM; ``tiles`` lists the output tile shapes (rows, cols, relative efficiency) the library
+    chooses between, so that a GEMM with few tiles leaves SMs idle (wave quantization).
+    """
+
+    name: str
+    sms: int
+    peak_tflops: dict[str, float]
+    hbm_gbps: float
+    efficiency: float = 0.8
+    memory_efficiency: float = 0.85
+    kernel_overhead_s: float = 4e-6
+    wave_overhead_s: float = 1e-6
+    tiles: tuple[tuple[int, int, float], ...] = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.7))
+    max_split_k: int = 4
+    nccl_sms: int = 16
+    pcie_gen: int = 4
+    source: str = "datasheet"
+
+    def peak_flops(self, dtype: str) -> float:
+        dt = canonical_dtype(dtype)
+        cls = "fp32" if dt == "float32" else "fp8" if dt.startswith("float8") else "16bit"
+        return self.peak_tflops.get(cls, self.peak_tflops["16bit"]) * 1e12
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tiles"] = [list(t) for t in self.tiles]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GpuSpec":
+        d = dict(d)
+        if "tiles" in d:
+            d["tiles"] = tuple(tuple(t) for t in d["tiles"])
+        return cls(**d)
+
+
+# Hopper needs large tiles (two consumer warpgroups) to keep its tensor cores busy: a 128x128 tile
+# per SM runs at about half the rate of a 128x256 one, which is what makes small GEMMs expensive.
+# efficiency, the overheads and the tile efficiencies were fitted to 288 bf16 GEMMs measured on one
+# H200 with torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation-h200.json; median error
+# 4.0% on times, 4.9% on split/unsplit ratios).  The H100 is the same processor: it shares them.
+_HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
+               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6,
+               tiles=((128, 256, 1.0), (128, 128, 0.55), (64, 128, 0.1)), source="fitted on an H200")
+
+GPUS: dict[str, GpuSpec] = {
+    "H100": GpuSpec("H100", hbm_gbps=3350.0, **_HOPPER),
+    "H200": GpuSpec("H200", hbm_gbps=4800.0, **_HOPPER),
+    "A100": GpuSpec("A100", sms=108, peak_tflops={"16bit": 312.0, "fp32": 19.5}, hbm_gbps=2039.0,
+                    tiles=((128, 256, 1.0), (128, 128, 0.92), (64, 128, 0.75)), nccl_sms=16),
+    "A6000": GpuSpec("A6000", sms=84, peak_tflops={"16bit": 154.8, "fp32": 38.7}, hbm_gbps=768.0,
+                     efficiency=0.75, tiles=((128, 128, 1.0), (128, 64, 0.9), (64, 64, 0.7)),
+                     nccl_sms=8),
+    "L40S": GpuSpec("L40S", sms=142, peak_tflops={"16bit": 362.0, "fp32": 91.6, "fp8": 733.0},
+                    hbm_gbps=864.0, efficiency=0.7,
+                    tiles=((128, 128, 1.0), (128, 64, 0.9), (64, 64, 0.7)), nccl_sms=8),
+    "RTX4090": GpuSpec("RTX4090", sms=128, peak_tflops={"16bit": 165.2, "fp32": 82.6, "fp8": 330.3},
+                       hbm_gbps=1008.0, efficiency=0.75,
+                       tiles=((128, 128, 1.0), (128, 64, 0.9), (64, 64, 0.7)), nccl_sms=8),
+}
+
+_NAME_HINTS = (("H200", "H200"), ("H100", "H100"), ("H800", "H100"), ("A100", "A100"),
+               ("A800", "A100"), ("A6000", "A6000"), ("L40S", "L40S"), ("4090", "RTX4090"))
+
+
+def gpu_name_from_device(device_name: str) -> str | None:
+    """Map a driver name ("NVIDIA H200", "NVIDIA RTX A6000") to a key of GPUS, or None."""
+    upper = device_name.upper()
+    for hint, key in _NAME_HINTS:
+        if hint in upper:
+            return key
+    return None
+
+
+def _calibration_path() -> Path | None:
+    value = os.environ.get(CALIBRATION_ENV)
+    return Path(value) if value else None
+
+
+_loaded: dict[str, dict[str, GpuSpec]] = {}
+
+
+def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
+    """Read a calibration file written by ``compass-fx calibrate``: {"gpus": {name: fields}}.
+
+    Only the fields present override the built-in spec, so a file may refine just the
+    efficiency and overheads.
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
+        raise ValueError(f"calibration file {path}: expected an object with a 'gpus' mapping")
+    out = {}
+    for name, fields in data["gpus"].items():
+        base = GPUS.get(name)
+        if base is None:
+            out[name] = GpuSpec.from_dict({"name": name, **fields})
+        else:
+            merged = base.to_dict() | fields
+            out[name] = GpuSpec.from_dict(merged)
+    return out
+
+
+def gpu_spec(gpu: "str | GpuSpec") -> GpuSpec:
+    """Look up a GPU by name (case-insensitive, "RTX 4090" works), applying the calibration file
+    named by $COMPASS_FX_CALIBRATION when one is set."""
+    if isinstance(gpu, GpuSpec):
+        return gpu
+    key = str(gpu).replace(" ", "").upper()
+    key = {k.upper(): k for k in GPUS}.get(key) or gpu_name_from_device(str(gpu))
+    if key is None:
+        raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {gpu!r}")
+    path = _calibration_path()
+    if path is not None:
+        cache_key = str(path)
+        if cache_key not in _loaded:
+            _loaded[cache_key] = load_calibration(path)
+        if key in _loaded[cache_key]:
+            return _loaded[cache_key][key]
+    return GPUS[key]
+
+
+def with_overrides(spec: GpuSpec, **fields) -> GpuSpec:
+    """A copy of ``spec`` with some constants replaced (used by calibration fits)."""
+    return replace(spec, **fields)

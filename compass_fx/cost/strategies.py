@@ -1,0 +1,139 @@
+"""Predicted seconds of each way to run one pair: sequential, InterDecom(d), IntraFusion(schedule).
+
+Built from the component models (GEMM, collective, overlap, decomposition).  Conventions:
+
+* one rank's GEMMs are m x n x k for each width in ``Workload.gemm_widths()`` (their times add);
+* all_gather_matmul moves the m x k activation, matmul_reduce_scatter and matmul_all_reduce the
+  m x n output (the first width), element size of ``dtype``;
+* sequential and InterDecom use NCCL (ring schedule, ``nccl_sms`` SMs taken while overlapped);
+* a fused operator computes the chunk of m/g rows it already holds while the next chunk moves on
+  the chosen schedule, moving data with the copy engine (see overlap.py), at
+  ``FUSED_GEMM_EFFICIENCY`` of cuBLAS's rate for the chunked GEMM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .collective import CollectiveTime, collective_time, schedule_steps
+from .decomposition import DecompositionModel
+from .gemm import gemm_time
+from .gpus import dtype_bytes, gpu_spec
+from .overlap import overlapped_gemm_time
+from .topology import Topology
+from .workload import Workload
+
+FUSED_GEMM_EFFICIENCY = 0.95
+FUSED_SETUP_S = 3e-6          # the fused operator's barrier / flag reset before the first step
+MAX_PARTS = 64                # decomposition beyond this many parts is not considered
+
+_OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
+       "matmul_all_reduce": "all_reduce"}
+
+
+def comm_bytes(w: Workload) -> int:
+    """Bytes of the whole tensor the collective moves (gathered input or pre-scatter output)."""
+    width = w.k if w.kind == "all_gather_matmul" else w.n
+    return w.m * width * dtype_bytes(w.dtype)
+
+
+def gemm_widths(w: Workload) -> tuple[int, ...]:
+    """Column counts of the GEMMs sharing the collective: ``matmuls`` of width n, then extra_n."""
+    return (w.n,) * w.matmuls + tuple(w.extra_n)
+
+
+def _gemms_seconds(w: Workload, rows: int, topo: Topology, comm_sms: int = 0, comm_rate: float = 0.0) -> float:
+    return sum(overlapped_gemm_time(rows, n, w.k, w.dtype, topo.gpu, comm_sms, comm_rate).seconds
+               for n in gemm_widths(w))
+
+
+def nccl_time(w: Workload, topo: Topology, parts: int = 1) -> CollectiveTime:
+    """One NCCL collective over 1/parts of the pair's tensor."""
+    return collective_time(_OP[w.kind], comm_bytes(w) / parts, topo, w.group_size, "ring")
+
+
+def _comm_hbm_rate(ct: CollectiveTime, message_bytes: float) -> float:
+    """HBM traffic per second of a collective on one GPU: each step a rank reads the message it
+    sends and writes the one it receives."""
+    return 2.0 * message_bytes * ct.steps / ct.seconds if ct.seconds > 0 else 0.0
+
+
+def sequential_seconds(w: Workload, topo: Topology) -> float:
+    """NCCL collective, then (or before) the GEMMs, nothing overlapped."""
+    if w.group_size == 1:
+        return _gemms_seconds(w, w.m, topo)
+    return nccl_time(w, topo).seconds + _gemms_seconds(w, w.m, topo)
+
+
+def decomposition_model(w: Workload, topo: Topology, allowed: tuple[int, ...] | None = None) -> DecompositionModel:
+    """A, B, C for this pair (see decomposition.py).
+
+    Cm and alpha come from the NCCL collective's transfer and latency parts; Gm is the GEMMs'
+    time while NCCL runs beside them.  beta, the per-part GEMM cost (launch, waves lost to small
+    parts), is read off the GEMM model as the average extra cost per part at the part count the
+    model itself chooses: ``beta(d) = (d*g(m/d) - g(m)) / (d - 1)`` for the feasible d whose own
+    beta gives it the smallest T(d) (wave quantization makes beta grow with d, so one slope for
+    all d would misprice either the few-part or the many-part end).
+    """
+    spec = gpu_spec(topo.gpu)
+    full = nccl_time(w, topo)
+    alpha, cm = full.latency_s, full.transfer_s
+    rate = _comm_hbm_rate(full, comm_bytes(w) / w.group_size)
+    sms = spec.nccl_sms
+
+    def g(parts: int) -> float:
+        return parts * _gemms_seconds(w, w.m // parts, topo, sms, rate)
+
+    def build(beta: float) -> DecompositionModel:
+        beta = max(beta, spec.kernel_overhead_s)
+        if cm >= gm:
+            return DecompositionModel(alpha, cm + beta, gm, "comm-bound")
+        return DecompositionModel(beta, gm + alpha, cm, "compute-bound")
+
+    gm = g(1)
+    ds = [d for d in (allowed if allowed is not None else decompose_parts(w)) if d > 1]
+    if not ds:
+        return build(spec.kernel_overhead_s * len(gemm_widths(w)))
+    models = {d: build((g(d) - gm) / (d - 1)) for d in ds}
+    anchor = min(ds, key=lambda d: (models[d].seconds(d), d))
+    return models[anchor]
+
+
+def decompose_parts(w: Workload) -> tuple[int, ...]:
+    """Feasible part counts above 1 (``Workload.parts_allowed``), at most ``MAX_PARTS``."""
+    return tuple(d for d in w.parts_allowed() if 1 < d <= MAX_PARTS)
+
+
+@dataclass(frozen=True)
+class FusedBreakdown:
+    chunk_gemm_s: float
+    steps_s: tuple[float, ...]
+    seconds: float
+
+
+def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:
+    """IntraFusion on ``schedule``: g chunks of m/g rows; step i's transfer hides behind the GEMM
+    of the chunk in hand.  all_gather: local chunk first, the last arrival's GEMM exposed;
+    reduce_scatter: the first chunk's GEMM exposed, each step adds into the travelling
+    accumulator; all_reduce: fused reduce-scatter, then an all-gather of the result on the same
+    schedule that nothing hides."""
+    spec = gpu_spec(topo.gpu)
+    g = w.group_size
+    rows = math.ceil(w.m / g)
+    elt = dtype_bytes(w.dtype)
+    shard = comm_bytes(w) / g
+    steps = schedule_steps(topo, g, shard, schedule)
+    transfer = sum(t for _, t in steps)
+    rate = 2.0 * shard * len(steps) / transfer if transfer > 0 else 0.0
+    chunk = _gemms_seconds(w, rows, topo, 0, rate) / FUSED_GEMM_EFFICIENCY
+    if w.kind != "all_gather_matmul":  # add the incoming partial sum: read two, write one
+        chunk += 3 * rows * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
+    step_s = tuple(l + t for l, t in steps)
+    total = FUSED_SETUP_S + chunk + sum(max(chunk, s) for s in step_s)
+    if w.kind == "matmul_all_reduce":
+        total += sum(step_s) + FUSED_SETUP_S
+    return FusedBreakdown(chunk, step_s, total)
+
+
+def fused_seconds(w: Workload, topo: Topology, schedule: str) -> float:
+    return fused_breakdown(w, topo, schedule).seconds
