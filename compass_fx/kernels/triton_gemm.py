@@ -1,0 +1,219 @@
+"""Triton kernels of the fused operators: a signal-aware GEMM, a piece mover and a piece adder.
+
+Imported only by the CUDA implementation, the benchmark and the interpreter tests, so that
+``compass_fx.kernels`` imports without Triton.  Under ``TRITON_INTERPRET=1`` (set before this
+module is imported) the same kernels run on CPU tensors, which is how their signalling is tested.
+
+Signals are int32 counters in (symmetric) memory.  A producer adds 1 with release semantics when
+it has written its share of a piece; a consumer spins with acquire semantics until the counter
+reaches the number of producers of that piece.  Counters are zeroed (and all ranks pass a
+barrier) at the start of every operator call.
+
+* :func:`gemm` -- ``c = a @ b`` over a persistent grid.  The M tiles are visited in the order of
+  a tile table (the schedule's consume or produce order).  ``mode="wait"`` spins on each tile's
+  piece counter before reading ``a`` (all-gather consumer); ``mode="signal"`` bumps the piece
+  counter after writing each tile (reduce-scatter producer).
+* :func:`copy_piece` -- wait for a source counter, copy a contiguous piece, signal.
+* :func:`add_pieces` -- wait for two source counters, ``z = x + y`` in fp32, signal.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MODES = {"none": 0, "wait": 1, "signal": 2}
+COPY_BLOCK = 4096
+MAX_COMM_PROGRAMS = 8
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipelining of :func:`gemm` (Triton constexprs)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 1)
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """Heuristic tile choice (H200 measurements in benchmarks/results/kernel_consumer_gemm-h200.json)."""
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= sms:
+        return GemmConfig(128, 256, 64, 8, 8, 3)
+    return GemmConfig(128, 128, 64, 8, 8, 4)
+
+
+@triton.jit
+def _spin_until(flag_ptr, target):
+    flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    while flag < target:
+        flag = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, b_ptr, c_ptr, tiles_ptr, flags_ptr,
+                 N, K, num_m_tiles,
+                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                 NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, MODE: tl.constexpr,
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_m_tiles * num_n_tiles
+    tiles_per_group = GROUP_M * num_n_tiles
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        # grouped order over the tile table: consecutive tiles share an A row panel / B column panel
+        group = tile // tiles_per_group
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+        mt = first_m + (tile % tiles_per_group) % group_rows
+        nt = (tile % tiles_per_group) // group_rows
+        row0 = tl.load(tiles_ptr + 4 * mt)
+        row1 = tl.load(tiles_ptr + 4 * mt + 1)
+        piece = tl.load(tiles_ptr + 4 * mt + 2)
+        if MODE == 1:
+            _spin_until(flags_ptr + piece, tl.load(tiles_ptr + 4 * mt + 3))
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < row1
+        mask_n = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                k_left = K - kk * BLOCK_K
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if MODE == 2:
+            tl.debug_barrier()  # every thread's stores precede the release below
+            tl.atomic_add(flags_ptr + piece, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _copy_piece_kernel(src_ptr, src_flag_ptr, src_target, dst_ptr, dst_flag_ptr, n_elem,
+                       BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(tl.cdiv(n_elem, tl.num_programs(0)), BLOCK) * BLOCK
+    start = pid * chunk
+    stop = tl.minimum(start + chunk, n_elem)
+    _spin_until(src_flag_ptr, src_target)
+    for off in range(start, stop, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < stop
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()
+    tl.atomic_add(dst_flag_ptr, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _add_pieces_kernel(x_ptr, x_flag_ptr, x_target, y_ptr, y_flag_ptr, y_target, z_ptr, z_flag_ptr,
+                       n_elem, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = tl.cdiv(tl.cdiv(n_elem, tl.num_programs(0)), BLOCK) * BLOCK
+    start = pid * chunk
+    stop = tl.minimum(start + chunk, n_elem)
+    _spin_until(x_flag_ptr, x_target)
+    _spin_until(y_flag_ptr, y_target)
+    for off in range(start, stop, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < stop
+        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+        y = tl.load(y_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(z_ptr + offs, (x + y).to(z_ptr.dtype.element_ty), mask=mask)
+    tl.debug_barrier()
+    tl.atomic_add(z_flag_ptr, 1, sem="release", scope="sys")
+
+
+# ------------------------------------------------------------------------------------------------
+def comm_programs(n_elem: int) -> int:
+    """Programs that move (or add) a piece of ``n_elem`` elements; also the piece's signal target.
+
+    A pure function of the piece size so that sender and receiver agree without talking."""
+    return max(1, min(MAX_COMM_PROGRAMS, triton.cdiv(n_elem, COPY_BLOCK)))
+
+
+def tile_table(spans: Sequence[tuple[int, int, int, int]], block_m: int,
+               device: torch.device) -> torch.Tensor:
+    """int32 [tiles, 4] (row0, row1, flag index, wait target) for pieces given in visiting order
+    as (row0, row1, flag index, wait target); a piece is cut into M tiles of ``block_m`` rows."""
+    rows = []
+    for r0, r1, flag, target in spans:
+        for s in range(r0, r1, block_m):
+            rows.append((s, min(r1, s + block_m), flag, target))
+    if not rows:
+        rows.append((0, 0, 0, 0))
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def tiles_per_piece(rows: int, n: int, cfg: GemmConfig) -> int:
+    """Signals the producer GEMM sends for a piece of ``rows`` rows (one per output tile)."""
+    return triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
+         flags: torch.Tensor | None, mode: str = "none", cfg: GemmConfig | None = None,
+         num_programs: int | None = None) -> torch.Tensor:
+    """c[rows of each tile] = a[rows] @ b, tiles visited in table order, with waits or signals."""
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = cfg or default_config(m, n, k, a.device)
+    num_m_tiles = tiles.shape[0]
+    total = num_m_tiles * triton.cdiv(n, cfg.block_n)
+    if num_programs is None:
+        num_programs = (torch.cuda.get_device_properties(a.device).multi_processor_count
+                        if a.device.type == "cuda" else 4)
+    num_programs = max(1, min(num_programs, total))
+    if flags is None:
+        flags = tiles  # never read in mode "none"
+    _gemm_kernel[(num_programs,)](
+        a, b, c, tiles, flags, n, k, num_m_tiles,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        NUM_PROGRAMS=num_programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, MODE=MODES[mode], EVEN_K=k % cfg.block_k == 0,
+        IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return c
+
+
+def copy_piece(src: torch.Tensor, src_flag: torch.Tensor, src_target: int, dst: torch.Tensor,
+               dst_flag: torch.Tensor) -> None:
+    """dst = src once src_flag >= src_target; dst_flag += programs.  Contiguous, same size."""
+    n = src.numel()
+    if n == 0:
+        return
+    _copy_piece_kernel[(comm_programs(n),)](src, src_flag, src_target, dst, dst_flag, n,
+                                            BLOCK=COPY_BLOCK, num_warps=4)
+
+
+def add_pieces(x: torch.Tensor, x_flag: torch.Tensor, x_target: int, y: torch.Tensor,
+               y_flag: torch.Tensor, y_target: int, z: torch.Tensor, z_flag: torch.Tensor) -> None:
+    """z = x + y (fp32 arithmetic) once both counters reach their targets; z_flag += programs."""
+    n = z.numel()
+    if n == 0:
+        return
+    _add_pieces_kernel[(comm_programs(n),)](x, x_flag, x_target, y, y_flag, y_target, z, z_flag, n,
+                                            BLOCK=COPY_BLOCK, num_warps=4)
