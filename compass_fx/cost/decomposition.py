@@ -4,7 +4,9 @@ Pipelining d parts (collective of part i+1 beside the GEMM of part i) costs
 ``c + g + (d-1) * max(c, g)`` with per-part collective ``c = alpha + Cm/d`` and per-part GEMM
 ``g = beta + Gm/d``.  When communication dominates (Cm >= Gm) that is
 ``alpha*d + (Cm + beta) + Gm/d``; when computation does, ``beta*d + (Gm + alpha) + Cm/d``: in both,
-A is the per-part overhead of the dominant resource, B what cannot be hidden, C what can.
+A is the per-part overhead of the dominant resource, B what cannot be hidden, C what can.  The
+pipeline's time is the larger of the two forms (``max(d*c + g, c + d*g)``), so the dominant one is
+the model.
 The optimum ``d* = sqrt(C/A)`` is derived symbolically (sympy) below, then rounded to the best
 feasible part count — T is convex, so one of the two feasible neighbours of d* is optimal.
 """

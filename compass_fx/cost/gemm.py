@@ -54,7 +54,9 @@ def gemm_time(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSp
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
         split = 1
         while split <= spec.max_split_k:
-            if split == 1 or (k // split >= 256 and tiles * split <= 2 * spec.sms):
+            # Split-K only to fill the machine (the choice depends on the tile count alone, which
+            # keeps the model monotonic in k).
+            if split == 1 or tiles * split <= 2 * spec.sms:
                 waves = math.ceil(tiles * split / spec.sms)
                 per_wave = 2.0 * tm * tn * math.ceil(k / split) / (rate_sm * rel) + spec.wave_overhead_s
                 t = waves * per_wave

@@ -12,9 +12,9 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32", "fp8": "float8_e4m3fn"}
+                  "float": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
 
 CALIBRATION_ENV = "COMPASS_FX_CALIBRATION"
 
@@ -58,8 +58,9 @@ class GpuSpec:
 
     def peak_flops(self, dtype: str) -> float:
         dt = canonical_dtype(dtype)
-        cls = "fp32" if dt == "float32" else "fp8" if dt.startswith("float8") else "16bit"
-        return self.peak_tflops.get(cls, self.peak_tflops["16bit"]) * 1e12
+        cls = {"float32": "fp32", "float64": "fp64"}.get(dt, "fp8" if dt.startswith("float8") else "16bit")
+        fallback = self.peak_tflops["fp32"] if cls == "fp64" else self.peak_tflops["16bit"]
+        return self.peak_tflops.get(cls, fallback) * 1e12
 
     def to_dict(self) -> dict:
         d = asdict(self)

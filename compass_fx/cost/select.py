@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
-from .strategies import decompose_parts, decomposition_model, fused_seconds, sequential_seconds
+from .strategies import decomposition_models, fused_seconds, sequential_seconds
 from .topology import Topology
 from .workload import Workload
 
@@ -39,8 +39,10 @@ def select(workload: Workload, topology: Topology | None = None, *,
     """Choose how to run ``workload`` on ``topology`` (default: :meth:`Topology.default`).
 
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
-    most ``MAX_PARTS``) predicted by the decomposition model; fuse(s) only for the schedules in
-    ``fused_schedules`` — the fused operators the caller has for this device and dtype.
+    most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
+    for the schedules in ``fused_schedules`` — the fused operators the caller has for this device
+    and dtype.  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
+    decompose candidate's model.
     """
     if workload is None or not isinstance(workload, Workload):
         raise ValueError(f"select: workload must be a Workload, got {workload!r}")
@@ -52,16 +54,17 @@ def select(workload: Workload, topology: Topology | None = None, *,
 
     candidates = [Candidate("sequential", 1, None, sequential_seconds(workload, topo))]
     coefficients = d_star = None
-    parts = decompose_parts(workload) if workload.group_size > 1 else ()
-    if parts:
-        model = decomposition_model(workload, topo, parts)
-        coefficients, d_star = (model.A, model.B, model.C), model.d_star()
-        candidates += [Candidate("decompose", d, None, model.seconds(d)) for d in parts]
+    models = decomposition_models(workload, topo) if workload.group_size > 1 else {}
+    candidates += [Candidate("decompose", d, None, model.seconds(d)) for d, model in models.items()]
     if workload.group_size > 1:
         candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s)) for s in schedules]
 
     candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]
     winner = min(candidates, key=lambda c: c.seconds)  # min keeps the first of equal ones
+    decomposed = [c for c in candidates if c.strategy == "decompose"]
+    if decomposed:
+        model = models[min(decomposed, key=lambda c: c.seconds).parts]
+        coefficients, d_star = (model.A, model.B, model.C), model.d_star()
     return Decision(winner.strategy, winner.parts, winner.schedule, winner.seconds, tuple(candidates),
                     _reason(winner, candidates), coefficients, d_star, topo.name)
 

@@ -65,38 +65,56 @@ def sequential_seconds(w: Workload, topo: Topology) -> float:
     return nccl_time(w, topo).seconds + _gemms_seconds(w, w.m, topo)
 
 
-def decomposition_model(w: Workload, topo: Topology, allowed: tuple[int, ...] | None = None) -> DecompositionModel:
-    """A, B, C for this pair (see decomposition.py).
+def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] | None = None
+                         ) -> dict[int, DecompositionModel]:
+    """The paper's T(d) = A*d + B + C/d for this pair, one model per feasible d > 1.
 
-    Cm and alpha come from the NCCL collective's transfer and latency parts; Gm is the GEMMs'
-    time while NCCL runs beside them.  beta, the per-part GEMM cost (launch, waves lost to small
-    parts), is read off the GEMM model as the average extra cost per part at the part count the
-    model itself chooses: ``beta(d) = (d*g(m/d) - g(m)) / (d - 1)`` for the feasible d whose own
-    beta gives it the smallest T(d) (wave quantization makes beta grow with d, so one slope for
-    all d would misprice either the few-part or the many-part end).
+    Cm and alpha come from the NCCL collective's transfer and latency parts, Gm is the GEMMs' time
+    while NCCL runs beside them (see decomposition.py for how they make A, B, C).  beta, the
+    per-part GEMM cost (launch, waves lost to small parts), is read off the GEMM model:
+    ``beta(d) = (d*g(m/d) - g(m)) / (d - 1)``.  Wave quantization makes beta grow with d, so one
+    constant A would misprice either the few-part or the many-part end; each d is therefore
+    predicted with the A that holds at that d, and the model of the best d is the one whose
+    ``d* = sqrt(C/A)`` is reported.
     """
     spec = gpu_spec(topo.gpu)
     full = nccl_time(w, topo)
     alpha, cm = full.latency_s, full.transfer_s
     rate = _comm_hbm_rate(full, comm_bytes(w) / w.group_size)
-    sms = spec.nccl_sms
 
     def g(parts: int) -> float:
-        return parts * _gemms_seconds(w, w.m // parts, topo, sms, rate)
-
-    def build(beta: float) -> DecompositionModel:
-        beta = max(beta, spec.kernel_overhead_s)
-        if cm >= gm:
-            return DecompositionModel(alpha, cm + beta, gm, "comm-bound")
-        return DecompositionModel(beta, gm + alpha, cm, "compute-bound")
+        return parts * _gemms_seconds(w, w.m // parts, topo, spec.nccl_sms, rate)
 
     gm = g(1)
+
+    def build(d: int) -> DecompositionModel:
+        beta = max((g(d) - gm) / (d - 1), spec.kernel_overhead_s)
+        comm_bound = DecompositionModel(alpha, cm + beta, gm, "comm-bound")
+        compute_bound = DecompositionModel(beta, gm + alpha, cm, "compute-bound")
+        # The pipeline takes the longer of the two forms (c + g + (d-1)*max(c, g)).
+        return max((comm_bound, compute_bound), key=lambda m: m.seconds(d))
+
     ds = [d for d in (allowed if allowed is not None else decompose_parts(w)) if d > 1]
-    if not ds:
-        return build(spec.kernel_overhead_s * len(gemm_widths(w)))
-    models = {d: build((g(d) - gm) / (d - 1)) for d in ds}
-    anchor = min(ds, key=lambda d: (models[d].seconds(d), d))
-    return models[anchor]
+    return {d: build(d) for d in ds}
+
+
+def decomposition_model(w: Workload, topo: Topology, parts: int | None = None) -> DecompositionModel:
+    """The decomposition model with A as it holds at ``parts`` (default: the best feasible d)."""
+    models = decomposition_models(w, topo)
+    if not models:
+        raise ValueError(f"decomposition_model: {w.kind} m={w.m} has no feasible part count above 1")
+    if parts is None:
+        parts = min(models, key=lambda d: (models[d].seconds(d), d))
+    if parts not in models:
+        raise ValueError(f"parts must be one of {sorted(models)}, got {parts!r}")
+    return models[parts]
+
+
+def decompose_part_seconds(w: Workload, topo: Topology, parts: int) -> tuple[float, float]:
+    """(collective, GEMMs) seconds of one of ``parts`` parts, the GEMMs slowed by NCCL beside them."""
+    ct = nccl_time(w, topo, parts)
+    rate = _comm_hbm_rate(ct, comm_bytes(w) / w.group_size / parts)
+    return ct.seconds, _gemms_seconds(w, w.m // parts, topo, gpu_spec(topo.gpu).nccl_sms, rate)
 
 
 def decompose_parts(w: Workload) -> tuple[int, ...]:

@@ -2,8 +2,8 @@
 
 A :class:`Topology` is a networkx ``DiGraph``; every physical link is two directed edges, one per
 direction, each with its own bandwidth (bytes/s, the rate a collective achieves, not the
-datasheet's) and latency (s).  Traffic between two GPUs follows the widest, then shortest path
-(``route``); the collective model charges every directed edge with the bytes of all flows
+datasheet's) and latency (s).  Traffic between two GPUs takes the fewest hops, then the widest
+path (``route``); the collective model charges every directed edge with the bytes of all flows
 crossing it, which is how shared PCIe uplinks and cross-socket links become bottlenecks.
 
 Rank i of a tensor-parallel group of size g runs on the i-th GPU (``group``): TP groups are
@@ -67,6 +67,18 @@ class Topology:
         if name not in PRESETS:
             raise ValueError(f"unknown topology preset {name!r}; known presets: {', '.join(PRESETS)}")
         return PRESETS[name]()
+
+    @classmethod
+    def resolve(cls, name_or_path: "str | Topology") -> "Topology":
+        """A preset name, a path to a JSON/YAML description, or a Topology (returned as is)."""
+        if isinstance(name_or_path, Topology):
+            return name_or_path
+        if name_or_path in PRESETS:
+            return cls.preset(name_or_path)
+        if Path(name_or_path).is_file():
+            return cls.from_file(name_or_path)
+        raise ValueError(f"topology {name_or_path!r} is neither a preset nor a file; "
+                         f"known presets: {', '.join(PRESETS)}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Topology":
@@ -145,11 +157,10 @@ class Topology:
         return self.gpus[:size]
 
     def route(self, src: str, dst: str) -> tuple[tuple[str, str], ...]:
-        """The directed edges traffic from ``src`` to ``dst`` crosses: the path of highest
-        bottleneck bandwidth, the lowest-latency such path on ties (deterministic)."""
+        """The directed edges traffic from ``src`` to ``dst`` crosses (see ``_route``)."""
         key = (src, dst)
         if key not in self._routes:
-            self._routes[key] = _widest_path(self.graph, src, dst)
+            self._routes[key] = _route(self.graph, src, dst)
         return self._routes[key]
 
     def bandwidth(self, edge: tuple[str, str]) -> float:
@@ -172,19 +183,24 @@ class Topology:
         return f"Topology({self.name!r}, gpu={self.gpu!r}, gpus={self.num_gpus})"
 
 
-def _widest_path(graph: nx.DiGraph, src: str, dst: str) -> tuple[tuple[str, str], ...]:
+def _route(graph: nx.DiGraph, src: str, dst: str) -> tuple[tuple[str, str], ...]:
+    """Fewest hops (as peer-to-peer traffic goes: a direct link when there is one), then the
+    widest bottleneck, then the lowest latency, then the path's names (so ties are deterministic)."""
     if src not in graph or dst not in graph:
-        raise ValueError(f"route: unknown GPU {src if src not in graph else dst!r}")
+        raise ValueError(f"route: unknown node {src if src not in graph else dst!r}")
     if src == dst:
         return ()
-    # Widest bottleneck first: keep only edges at least as wide as the best achievable bottleneck.
-    widths = sorted({a["bw"] for _, _, a in graph.edges(data=True)}, reverse=True)
-    for width in widths:
-        sub = graph.edge_subgraph([(u, v) for u, v, a in graph.edges(data=True) if a["bw"] >= width])
-        if src in sub and dst in sub and nx.has_path(sub, src, dst):
-            nodes = nx.shortest_path(sub, src, dst, weight="lat")
-            return tuple(zip(nodes[:-1], nodes[1:]))
-    raise ValueError(f"route: no path from {src} to {dst}")
+    try:
+        paths = list(nx.all_shortest_paths(graph, src, dst))
+    except nx.NetworkXNoPath:
+        raise ValueError(f"route: no path from {src} to {dst}") from None
+
+    def key(nodes: list[str]) -> tuple:
+        edges = list(zip(nodes[:-1], nodes[1:]))
+        return (-min(graph.edges[e]["bw"] for e in edges), sum(graph.edges[e]["lat"] for e in edges), nodes)
+
+    best = min(paths, key=key)
+    return tuple(zip(best[:-1], best[1:]))
 
 
 # ---- preset builders ---------------------------------------------------------------------------

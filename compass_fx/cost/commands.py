@@ -1,0 +1,190 @@
+"""The ``compass-fx`` subcommands of the performance framework: ``plan``, ``sweep``, ``calibrate``.
+
+``add_subcommands(subparsers)`` registers them on the CLI's argparse subparsers; each sets
+``func(args) -> int`` (the exit status).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .decision import SCHEDULES
+from .layer import MODELS, format_layer_plan, plan_layer
+from .topology import Topology
+from .workload import PAIR_KINDS
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _names(choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> tuple[str, ...]:
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        bad = [v for v in values if choices is not None and v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"expected names from {', '.join(choices or ())}, got {text!r}")
+        return values
+    return parse
+
+
+def _schedules(text: str) -> tuple[str, ...]:
+    if text in ("none", ""):
+        return ()
+    return _names(SCHEDULES)(text)
+
+
+def _topology(text: str) -> Topology:
+    try:
+        return Topology.resolve(text)
+    except (ValueError, OSError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .timeline import candidate_segments, plot_timelines, sequence
+
+    topo = args.topology
+    lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
+                    sequence_parallel=not args.no_sequence_parallel, backward=args.backward,
+                    fused_schedules=args.fused)
+    if args.json:
+        print(json.dumps({
+            "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
+            "sequential_s": lp.sequential_s, "planned_s": lp.planned_s, "speedup": lp.speedup,
+            "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": d.label,
+                       "predicted_s": d.predicted_s, "reason": d.reason,
+                       "candidates": {c.label: c.seconds for c in d.candidates}} for name, w, d in lp.rows],
+        }, indent=2))
+    else:
+        print(format_layer_plan(lp))
+    if args.no_png:
+        return 0
+    views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
+                                      for n, w, d in lp.rows]))]
+    for family in ("decompose", "fuse"):
+        picks = []
+        for n, w, d in lp.rows:
+            cands = [c for c in d.candidates if c.strategy == family]
+            if cands:
+                picks.append((n, candidate_segments(w, topo, min(cands, key=lambda c: c.seconds))))
+        if len(picks) == len(lp.rows):
+            views.append((f"best {family} per pair", sequence(picks)))
+    views.append(("planned", sequence([(n, candidate_segments(w, topo, next(
+        c for c in d.candidates if c.label == d.label))) for n, w, d in lp.rows])))
+    png = args.png or f"compass-plan-{args.model}-tp{args.tp}-{args.tokens}-{topo.name}.png"
+    try:
+        path = plot_timelines(views, png, f"{args.model} tp={args.tp} tokens={args.tokens} on {topo.name}")
+    except ImportError as exc:
+        print(f"compass-fx plan: no timeline picture: {exc}", file=sys.stderr)
+        return 1
+    print(f"timeline: {path}", file=sys.stderr)
+    return 0
+
+
+# ---- sweep -------------------------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import SweepConfig, format_summary, progress_bar, run_sweep, summarize, write_csv
+
+    config = SweepConfig(topologies=args.topologies, models=args.models, kinds=args.kinds, tokens=args.tokens,
+                         group_sizes=args.group_sizes, fused_schedules=args.fused)
+    for name in config.topologies:
+        Topology.resolve(name)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_sweep(config, None if args.no_progress else progress_bar())
+    summary = summarize(rows)
+    write_csv(rows, out / "sweep.csv")
+    (out / "sweep-summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = format_summary(summary)
+    (out / "sweep-summary.txt").write_text(text + "\n")
+    print(text)
+    print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
+    return 0
+
+
+# ---- calibrate ---------------------------------------------------------------------------------
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import fit_gpu_spec, grid_shapes, measure_gemms, model_errors, write_calibration
+    from .gpus import gpu_name_from_device, gpu_spec
+
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        print("compass-fx calibrate needs torch", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("compass-fx calibrate needs a CUDA GPU (it measures GEMMs on it); none is available", file=sys.stderr)
+        return 2
+    device_name = torch.cuda.get_device_name()
+    gpu = args.gpu or gpu_name_from_device(device_name)
+    if gpu is None:
+        print(f"unknown GPU {device_name!r}: pass --gpu with one of the known names", file=sys.stderr)
+        return 2
+    base = gpu_spec(gpu)
+    shapes = grid_shapes(tokens=(4096, 16384) if args.quick else (2048, 4096, 8192, 16384))
+    meas = measure_gemms(shapes, (1, 2, 4, 8, 16, 32), device="cuda", progress=not args.quiet)
+    before = model_errors(meas, base)
+    fitted = fit_gpu_spec(meas, base)
+    after = model_errors(meas, fitted)
+    write_calibration(args.out, [fitted], {"device": device_name, "measurements": len(meas)})
+    print(f"{device_name}: median error before {before['median_abs_error']:.3f} (ratios "
+          f"{before['median_ratio_error']:.3f}), after {after['median_abs_error']:.3f} "
+          f"(ratios {after['median_ratio_error']:.3f})")
+    print(f"wrote {args.out}; use it with COMPASS_FX_CALIBRATION={args.out}")
+    return 0
+
+
+def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
+    """Register ``plan``, ``sweep`` and ``calibrate`` on the CLI's subparsers."""
+    p = subparsers.add_parser("plan", help="predict every strategy for each pair of one transformer layer",
+                              description="Print the cost model's table for one TP transformer layer and draw "
+                                          "a timeline of compute and communication lanes per strategy.")
+    p.add_argument("--model", choices=sorted(MODELS), default="llama3-70b")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel group size")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch x sequence): m of each pair")
+    p.add_argument("--topology", type=_topology, default="h200-nvswitch-8",
+                   help=f"a preset ({', '.join(Topology.presets())}) or a JSON/YAML file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--fused", type=_schedules, default=SCHEDULES,
+                   help="fused schedules to consider, comma-separated, or 'none' (default: all)")
+    p.add_argument("--backward", action="store_true", help="also plan the backward pass's pairs")
+    p.add_argument("--no-sequence-parallel", action="store_true", help="plain TP: all-reduce after row-parallel GEMMs")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--png", default=None, help="timeline picture path (default: compass-plan-<...>.png)")
+    p.add_argument("--no-png", action="store_true", help="skip the timeline picture")
+    p.set_defaults(func=cmd_plan)
+
+    from .sweep import DEFAULT_GROUPS, DEFAULT_MODELS, DEFAULT_TOKENS, DEFAULT_TOPOLOGIES
+
+    s = subparsers.add_parser("sweep", help="plan the paper's grid of configurations and summarise the winners",
+                              description="3 pair kinds x 4 token counts x 3 group sizes x 2 model widths x "
+                                          "4 topologies = 288 configurations by default.")
+    s.add_argument("--topologies", type=_names(None), default=DEFAULT_TOPOLOGIES,
+                   help="comma-separated presets or files")
+    s.add_argument("--models", type=_names(tuple(MODELS)), default=DEFAULT_MODELS)
+    s.add_argument("--kinds", type=_names(PAIR_KINDS), default=PAIR_KINDS)
+    s.add_argument("--tokens", type=_ints, default=DEFAULT_TOKENS)
+    s.add_argument("--group-sizes", type=_ints, default=DEFAULT_GROUPS)
+    s.add_argument("--fused", type=_schedules, default=SCHEDULES)
+    s.add_argument("--out-dir", default="compass-sweep", help="where sweep.csv and the summary go")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_sweep)
+
+    c = subparsers.add_parser("calibrate", help="measure GEMMs on this GPU and fit the model's constants",
+                              description="Needs a CUDA GPU.  Writes a calibration file; point "
+                                          "COMPASS_FX_CALIBRATION at it to use it.")
+    c.add_argument("--out", default="compass-calibration.json")
+    c.add_argument("--gpu", default=None, help="constants to start from (default: from the device name)")
+    c.add_argument("--quick", action="store_true", help="fewer shapes (about a quarter of the time)")
+    c.add_argument("--quiet", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
