@@ -1,0 +1,122 @@
+"""What the matcher finds and what the rewrite produces, traced on the fake process group."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import compass_fx
+import tp_models
+from compass_fx.demo import ModelArgs, Transformer, parallelize
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", (WORLD,))
+    dist.destroy_process_group()
+
+
+def demo(mesh, sp: bool, layers: int = 2):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    return parallelize(Transformer(ModelArgs(n_layers=layers)), mesh, sequence_parallel=sp)
+
+
+TOKENS = torch.randint(0, 256, (2, 16))
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_sequence_parallel_pair_counts(mesh, layers):
+    report = compass_fx.explain(demo(mesh, True, layers), TOKENS, strategy="off")
+    # Per layer: one gather feeding q/k/v, one feeding w1/w3, reduce-scatters after wo and w2;
+    # plus the final norm's gather into the output projection.  Backward mirrors it.
+    assert report.count("all_gather_matmul", "forward") == 2 * layers + 1
+    assert report.count("matmul_reduce_scatter", "forward") == 2 * layers
+    assert report.count("all_gather_matmul", "backward") == 2 * layers
+    assert report.count("matmul_reduce_scatter", "backward") == 2 * layers + 1
+    assert report.count("matmul_all_reduce") == 0
+    qkv = [p for p in report.pairs if p.graph == "forward" and p.kind == "all_gather_matmul"][0]
+    assert qkv.dim == 1 and qkv.matmuls == 3 and qkv.status == "kept"
+    # The embedding's reduce-scatter is not a matmul's: left alone, with the reason.
+    assert any("index_put" in s.reason for s in report.skipped)
+
+
+def test_plain_tp_pair_counts(mesh):
+    report = compass_fx.explain(demo(mesh, False, 2), TOKENS, strategy="off")
+    assert report.count("matmul_all_reduce", "forward") == 4           # wo, w2 per layer
+    assert report.count("matmul_all_reduce", "backward") == 5          # q+k+v, w1+w3 per layer, output
+    assert report.count("all_gather_matmul") == report.count("matmul_reduce_scatter") == 0
+    summed = [p for p in report.pairs if p.graph == "backward" and p.matmuls == 3]
+    assert summed, "the sum of the q/k/v input gradients was not matched as one pair"
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_chunks_gives_k_collectives_per_pair(mesh, chunks):
+    report = compass_fx.explain(demo(mesh, True, 1), TOKENS, chunks=chunks)
+    for graph in report.graphs:
+        rewritten = sum(p.status == "rewritten" for p in graph.pairs)
+        assert rewritten == len(graph.pairs) > 0
+        assert graph.collectives_after - graph.collectives_before == (chunks - 1) * rewritten
+    assert {p.parts for p in report.pairs} == {chunks}
+
+
+def test_indivisible_chunks_are_skipped_not_wrong(mesh, caplog):
+    # 16 tokens over 4 ranks: 4 local rows, which 3 does not divide.
+    with caplog.at_level(logging.INFO, logger="compass_fx"):
+        report = compass_fx.explain(demo(mesh, True, 1), TOKENS, chunks=3)
+    assert report.pairs and all(p.status == "skipped" for p in report.pairs)
+    assert all("does not divide" in p.reason for p in report.pairs)
+    assert all(g.collectives_after == g.collectives_before for g in report.graphs)
+    assert "does not divide" in caplog.text
+
+
+def test_report_renders_table_and_json(mesh):
+    import json
+
+    report = compass_fx.explain(demo(mesh, True, 1), TOKENS, chunks=2)
+    text = str(report)
+    assert "all_gather_matmul" in text and "decompose(d=2)" in text and "rewritten" in text
+    data = json.loads(report.to_json())
+    assert data["options"]["chunks"] == 2
+    assert sum(len(g["pairs"]) for g in data["graphs"]) == len(report.pairs)
+
+
+class TwoGroupModel(torch.nn.Module):
+    """A TP MLP whose output is then all-reduced over the data-parallel group too."""
+
+    def __init__(self, mesh2d) -> None:
+        super().__init__()
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.dp_group = mesh2d["dp"].get_group()
+        self.mlp = parallelize_module(tp_models.MLP(bias=False), mesh2d["tp"],
+                                      {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        self.head = torch.nn.Linear(tp_models.DIM, tp_models.DIM, bias=False)
+
+    def forward(self, x):
+        from torch.distributed._functional_collectives import all_reduce
+
+        y = self.head(self.mlp(x))  # head: a plain mm, reduced over DP below
+        return all_reduce(y, "sum", self.dp_group)
+
+
+def test_only_the_chosen_group_is_touched(mesh):
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_name = mesh2d["tp"].get_group().group_name
+    torch._dynamo.reset()
+    model = TwoGroupModel(mesh2d)
+    x = torch.randn(8, tp_models.DIM)
+    everything = compass_fx.explain(model, x, strategy="decompose")
+    assert {p.group for p in everything.pairs} == {tp_name, mesh2d["dp"].get_group().group_name}
+    torch._dynamo.reset()
+    tp_only = compass_fx.explain(model, x, strategy="decompose", group=mesh2d["tp"])
+    assert {p.group for p in tp_only.pairs} == {tp_name}
+    assert all(p.status == "rewritten" for p in tp_only.pairs)
+    assert any("not the optimised group" in s.reason for s in tp_only.skipped)
