@@ -67,12 +67,13 @@ def _gemm_modes(rank):
             ref = a.double() @ b.double()
             spans = [(m // 2, m, 1, 2), (0, m // 2, 0, 2)]  # second half first, both already signalled
             tiles = tg.tile_table(spans, 16, a.device)
-            for mode in ("none", "wait", "signal"):
+            variants = ("ptr", "tma") if dtype == torch.float16 and k % 8 == 0 else ("ptr",)
+            for mode, variant in [(mo, v) for mo in ("none", "wait", "signal") for v in variants]:
                 flags = torch.full((2,), 2 if mode == "wait" else 0, dtype=torch.int32)
                 c = torch.full((m, n), float("nan"), dtype=dtype)
-                tg.gemm(a, b, c, tiles, flags, mode, tg.INTERPRETER_CONFIG, num_programs=3)
+                tg.gemm(a, b, c, tiles, flags, mode, tg.INTERPRETER_CONFIG, num_programs=3, variant=variant)
                 err = ((c.double() - ref).norm() / ref.norm()).item()
-                out[(dtype, m, mode)] = err
+                out[(dtype, m, mode, variant)] = err
                 if mode == "signal":
                     expect = [tg.tiles_per_piece(m // 2, n, tg.INTERPRETER_CONFIG),
                               tg.tiles_per_piece(m - m // 2, n, tg.INTERPRETER_CONFIG)]
@@ -82,8 +83,9 @@ def _gemm_modes(rank):
 
 def test_gemm_matches_torch_in_every_mode(pools):
     errs = pools(1).run(_gemm_modes)[0]
-    for (dtype, m, mode), err in errs.items():
-        assert err < (1e-6 if dtype == torch.float32 else 2e-3), (dtype, m, mode, err)
+    assert any(key[-1] == "tma" for key in errs)
+    for (dtype, m, mode, variant), err in errs.items():
+        assert err < (1e-6 if dtype == torch.float32 else 2e-3), (dtype, m, mode, variant, err)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,3 +181,28 @@ def test_matmul_reduce_scatter_pipeline_across_processes(pools, world, schedule)
     total = sum(x.double() @ y.double() for x, y in zip(a, b))
     for r in range(world):
         torch.testing.assert_close(outs[r].double(), total[r * m:(r + 1) * m], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+def _cuda_impl_glue(rank):
+    """The CUDA implementation's own code (workspaces, counters, pipeline) at world size 1, run on
+    the CPU through the interpreter, twice per op so that reused workspaces are covered."""
+    _interp()
+    from compass_fx.kernels import cuda_impl as ci
+
+    torch.manual_seed(3)
+    for schedule in SCHEDULES:
+        for scale in (1.0, -2.0):
+            a = scale * torch.randn(37, 24)
+            b1, b2 = torch.randn(24, 20), torch.randn(9, 24).t()
+            g, (o1, o2) = ci.all_gather_matmul(a, [b1, b2], schedule, "0", 1)
+            assert torch.equal(g, a)
+            torch.testing.assert_close(o1, a @ b1)
+            torch.testing.assert_close(o2, a @ b2)
+            torch.testing.assert_close(ci.matmul_reduce_scatter(a, b1, schedule, "0", 1), a @ b1)
+            torch.testing.assert_close(ci.matmul_all_reduce(a, b1, schedule, "0", 1), a @ b1)
+    return True
+
+
+def test_cuda_impl_glue_at_world_one(pools):
+    assert pools(1).run(_cuda_impl_glue) == [True]

@@ -48,7 +48,9 @@ class _Workspace:
         self.group = group
         self.local: dict[str, torch.Tensor] = {}
         self.handles: dict[str, object] = {}
-        if group is None:
+        if group is None or device.type != "cuda":
+            if group is not None and group.size() > 1:
+                raise RuntimeError("symmetric memory needs CUDA for more than one rank")
             for name, (shape, dtype) in shapes.items():
                 self.local[name] = torch.zeros(shape, dtype=dtype, device=device)
             return
@@ -85,8 +87,16 @@ def _workspace(key: tuple, group_name: str, group, shapes, device) -> _Workspace
 
 
 def _run(ws: _Workspace, rank: int, world: int, counters: Sequence[str], device: torch.device, body) -> None:
+    """Zero counters + barrier, then ``body(RankBuffers)`` with a stream per ring direction.
+
+    On a non-CUDA device (the Triton interpreter, for dry runs) everything runs in order."""
     from .pipeline import RankBuffers
 
+    if device.type != "cuda":
+        for name in counters:
+            ws.local[name].zero_()
+        body(RankBuffers(rank, world, ws.local, ws.peer, gemm_programs=4))
+        return
     main = torch.cuda.current_stream(device)
     comm = [_stream(device, 0), _stream(device, 1)]
     for s in comm:

@@ -63,23 +63,28 @@ def _spin_until(flag_ptr, target):
 
 
 @triton.jit
+def _tile_coords(tile, num_m_tiles, num_n_tiles, GROUP_M: tl.constexpr):
+    """Grouped order over the tile table: consecutive tiles share A row panels / B column panels,
+    and table order (the schedule's order) is kept at the granularity of GROUP_M M tiles."""
+    tiles_per_group = GROUP_M * num_n_tiles
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    mt = first_m + (tile % tiles_per_group) % group_rows
+    nt = (tile % tiles_per_group) // group_rows
+    return mt, nt
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, b_ptr, c_ptr, tiles_ptr, flags_ptr,
-                 N, K, num_m_tiles,
+                 N, K, num_m_tiles, num_programs,
                  stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-                 NUM_PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, MODE: tl.constexpr,
                  EVEN_K: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
-    num_tiles = num_m_tiles * num_n_tiles
-    tiles_per_group = GROUP_M * num_n_tiles
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        # grouped order over the tile table: consecutive tiles share an A row panel / B column panel
-        group = tile // tiles_per_group
-        first_m = group * GROUP_M
-        group_rows = tl.minimum(num_m_tiles - first_m, GROUP_M)
-        mt = first_m + (tile % tiles_per_group) % group_rows
-        nt = (tile % tiles_per_group) // group_rows
+    for tile in range(pid, num_m_tiles * num_n_tiles, num_programs):
+        mt, nt = _tile_coords(tile, num_m_tiles, num_n_tiles, GROUP_M)
         row0 = tl.load(tiles_ptr + 4 * mt)
         row1 = tl.load(tiles_ptr + 4 * mt + 1)
         piece = tl.load(tiles_ptr + 4 * mt + 2)
@@ -111,6 +116,40 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, tiles_ptr, flags_ptr,
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
         if MODE == 2:
             tl.debug_barrier()  # every thread's stores precede the release below
+            tl.atomic_add(flags_ptr + piece, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _gemm_tma_kernel(a_desc, b_desc, c_ptr, tiles_ptr, flags_ptr,
+                     N, K, num_m_tiles, num_programs, stride_cm, stride_cn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, MODE: tl.constexpr, B_T: tl.constexpr):
+    """As _gemm_kernel, with A and B tiles fetched by the tensor-memory accelerator (Hopper).
+    A tile may run past its piece's last row into the next piece: those rows only feed output
+    rows that the masked store drops."""
+    pid = tl.program_id(0)
+    num_n_tiles = tl.cdiv(N, BLOCK_N)
+    for tile in range(pid, num_m_tiles * num_n_tiles, num_programs):
+        mt, nt = _tile_coords(tile, num_m_tiles, num_n_tiles, GROUP_M)
+        row0 = tl.load(tiles_ptr + 4 * mt)
+        row1 = tl.load(tiles_ptr + 4 * mt + 1)
+        piece = tl.load(tiles_ptr + 4 * mt + 2)
+        if MODE == 1:
+            _spin_until(flags_ptr + piece, tl.load(tiles_ptr + 4 * mt + 3))
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([row0, kk * BLOCK_K])
+            if B_T:
+                b = b_desc.load([nt * BLOCK_N, kk * BLOCK_K]).T
+            else:
+                b = b_desc.load([kk * BLOCK_K, nt * BLOCK_N])
+            acc = tl.dot(a, b, acc)
+        offs_m = row0 + tl.arange(0, BLOCK_M)
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
+        if MODE == 2:
+            tl.debug_barrier()
             tl.atomic_add(flags_ptr + piece, 1, sem="release", scope="sys")
 
 
@@ -175,10 +214,25 @@ def tiles_per_piece(rows: int, n: int, cfg: GemmConfig) -> int:
     return triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
 
 
+def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the TMA kernel can take these operands: 16-bit, A row-major, B row- or
+    column-major, 16-byte aligned rows, on a Hopper-or-newer GPU."""
+    if a.device.type != "cuda" or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    rowmajor_b = b.stride(1) == 1 and b.stride(0) % 8 == 0
+    colmajor_b = b.stride(0) == 1 and b.stride(1) % 8 == 0
+    return a.stride(1) == 1 and a.stride(0) % 8 == 0 and (rowmajor_b or colmajor_b)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
          flags: torch.Tensor | None, mode: str = "none", cfg: GemmConfig | None = None,
-         num_programs: int | None = None) -> torch.Tensor:
-    """c[rows of each tile] = a[rows] @ b, tiles visited in table order, with waits or signals."""
+         num_programs: int | None = None, variant: str = "auto") -> torch.Tensor:
+    """c[rows of each tile] = a[rows] @ b, tiles visited in table order, with waits or signals.
+
+    ``num_programs`` None: one program per SM (persistent); ``variant``: "ptr" (pointer loads,
+    any strides and dtypes), "tma" (tensor descriptors, Hopper, 16-bit) or "auto"."""
     m, k = a.shape
     n = b.shape[1]
     cfg = cfg or default_config(m, n, k, a.device)
@@ -190,12 +244,24 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
     num_programs = max(1, min(num_programs, total))
     if flags is None:
         flags = tiles  # never read in mode "none"
+    if variant == "auto":
+        variant = "tma" if tma_ok(a, b) else "ptr"
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                MODE=MODES[mode], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if variant == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        b_t = b.stride(0) == 1 and b.stride(1) != 1
+        b_desc = (TensorDescriptor.from_tensor(b.t(), [cfg.block_n, cfg.block_k]) if b_t
+                  else TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]))
+        _gemm_tma_kernel[(num_programs,)](a_desc, b_desc, c, tiles, flags, n, k, num_m_tiles, num_programs,
+                                          c.stride(0), c.stride(1), B_T=b_t, **meta)
+        return c
     _gemm_kernel[(num_programs,)](
-        a, b, c, tiles, flags, n, k, num_m_tiles,
+        a, b, c, tiles, flags, n, k, num_m_tiles, num_programs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        NUM_PROGRAMS=num_programs, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, MODE=MODES[mode], EVEN_K=k % cfg.block_k == 0,
-        IEEE=a.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=k % cfg.block_k == 0, IEEE=a.dtype == torch.float32, **meta)
     return c
 
 
