@@ -178,3 +178,22 @@ def test_decomposition_model_rejects_bad_coefficients():
         DecompositionModel(-1.0, 0.0, 0.0)
     with pytest.raises(ValueError, match="allowed"):
         DecompositionModel(1.0, 0.0, 1.0).best_parts([])
+
+
+def test_calibration_file_refines_the_constants(tmp_path, monkeypatch):
+    from compass_fx.cost.calibrate import write_calibration
+    from compass_fx.cost.gpus import CALIBRATION_ENV, load_calibration
+
+    slow = with_overrides(gpu_spec("L40S"), efficiency=0.35)
+    path = tmp_path / "cal.json"
+    write_calibration(path, [slow], {"device": "test"})
+    assert load_calibration(path)["L40S"].efficiency == 0.35
+    before = gemm_seconds(4096, 4096, 4096, "bfloat16", "L40S")
+    monkeypatch.setenv(CALIBRATION_ENV, str(path))
+    assert gpu_spec("L40S").efficiency == 0.35
+    assert gemm_seconds(4096, 4096, 4096, "bfloat16", "L40S") > before
+    assert gpu_spec("H100") == GPUS["H100"]          # GPUs absent from the file keep their constants
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="'gpus'"):
+        load_calibration(bad)

@@ -26,8 +26,14 @@ _LABEL = re.compile(r"^(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)$")
 def parse_topo_matrix(text: str) -> list[list[str]]:
     """The GPU x GPU label matrix from ``nvidia-smi topo -m`` output (NIC rows/columns and the
     affinity columns are dropped)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # nvidia-smi underlines the header on a terminal
     lines = [l for l in text.splitlines() if l.strip()]
-    header_idx = next((i for i, l in enumerate(lines) if re.match(r"^\s+GPU0\b", l)), None)
+
+    def is_header(line: str) -> bool:
+        tokens = line.split()
+        return tokens[0] == "GPU0" and (len(tokens) < 2 or not _LABEL.match(tokens[1]))
+
+    header_idx = next((i for i, l in enumerate(lines) if is_header(l)), None)
     if header_idx is None:
         raise ValueError("nvidia-smi topo text: no header line starting with GPU0")
     columns = lines[header_idx].split()

@@ -1,0 +1,73 @@
+"""The plan, sweep and calibrate subcommands, driven through a small argparse parser."""
+import argparse
+import csv
+import json
+
+import pytest
+
+from compass_fx.cost.commands import add_subcommands
+from compass_fx.cost.sweep import SweepConfig
+
+
+def run(*argv):
+    parser = argparse.ArgumentParser(prog="compass-fx")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_subcommands(sub)
+    args = parser.parse_args(list(argv))
+    return args.func(args)
+
+
+def test_plan_prints_the_layer_table(capsys):
+    assert run("plan", "--model", "llama3-70b", "--tp", "8", "--tokens", "8192",
+               "--topology", "a6000-nvlink-pairs-pcie-8", "--no-png") == 0
+    out = capsys.readouterr().out
+    assert "llama3-70b tp=8 tokens=8192 on a6000-nvlink-pairs-pcie-8" in out
+    for name in ("attn.qkv", "attn.out", "mlp.w1+w3", "mlp.w2"):
+        assert name in out
+    assert "layer: sequential" in out
+
+
+def test_plan_json_without_fused_operators(capsys):
+    assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--fused", "none",
+               "--json", "--no-png", "--backward") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["topology"] == "h200-nvswitch-8" and len(data["pairs"]) == 8
+    assert all(not label.startswith("fuse") for p in data["pairs"] for label in p["candidates"])
+
+
+def test_plan_writes_a_timeline_picture(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    assert run("plan", "--tp", "4", "--tokens", "4096", "--model", "llama3-8b", "--png", str(png)) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_writes_csv_and_summary(tmp_path, capsys):
+    assert SweepConfig().size() == 288
+    assert run("sweep", "--topologies", "a6000-nvlink-pairs-pcie-8,h100-nvswitch-8", "--tokens", "2048,16384",
+               "--group-sizes", "8", "--models", "llama3-70b", "--out-dir", str(tmp_path), "--no-progress") == 0
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert len(rows) == 2 * 2 * 3
+    assert all(float(r["speedup"]) >= 1.0 for r in rows)
+    summary = json.loads((tmp_path / "sweep-summary.json").read_text())
+    assert summary["configurations"] == 12 and set(summary["topologies"]) == {
+        "a6000-nvlink-pairs-pcie-8", "h100-nvswitch-8"}
+    assert "a6000-nvlink-pairs-pcie-8: wins" in capsys.readouterr().out
+
+
+def test_calibrate_needs_a_gpu(tmp_path, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert run("calibrate", "--out", str(tmp_path / "c.json")) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_named(capsys):
+    with pytest.raises(SystemExit):
+        run("plan", "--topology", "dgx-9000")
+    assert "known presets" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run("sweep", "--tokens", "two")
+    with pytest.raises(SystemExit):
+        run("plan", "--fused", "zigzag")

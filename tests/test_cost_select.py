@@ -1,0 +1,106 @@
+"""Selection: which strategy wins where, the candidates listed, determinism, planning a layer."""
+import pytest
+
+from compass_fx.cost import SCHEDULES, Topology, Workload, plan, select
+from compass_fx.cost.collective import collective_seconds
+from compass_fx.cost.gemm import gemm_seconds
+from compass_fx.cost.layer import format_layer_plan, layer_workloads, plan_layer
+from compass_fx.cost.strategies import MAX_PARTS, decomposition_models
+
+H200 = Topology.preset("h200-nvswitch-8")
+A6000 = Topology.preset("a6000-nvlink-pairs-pcie-8")
+A100_PCIE = Topology.preset("a100-pcie-8")
+
+
+def test_sequential_when_communication_is_negligible():
+    w = Workload("all_gather_matmul", m=16384, n=57344, k=512, group_size=8)
+    comm = collective_seconds("all_gather", 16384 * 512 * 2, H200, 8)
+    assert comm < 0.05 * gemm_seconds(16384, 57344, 512, "bfloat16", "H200")
+    d = select(w, H200)
+    assert d.strategy == "sequential"
+    assert d.reason.startswith("sequential: best alternative")
+
+
+def test_group_of_one_is_sequential_only():
+    d = select(Workload("matmul_all_reduce", m=1024, n=1024, k=1024, group_size=1), H200, fused_schedules=SCHEDULES)
+    assert d.strategy == "sequential" and [c.label for c in d.candidates] == ["sequential"]
+
+
+def test_decompose_when_communication_and_compute_are_comparable():
+    w = Workload("all_gather_matmul", m=8192, n=3584, k=8192, group_size=8)
+    comm = collective_seconds("all_gather", 8192 * 8192 * 2, A100_PCIE, 8)
+    gemm = gemm_seconds(8192, 3584, 8192, "bfloat16", "A100")
+    assert 1 / 3 < comm / gemm < 3
+    d = select(w, A100_PCIE)
+    assert d.strategy == "decompose" and d.parts > 1
+    assert d.reason == f"decompose(d={d.parts}) {d.speedup:.2f}x faster than sequential"
+    assert d.coefficients is not None and d.d_star is not None and d.d_star > 1
+
+
+def test_candidates_cover_every_feasible_part_count_and_respect_parts_allowed():
+    w = Workload("matmul_reduce_scatter", m=4096, n=4096, k=1792, group_size=8)
+    d = select(w, H200)
+    expected = [p for p in w.parts_allowed() if 1 < p <= MAX_PARTS]
+    assert [c.parts for c in d.candidates if c.strategy == "decompose"] == expected
+    assert all(c.seconds > 0 for c in d.candidates)
+    only = Workload("matmul_reduce_scatter", m=4096, n=4096, k=1792, group_size=8, feasible_parts=(2, 4))
+    assert [c.label for c in select(only, H200).candidates] == ["sequential", "decompose(d=2)", "decompose(d=4)"]
+    models = decomposition_models(w, H200)
+    for c in d.candidates[1:]:
+        assert c.seconds == models[c.parts].seconds(c.parts)
+
+
+def test_fuse_only_when_the_operators_exist():
+    w = Workload("all_gather_matmul", m=8192, n=3584, k=8192, group_size=8)
+    assert not [c for c in select(w, A6000).candidates if c.strategy == "fuse"]
+    d = select(w, A6000, fused_schedules=("ring", "double_ring"))
+    assert [c.label for c in d.candidates if c.strategy == "fuse"] == ["fuse(ring)", "fuse(double_ring)"]
+    assert [c.label for c in plan(w, A6000).candidates if c.strategy == "fuse"] == [
+        "fuse(ring)", "fuse(double_ring)", "fuse(direct)"]
+    with pytest.raises(ValueError, match="fused_schedules"):
+        select(w, A6000, fused_schedules=("zigzag",))
+
+
+def test_double_ring_wins_on_the_papers_machine_and_ties_go_to_the_simpler_schedule():
+    w = Workload("all_gather_matmul", m=8192, n=1024, k=8192, group_size=8)
+    d = plan(w, A6000)
+    assert d.label == "fuse(double_ring)"
+    assert d.candidate("fuse(double_ring)").seconds < 0.8 * d.candidate("fuse(ring)").seconds
+    on_switch = plan(Workload("matmul_reduce_scatter", m=8192, n=8192, k=1024, group_size=8), H200)
+    assert on_switch.candidate("fuse(ring)").seconds == on_switch.candidate("fuse(double_ring)").seconds
+    assert on_switch.schedule in (None, "ring")
+
+
+def test_selection_is_deterministic_and_validates_its_inputs():
+    w = Workload("matmul_all_reduce", m=8192, n=8192, k=3584, group_size=4)
+    assert plan(w, A6000) == plan(w, Topology.preset("a6000-nvlink-pairs-pcie-8"))
+    assert select(w) == select(w, Topology.preset("h200-nvswitch-8"))  # CPU default
+    with pytest.raises(ValueError, match="workload"):
+        select("not a workload", H200)
+    with pytest.raises(ValueError, match="topology"):
+        select(w, "h200-nvswitch-8")
+    with pytest.raises(ValueError, match="group size"):
+        select(Workload("matmul_all_reduce", m=64, n=64, k=64, group_size=16), H200)
+
+
+def test_layer_workloads_follow_the_tp_plan():
+    fwd = layer_workloads("llama3-70b", 8, 8192)
+    assert [(n, w.kind) for n, w in fwd] == [
+        ("attn.qkv", "all_gather_matmul"), ("attn.out", "matmul_reduce_scatter"),
+        ("mlp.w1+w3", "all_gather_matmul"), ("mlp.w2", "matmul_reduce_scatter")]
+    assert fwd[2][1].matmuls == 2 and fwd[2][1].n == 28672 // 8 and fwd[2][1].k == 8192
+    assert fwd[0][1].extra_n == (128, 128)
+    plain = layer_workloads("llama3-8b", 4, 4096, sequence_parallel=False)
+    assert [w.kind for _, w in plain] == ["matmul_all_reduce"] * 2
+    assert len(layer_workloads("llama3-8b", 2, 4096, backward=True)) == 8
+    with pytest.raises(ValueError, match="unknown model"):
+        layer_workloads("gpt-5", 8, 8192)
+    with pytest.raises(ValueError, match="tp=3"):
+        layer_workloads("llama3-8b", 3, 8193)
+
+
+def test_layer_plan_table():
+    lp = plan_layer("llama3-70b", 8, 8192, A6000)
+    assert lp.planned_s <= lp.sequential_s and lp.speedup >= 1
+    text = format_layer_plan(lp)
+    assert "mlp.w1+w3" in text and "speedup" in text and "on a6000-nvlink-pairs-pcie-8" in text
