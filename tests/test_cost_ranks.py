@@ -17,14 +17,32 @@ def _decisions(rank):
     return out
 
 
-def _agree(rank):
+def _agree(rank, key):
     from compass_fx.cost import Topology
     from compass_fx.cost.detect import agree_across_ranks
 
     # Pretend each rank read a different machine (a flaky driver, a late NVLink).
     local = Topology.preset(["h100-nvswitch-8", "a100-pcie-8"][rank]).to_dict()
-    agreed = Topology.from_dict(agree_across_ranks(local))
+    agreed = Topology.from_dict(agree_across_ranks(local, key))
     return agreed.name, agreed.fingerprint()
+
+
+def _agree_late(rank, key):
+    """Rank 0 publishes and returns without waiting; rank 1 asks only afterwards."""
+    import time
+
+    import torch.distributed as dist
+    from compass_fx.cost import Topology
+    from compass_fx.cost.detect import agree_across_ranks
+
+    local = Topology.preset(["l40s-pcie-8", "h200-nvswitch-8"][rank]).to_dict()
+    if rank == 0:
+        name = agree_across_ranks(local, key)["name"]
+        dist.barrier()
+        return name
+    dist.barrier()
+    time.sleep(0.2)
+    return agree_across_ranks(local, key)["name"]
 
 
 def test_decisions_identical_across_ranks(ranks):
@@ -34,9 +52,13 @@ def test_decisions_identical_across_ranks(ranks):
 
 
 def test_detection_uses_rank_zeros_answer(ranks):
-    (name0, fp0), (name1, fp1) = ranks(2).run(_agree)
+    (name0, fp0), (name1, fp1) = ranks(2).run(_agree, "test/agree")
     assert name0 == name1 == "h100-nvswitch-8"
     assert fp0 == fp1
+
+
+def test_rank_zero_does_not_wait_for_the_others(ranks):
+    assert ranks(2).run(_agree_late, "test/late") == ["l40s-pcie-8", "l40s-pcie-8"]
 
 
 def test_agreement_without_a_process_group_keeps_the_local_answer():

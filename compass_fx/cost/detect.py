@@ -8,6 +8,7 @@ hence :func:`agree_across_ranks`.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -198,17 +199,33 @@ def detect_local() -> dict:
     return topology_from_matrix(matrix, gpu).to_dict()
 
 
-def agree_across_ranks(local: dict) -> dict:
-    """Rank 0's description on every rank when a process group is initialised, else ``local``."""
+def agree_across_ranks(local: dict, key: str = "compass_fx/topology") -> dict:
+    """Rank 0's description on every rank when a process group is initialised, else ``local``.
+
+    Rank 0 publishes its reading in the process group's key-value store and returns at once;
+    the other ranks read it from there (waiting for rank 0 at most the store's timeout).  Unlike
+    a broadcast this needs no lockstep: a rank that never plans anything (a pipeline stage
+    without TP pairs) cannot leave the others hanging.
+    """
     try:
         import torch.distributed as dist
     except ImportError:  # pragma: no cover
         return local
     if not (dist.is_available() and dist.is_initialized()):
         return local
-    box = [local if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        store = None
+    if store is None:  # no store reachable: fall back to a collective broadcast
+        box = [local if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    if dist.get_rank() == 0:
+        store.set(key, json.dumps(local, sort_keys=True))
+        return local
+    return json.loads(store.get(key))
 
 
 def detect_topology() -> Topology:
