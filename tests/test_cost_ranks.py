@@ -13,7 +13,9 @@ def _decisions(rank):
             w = Workload(kind, m=m, n=3584, k=8192, group_size=8)
             out.append(repr(select(w, topo)))
             out.append(repr(plan(w, topo)))
-    out.append(repr(select(Workload("all_gather_matmul", m=4096, n=4096, k=4096, group_size=2))))
+    import torch
+    default = None if not torch.cuda.is_available() else Topology.preset("h200-nvswitch-8")
+    out.append(repr(select(Workload("all_gather_matmul", m=4096, n=4096, k=4096, group_size=2), default)))
     return out
 
 
