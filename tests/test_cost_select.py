@@ -5,7 +5,7 @@ from compass_fx.cost import SCHEDULES, Topology, Workload, plan, select
 from compass_fx.cost.collective import collective_seconds
 from compass_fx.cost.gemm import gemm_seconds
 from compass_fx.cost.layer import format_layer_plan, layer_workloads, plan_layer
-from compass_fx.cost.strategies import MAX_PARTS, decomposition_models
+from compass_fx.cost.strategies import MAX_PARTS, decomposition_models, gemm_shapes
 
 H200 = Topology.preset("h200-nvswitch-8")
 A6000 = Topology.preset("a6000-nvlink-pairs-pcie-8")
@@ -90,8 +90,14 @@ def test_layer_workloads_follow_the_tp_plan():
     assert [(n, w.kind) for n, w in fwd] == [
         ("attn.qkv", "all_gather_matmul"), ("attn.out", "matmul_reduce_scatter"),
         ("mlp.w1+w3", "all_gather_matmul"), ("mlp.w2", "matmul_reduce_scatter")]
-    assert fwd[2][1].matmuls == 2 and fwd[2][1].n == 28672 // 8 and fwd[2][1].k == 8192
-    assert fwd[0][1].extra_n == (128, 128)
+    assert fwd[2][1].matmuls == 2 and fwd[2][1].n == 2 * 28672 // 8 and fwd[2][1].k == 8192
+    assert fwd[0][1].n == 1024 + 2 * 128 and fwd[0][1].extra_n == (128, 128)
+    assert gemm_shapes(fwd[0][1]) == ((1024, 8192), (128, 8192), (128, 8192))
+    assert gemm_shapes(fwd[2][1]) == ((3584, 8192), (3584, 8192))
+    reduced = Workload("matmul_reduce_scatter", m=64, n=4096, k=2 * 3584, matmuls=2)
+    assert gemm_shapes(reduced) == ((4096, 3584), (4096, 3584))
+    with pytest.raises(ValueError, match="extra_n"):
+        gemm_shapes(Workload("all_gather_matmul", m=64, n=100, k=8, matmuls=2, extra_n=(100,)))
     plain = layer_workloads("llama3-8b", 4, 4096, sequence_parallel=False)
     assert [w.kind for _, w in plain] == ["matmul_all_reduce"] * 2
     assert len(layer_workloads("llama3-8b", 2, 4096, backward=True)) == 8

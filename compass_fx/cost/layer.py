@@ -48,7 +48,8 @@ def _split(value: int, tp: int, what: str) -> int:
 def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", sequence_parallel: bool = True,
                     backward: bool = False) -> list[tuple[str, Workload]]:
     """(name, Workload) for every pair of one layer's forward (and, with ``backward``, backward)
-    pass; ``tokens`` is batch x sequence, the m of every pair."""
+    pass; ``tokens`` is batch x sequence, the m of every pair.  GEMMs sharing a collective are
+    summed into n (gather) or k (reduced sum), as ``Workload`` counts them."""
     s = model_shape(model)
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
@@ -65,19 +66,19 @@ def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", s
     out_kind = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
     pairs: list[tuple[str, Workload]] = []
     if sequence_parallel:
-        pairs.append(("attn.qkv", w("all_gather_matmul", q, h, extra_n=(kv, kv))))
+        pairs.append(("attn.qkv", w("all_gather_matmul", q + 2 * kv, h, matmuls=3, extra_n=(kv, kv))))
     pairs.append(("attn.out", w(out_kind, h, q)))
     if sequence_parallel:
-        pairs.append(("mlp.w1+w3", w("all_gather_matmul", ffn, h, matmuls=2)))
+        pairs.append(("mlp.w1+w3", w("all_gather_matmul", 2 * ffn, h, matmuls=2)))
     pairs.append(("mlp.w2", w(out_kind, h, ffn)))
     if backward:
         grad_in_kind = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
         if sequence_parallel:
             pairs.append(("mlp.w2.grad_in", w("all_gather_matmul", ffn, h)))
-        pairs.append(("mlp.w1+w3.grad_in", w(grad_in_kind, h, ffn, matmuls=2)))
+        pairs.append(("mlp.w1+w3.grad_in", w(grad_in_kind, h, 2 * ffn, matmuls=2)))
         if sequence_parallel:
             pairs.append(("attn.out.grad_in", w("all_gather_matmul", q, h)))
-        pairs.append(("attn.qkv.grad_in", w(grad_in_kind, h, q + 2 * kv)))
+        pairs.append(("attn.qkv.grad_in", w(grad_in_kind, h, q + 2 * kv, matmuls=3)))
     return pairs
 
 

@@ -2,9 +2,10 @@
 
 Built from the component models (GEMM, collective, overlap, decomposition).  Conventions:
 
-* one rank's GEMMs are m x n x k for each width in ``Workload.gemm_widths()`` (their times add);
+* one rank runs ``Workload.matmuls`` GEMM launches whose columns (gather) or inner dims (reduced
+  sum) add up to n or k (``gemm_shapes``); their times add;
 * all_gather_matmul moves the m x k activation, matmul_reduce_scatter and matmul_all_reduce the
-  m x n output (the first width), element size of ``dtype``;
+  m x n output, element size of ``dtype``;
 * sequential and InterDecom use NCCL (ring schedule, ``nccl_sms`` SMs taken while overlapped);
 * a fused operator computes the chunk of m/g rows it already holds while the next chunk moves on
   the chosen schedule, moving data with the copy engine (see overlap.py), at
@@ -37,14 +38,28 @@ def comm_bytes(w: Workload) -> int:
     return w.m * width * dtype_bytes(w.dtype)
 
 
-def gemm_widths(w: Workload) -> tuple[int, ...]:
-    """Column counts of the GEMMs sharing the collective: ``matmuls`` of width n, then extra_n."""
-    return (w.n,) * w.matmuls + tuple(w.extra_n)
+def _even(total: int, parts: int) -> tuple[int, ...]:
+    base, extra = divmod(total, parts)
+    return tuple(base + (1 if i < extra else 0) for i in range(parts) if base + (1 if i < extra else 0) > 0)
+
+
+def gemm_shapes(w: Workload) -> tuple[tuple[int, int], ...]:
+    """(n, k) of each GEMM launch sharing the collective (``Workload`` sums them into n or k):
+    a gather's GEMMs split n (by ``extra_n`` when given, else evenly), a reduced sum's GEMMs
+    split k evenly."""
+    if w.kind == "all_gather_matmul":
+        if w.extra_n:
+            first = w.n - sum(w.extra_n)
+            if first < 1:
+                raise ValueError(f"Workload.extra_n {w.extra_n} must sum to less than n={w.n}")
+            return tuple((n, w.k) for n in (first, *w.extra_n))
+        return tuple((n, w.k) for n in _even(w.n, w.matmuls))
+    return tuple((w.n, k) for k in _even(w.k, w.matmuls))
 
 
 def _gemms_seconds(w: Workload, rows: int, topo: Topology, comm_sms: int = 0, comm_rate: float = 0.0) -> float:
-    return sum(overlapped_gemm_time(rows, n, w.k, w.dtype, topo.gpu, comm_sms, comm_rate).seconds
-               for n in gemm_widths(w))
+    return sum(overlapped_gemm_time(rows, n, k, w.dtype, topo.gpu, comm_sms, comm_rate).seconds
+               for n, k in gemm_shapes(w))
 
 
 def nccl_time(w: Workload, topo: Topology, parts: int = 1) -> CollectiveTime:

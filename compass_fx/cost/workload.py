@@ -15,8 +15,10 @@ class Workload:
     GEMM launches that share the collective (a gather feeding w1 and w3, or a reduce-scatter of a
     sum of two mms); n and k already include them: a gather feeding several GEMMs sums their
     output columns into n, a reduced sum of GEMMs sums their inner dims into k, so 2*m*n*k stays
-    the pair's total FLOP count.  ``feasible_parts`` lists the part counts the graph allows (each divides
-    the split dimension); None means every divisor of the local row count.
+    the pair's total FLOP count.  ``extra_n`` optionally gives the columns of all but the first of
+    a gather's GEMMs when they differ (q, k, v projections: n = q + k + v, extra_n = (k, v));
+    without it the launches are taken as equal.  ``feasible_parts`` lists the part counts the
+    graph allows (each divides the split dimension); None means every divisor of the local row count.
     """
 
     kind: str
