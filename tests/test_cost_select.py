@@ -81,8 +81,11 @@ def test_selection_is_deterministic_and_validates_its_inputs():
         select("not a workload", H200)
     with pytest.raises(ValueError, match="topology"):
         select(w, "h200-nvswitch-8")
+    big = Workload("matmul_all_reduce", m=64, n=64, k=64, group_size=16)
     with pytest.raises(ValueError, match="group size"):
-        select(Workload("matmul_all_reduce", m=64, n=64, k=64, group_size=16), H200)
+        select(big, H200)                       # an explicit machine must hold the group
+    if not torch.cuda.is_available():
+        assert select(big).topology == "2x-h200-nvswitch-8-ib"  # the default spans two of them
 
 
 def test_layer_workloads_follow_the_tp_plan():

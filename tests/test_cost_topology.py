@@ -154,3 +154,14 @@ def test_parse_rejects_garbage():
         parse_topo_matrix("hello\nworld\n")
     with pytest.raises(ValueError, match="unexpected cell"):
         parse_topo_matrix("\tGPU0\tGPU1\nGPU0\t X \tWAT\nGPU1\tWAT\t X \n")
+
+
+def test_replicated_machines_talk_over_infiniband():
+    one = Topology.preset("h200-nvswitch-8")
+    two = one.replicated(2)
+    assert two.num_gpus == 16 and two.name == "2x-h200-nvswitch-8-ib"
+    assert two.route("gpu0", "gpu1") == (("gpu0", "nvswitch0_n0"), ("nvswitch0_n0", "gpu1"))
+    assert [two.graph.edges[e]["kind"] for e in two.route("gpu3", "gpu12")] == ["ib-ndr", "ib-ndr"]
+    assert one.replicated(1) is one
+    with pytest.raises(ValueError, match="nodes"):
+        one.replicated(0)

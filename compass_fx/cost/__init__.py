@@ -13,6 +13,7 @@ from .decision import SCHEDULES, STRATEGIES, Candidate, Decision
 from .decomposition import DecompositionModel, optimum_expression
 from .gemm import gemm_seconds, gemm_time, split_gemm_seconds
 from .gpus import GPUS, GpuSpec, gpu_spec, load_calibration
+from .layer import MODELS, LayerPlan, format_layer_plan, layer_workloads, plan_layer
 from .hooks import CostHookError, clear_cost_hooks, register_cost_hook, unregister_cost_hook
 from .select import plan, select
 from .strategies import decomposition_model, decomposition_models, fused_seconds, sequential_seconds
@@ -20,7 +21,7 @@ from .topology import Topology
 from .workload import PAIR_KINDS, Workload
 
 __all__ = [
-    "Candidate", "CostHookError", "Decision", "DecompositionModel", "GPUS", "GpuSpec", "PAIR_KINDS",
+    "Candidate", "CostHookError", "LayerPlan", "MODELS", "format_layer_plan", "layer_workloads", "plan_layer", "Decision", "DecompositionModel", "GPUS", "GpuSpec", "PAIR_KINDS",
     "SCHEDULES", "STRATEGIES", "Topology", "Workload", "clear_cost_hooks", "collective_seconds",
     "collective_time", "decomposition_model", "decomposition_models", "fused_seconds", "gemm_seconds", "gemm_time", "gpu_spec",
     "load_calibration", "optimum_expression", "plan", "register_cost_hook", "select",

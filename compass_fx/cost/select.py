@@ -36,7 +36,8 @@ def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
 
 def select(workload: Workload, topology: Topology | None = None, *,
            fused_schedules: tuple[str, ...] = ()) -> Decision:
-    """Choose how to run ``workload`` on ``topology`` (default: :meth:`Topology.default`).
+    """Choose how to run ``workload`` on ``topology`` (default: :meth:`Topology.default`, replicated
+    over InfiniBand when the group is larger than that machine).
 
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
     most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
@@ -49,6 +50,9 @@ def select(workload: Workload, topology: Topology | None = None, *,
     topo = Topology.default() if topology is None else topology
     if not isinstance(topo, Topology):
         raise ValueError(f"select: topology must be a Topology or None, got {topology!r}")
+    if topology is None and workload.group_size > topo.num_gpus:
+        # The group spans machines like this one (a detected single box, or the default preset).
+        topo = topo.replicated(-(-workload.group_size // topo.num_gpus))
     schedules = _check_schedules(fused_schedules)
     topo.group(workload.group_size)  # ValueError when the group does not fit the machine
 

@@ -128,8 +128,35 @@ class Topology:
     def default(cls) -> "Topology":
         """``detect()`` when CUDA is available, else the preset ``"h200-nvswitch-8"``.
 
-        Never detects on a CPU-only machine, so CPU runs and tests are reproducible."""
+        Never detects on a CPU-only machine, so CPU runs and tests are reproducible.  Detection
+        runs once per process (cached); in a process group every rank gets rank 0's reading."""
         return _default_topology()
+
+    def replicated(self, nodes: int) -> "Topology":
+        """``nodes`` copies of this machine joined by InfiniBand (one NIC per GPU, one switch):
+        what a TP group larger than one machine runs on.  GPU i of copy c becomes gpu{c*G + i}."""
+        if not isinstance(nodes, int) or nodes < 1:
+            raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+        if nodes == 1:
+            return self
+        per = self.num_gpus
+        index = {g: i for i, g in enumerate(self.gpus)}
+        g = nx.DiGraph()
+
+        def rename(node: str, c: int) -> str:
+            return f"gpu{c * per + index[node]}" if node in index else f"{node}_n{c}"
+
+        for c in range(nodes):
+            for node, attrs in self.graph.nodes(data=True):
+                g.add_node(rename(node, c), **attrs)
+            for u, v, attrs in self.graph.edges(data=True):
+                g.add_edge(rename(u, c), rename(v, c), **attrs)
+        g.add_node("ib0", kind="ib")
+        bw, lat = LINK_DEFAULTS["ib-ndr"]
+        for i in range(nodes * per):
+            for u, v in ((f"gpu{i}", "ib0"), ("ib0", f"gpu{i}")):
+                g.add_edge(u, v, bw=bw * GB, lat=lat * US, kind="ib-ndr")
+        return Topology(f"{nodes}x-{self.name}-ib", self.gpu, g)
 
     def to_dict(self) -> dict:
         nodes = [{"id": n, "kind": a.get("kind", "switch")} for n, a in self.graph.nodes(data=True)]
