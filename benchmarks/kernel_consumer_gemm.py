@@ -18,10 +18,14 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 TP = 8
 MODELS = {"llama3-8b": (4096, 1024, 14336), "llama3-70b": (8192, 1024, 28672)}
@@ -51,7 +55,7 @@ def bench(fn, dry_run: bool) -> float:
         return (time.perf_counter() - t) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,8 +71,8 @@ def gemm_table(dev: torch.device, dtype: torch.dtype, dry_run: bool) -> list[dic
 
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     configs = [tg.INTERPRETER_CONFIG] if dry_run else [tg.GemmConfig(*c) for c in CANDIDATES]
-    variants = ["ptr", "tma"] if (dev.type != "cuda" or tg.tma_ok(torch.empty(8, 8, device=dev, dtype=dtype),
-                                                                  torch.empty(8, 8, device=dev, dtype=dtype))) else ["ptr"]
+    variants = ["ptr", "tma", "tma+sk"] if (dev.type != "cuda" or tg.tma_ok(
+        torch.empty(8, 8, device=dev, dtype=dtype), torch.empty(8, 8, device=dev, dtype=dtype))) else ["ptr"]
     rows = []
     for sh in shapes(dry_run):
         m, n, k = sh["M"], sh["N"], sh["K"]
@@ -91,11 +95,13 @@ def gemm_table(dev: torch.device, dtype: torch.dtype, dry_run: bool) -> list[dic
                 [(p.block * block, (p.block + 1) * block, p.block, 1) for p in order], cfg.block_m, dev))
             for variant in variants:
                 entry = dict(variant=variant, config=asdict(cfg))
+                kind, sk = variant.split("+")[0], variant.endswith("+sk")
                 try:
-                    c.fill_(float("nan"))
-                    tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms, variant)
+                    for _ in range(2):  # twice: stream-K must leave its workspace clean
+                        c.fill_(float("nan"))
+                        tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms, kind, sk)
                     entry["rel_err"] = rel_err(c, ref)
-                    entry["ms"] = bench(lambda: tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms, variant), dry_run)
+                    entry["ms"] = bench(lambda: tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms, kind, sk), dry_run)
                     entry["tflops"] = flops / entry["ms"] / 1e9
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is a result too
                     entry["error"] = repr(e)[:300]
@@ -106,19 +112,30 @@ def gemm_table(dev: torch.device, dtype: torch.dtype, dry_run: bool) -> list[dic
         if best:
             cfg = tg.GemmConfig(**best["config"])
             tiles = tiles_by_cfg[cfg.block_m]
+            kind, sk = best["variant"].split("+")[0], best["variant"].endswith("+sk")
             row.update(best_variant=best["variant"], best_config=best["config"], triton_ms=best["ms"],
                        triton_tflops=best["tflops"], ratio=t_cublas / best["ms"], rel_err=best["rel_err"])
-            # as the operator runs it at world size > 1: COMM_SMS multiprocessors left to the movers
-            t = bench(lambda: tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms - COMM_SMS, best["variant"]), dry_run)
-            row.update(reserved_sms=COMM_SMS, ratio_with_reserved_sms=t_cublas / t)
-            # the heuristic the operator uses when nobody passes a config
-            dflt = tg.default_config(m, n, k, dev)
-            t = bench(lambda: tg.gemm(a, b, c, tiles, flags, "wait", dflt, sms, "auto"), dry_run)
-            row.update(default_config=asdict(dflt), ratio_default_config=t_cublas / t)
-            if sh["proj"] == "down":  # the reduce-scatter producer: signal per tile
-                pflags = torch.zeros(TP, dtype=torch.int32, device=dev)
-                t = bench(lambda: tg.gemm(a, b, c, tiles, pflags, "signal", cfg, sms, best["variant"]), dry_run)
-                row.update(ratio_producer_mode=t_cublas / t)
+            try:
+                # as the operator runs it at world size > 1: COMM_SMS multiprocessors left to the movers
+                t = bench(lambda: tg.gemm(a, b, c, tiles, flags, "wait", cfg, sms - COMM_SMS, kind, sk), dry_run)
+                row.update(reserved_sms=COMM_SMS, ratio_with_reserved_sms=t_cublas / t)
+                # the heuristic the operator uses when nobody passes a config
+                dflt = tg.default_config(m, n, k, dev, dtype, "tma" if "tma" in variants else "ptr")
+                dtiles = tiles_by_cfg.setdefault(dflt.block_m, tg.tile_table(
+                    [(p.block * block, (p.block + 1) * block, p.block, 1) for p in order], dflt.block_m, dev))
+                c.fill_(float("nan"))
+                tg.gemm(a, b, c, dtiles, flags, "wait", None, sms, "auto")
+                default_err = rel_err(c, ref)
+                t = bench(lambda: tg.gemm(a, b, c, dtiles, flags, "wait", None, sms, "auto"), dry_run)
+                row.update(default_config=asdict(dflt), ratio_default_config=t_cublas / t,
+                           default_rel_err=default_err, default_stream_k=tg.use_stream_k(
+                               dtiles.shape[0] * -(-n // dflt.block_n), sms, -(-k // dflt.block_k)))
+                if sh["proj"] == "down":  # the reduce-scatter producer: signal per tile
+                    pflags = torch.zeros(TP, dtype=torch.int32, device=dev)
+                    t = bench(lambda: tg.gemm(a, b, c, tiles, pflags, "signal", cfg, sms, kind, sk), dry_run)
+                    row.update(ratio_producer_mode=t_cublas / t)
+            except Exception as e:  # noqa: BLE001 - keep the table; record what failed
+                row["extras_error"] = repr(e)[:300]
         rows.append(row)
         print(f"{sh['model']:>10} {sh['proj']:>7} M={m:>5} N={n:>5} K={k:>5} cuBLAS {row['cublas_tflops']:7.1f} "
               f"Triton {row.get('triton_tflops', float('nan')):7.1f} TFLOP/s ratio {row.get('ratio', float('nan')):.3f} "
@@ -131,13 +148,12 @@ def end_to_end(dev: torch.device, dry_run: bool) -> list[dict]:
     import torch.distributed as dist
 
     import compass_fx.kernels  # noqa: F401
-    from compass_fx.kernels import cuda_impl
     from compass_fx.kernels.schedules import SCHEDULES
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                 init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
-                                device_id=dev if dev.type == "cuda" else None)
+                                device_id=torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else None)
     name = dist.group.WORLD.group_name
     out = []
     cases = [(torch.bfloat16, 4096, 4096, 3584), (torch.bfloat16, 1000, 512, 384), (torch.float32, 515, 256, 200)]
@@ -151,22 +167,33 @@ def end_to_end(dev: torch.device, dry_run: bool) -> list[dict]:
         ref1, ref2 = torch.mm(a.double(), b1.double()), torch.mm(a.double(), b2.double())
         for schedule in SCHEDULES:
             row = dict(dtype=str(dtype), M=m, K=k, N=n, schedule=schedule)
-            call = (cuda_impl if dry_run else torch.ops.compass)
-            for rep in range(2):  # twice: the second call reuses the symmetric workspaces
-                g, (o1, o2) = call.all_gather_matmul(a, [b1, b2], schedule, name, 1)
-                rs = call.matmul_reduce_scatter(a, b1, schedule, name, 1)
-                ar = call.matmul_all_reduce(a, b1, schedule, name, 1)
-            row.update(gathered_equal=bool(torch.equal(g, a)), ag_err=max(rel_err(o1, ref1), rel_err(o2, ref2)),
-                       rs_err=rel_err(rs, ref1), ar_err=rel_err(ar, ref1))
-            if dev.type == "cuda" and dtype == torch.bfloat16 and m >= 4096:
-                row["ag_ms"] = bench(lambda: torch.ops.compass.all_gather_matmul(a, [b1], schedule, name, 1), dry_run)
-                row["rs_ms"] = bench(lambda: torch.ops.compass.matmul_reduce_scatter(a, b1, schedule, name, 1), dry_run)
-                row["mm_ms"] = bench(lambda: torch.mm(a, b1), dry_run)
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
-            row["ok"] = (row["gathered_equal"] and row["ag_err"] < tol and row["rs_err"] < tol and row["ar_err"] < tol)
+            try:
+                _e2e_case(row, a, b1, b2, ref1, ref2, name, dev, dtype, dry_run)
+            except Exception as e:  # noqa: BLE001 - record and go on with the other cases
+                row.update(ok=False, error=repr(e)[:500])
             out.append(row)
             print("e2e", row, flush=True)
     return out
+
+
+def _e2e_case(row, a, b1, b2, ref1, ref2, name, dev, dtype, dry_run) -> None:
+    """One schedule: all three ops twice (the second call reuses the symmetric workspaces)."""
+    from compass_fx.kernels import cuda_impl
+
+    schedule = row["schedule"]
+    call = cuda_impl if dry_run else torch.ops.compass
+    for _ in range(2):
+        g, (o1, o2) = call.all_gather_matmul(a, [b1, b2], schedule, name, 1)
+        rs = call.matmul_reduce_scatter(a, b1, schedule, name, 1)
+        ar = call.matmul_all_reduce(a, b1, schedule, name, 1)
+    row.update(gathered_equal=bool(torch.equal(g, a)), ag_err=max(rel_err(o1, ref1), rel_err(o2, ref2)),
+               rs_err=rel_err(rs, ref1), ar_err=rel_err(ar, ref1))
+    if dev.type == "cuda" and dtype == torch.bfloat16 and row["M"] >= 4096:
+        row["ag_ms"] = bench(lambda: torch.ops.compass.all_gather_matmul(a, [b1], schedule, name, 1), dry_run)
+        row["rs_ms"] = bench(lambda: torch.ops.compass.matmul_reduce_scatter(a, b1, schedule, name, 1), dry_run)
+        row["mm_ms"] = bench(lambda: torch.mm(a, b1), dry_run)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    row["ok"] = row["gathered_equal"] and row["ag_err"] < tol and row["rs_err"] < tol and row["ar_err"] < tol
 
 
 def main() -> None:
@@ -184,10 +211,15 @@ def main() -> None:
                 dtype=str(dtype), date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
     print(info, flush=True)
     result = dict(info=info, gemm=gemm_table(dev, dtype, args.dry_run))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:  # early copy, in case the end-to-end part dies
+        json.dump(result, f, indent=1)
     if not args.skip_e2e:
         result["end_to_end_world1"] = end_to_end(dev, args.dry_run)
     ratios = [r["ratio"] for r in result["gemm"] if "ratio" in r]
+    dflt = [r["ratio_default_config"] for r in result["gemm"] if "ratio_default_config" in r]
     result["summary"] = dict(min_ratio=min(ratios) if ratios else None,
+                             min_ratio_default_config=min(dflt) if dflt else None,
                              shapes_below_0_90=[f"{r['model']}/{r['proj']}/M{r['M']}" for r in result["gemm"]
                                                 if r.get("ratio", 0) < 0.90],
                              e2e_all_ok=all(r["ok"] for r in result.get("end_to_end_world1", [])))

@@ -82,7 +82,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], outs: S
                               tg.comm_programs((e - s) * k), g[s:e].reshape(-1), _flag(f, idx(t.piece)))
     if not bs:
         return
-    cfg = buf.gemm_config or tg.default_config(g.shape[0], bs[0].shape[1], k, g.device)
+    variant = "tma" if all(tg.tma_ok(g, b) for b in bs) else "ptr"
+    cfg = buf.gemm_config or tg.default_config(g.shape[0], bs[0].shape[1], k, g.device, g.dtype, variant)
     spans = []
     for p in sched.order:
         s, e = _rows(m, sched.parts, p)
@@ -90,7 +91,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], outs: S
     tiles = tg.tile_table(spans, cfg.block_m, g.device)
     with buf.stream(-1):
         for b, out in zip(bs, outs):
-            tg.gemm(g, b, out, tiles, f, "wait", cfg, buf.gemm_programs)
+            tg.gemm(g, b, out, tiles, f, "wait", cfg, buf.gemm_programs, variant)
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, schedule: str,
@@ -106,7 +107,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s
     rows, n = a.shape[0], b.shape[1]
     m = rows // w
     p_buf, acc, pf, af = buf.local["P"], buf.local["ACC"], buf.local["PF"], buf.local["AF"]
-    cfg = buf.gemm_config or tg.default_config(rows, n, a.shape[1], a.device)
+    variant = "tma" if tg.tma_ok(a, b) else "ptr"
+    cfg = buf.gemm_config or tg.default_config(rows, n, a.shape[1], a.device, a.dtype, variant)
 
     def idx(p: Piece) -> int:
         return p.block * sched.parts + p.part
@@ -120,7 +122,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s
         spans.append((s, e, idx(p), 0))
     with buf.stream(-1):
         tg.gemm(a, b, p_buf, tg.tile_table(spans, cfg.block_m, a.device), pf, "signal", cfg,
-                buf.gemm_programs)
+                buf.gemm_programs, variant)
 
     adds_into: dict[Piece, int] = {}
     for i, step in enumerate(sched.steps):

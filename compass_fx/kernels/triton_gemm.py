@@ -45,14 +45,18 @@ class GemmConfig:
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 1)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """Heuristic tile choice (H200 measurements in benchmarks/results/kernel_consumer_gemm-h200.json)."""
+def default_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                   variant: str = "tma") -> GemmConfig:
+    """Tiles the operators use (H200: benchmarks/results/kernel_consumer_gemm-h200.json).
+
+    16-bit: 128x256x64, 8 warps, 4 stages (3 for pointer loads, whose epilogue needs more shared
+    memory); stream-K (TMA variant) takes care of shapes with too few tiles for whole waves.
+    fp32 (exact, no tf32): smaller K blocks to fit shared memory."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if triton.cdiv(m, 128) * triton.cdiv(n, 256) >= sms:
-        return GemmConfig(128, 256, 64, 8, 8, 3)
-    return GemmConfig(128, 128, 64, 8, 8, 4)
+    if dtype == torch.float32:
+        return GemmConfig(128, 128, 32, 8, 8, 3)
+    return GemmConfig(128, 256, 64, 8, 8, 4 if variant == "tma" else 3)
 
 
 @triton.jit
@@ -120,37 +124,107 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, tiles_ptr, flags_ptr,
 
 
 @triton.jit
-def _gemm_tma_kernel(a_desc, b_desc, c_ptr, tiles_ptr, flags_ptr,
-                     N, K, num_m_tiles, num_programs, stride_cm, stride_cn,
+def _tma_tile(a_desc, b_desc, row0, col0, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, B_T: tl.constexpr):
+    """fp32 accumulator of one output tile over K blocks [k_begin, k_end)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(k_begin, k_end):
+        a = a_desc.load([row0, kk * BLOCK_K])
+        if B_T:
+            b = b_desc.load([col0, kk * BLOCK_K]).T
+        else:
+            b = b_desc.load([kk * BLOCK_K, col0])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, row0, row1, col0, N, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _range_start(j, total, num_programs):
+    return j * total // num_programs
+
+
+@triton.jit
+def _gemm_tma_kernel(a_desc, b_desc, c_ptr, tiles_ptr, flags_ptr, ws_ptr, ws_count_ptr,
+                     N, K, num_m_tiles, num_programs, dp_tiles, stride_cm, stride_cn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, MODE: tl.constexpr, B_T: tl.constexpr):
+                     GROUP_M: tl.constexpr, MODE: tl.constexpr, B_T: tl.constexpr,
+                     STREAM_K: tl.constexpr):
     """As _gemm_kernel, with A and B tiles fetched by the tensor-memory accelerator (Hopper).
+
     A tile may run past its piece's last row into the next piece: those rows only feed output
-    rows that the masked store drops."""
+    rows that the masked store drops.  Tiles [0, dp_tiles) go round-robin to the programs; with
+    STREAM_K the remaining tiles' K iterations are cut into one contiguous range per program
+    (stream-K), which removes the idle tail of the last wave.  A tile split between ranges is
+    finished by the range holding its first K block (which reaches it last, at the end of its
+    range); the others add their partial sums into an fp32 workspace slot and count in.  Range j
+    runs on program num_programs-1-j, so the finishing program always waits on lower-numbered
+    programs: those are started first on the GPU, and run first in the interpreter."""
     pid = tl.program_id(0)
     num_n_tiles = tl.cdiv(N, BLOCK_N)
-    for tile in range(pid, num_m_tiles * num_n_tiles, num_programs):
+    k_iters = tl.cdiv(K, BLOCK_K)
+    for tile in range(pid, dp_tiles, num_programs):
         mt, nt = _tile_coords(tile, num_m_tiles, num_n_tiles, GROUP_M)
         row0 = tl.load(tiles_ptr + 4 * mt)
         row1 = tl.load(tiles_ptr + 4 * mt + 1)
         piece = tl.load(tiles_ptr + 4 * mt + 2)
         if MODE == 1:
             _spin_until(flags_ptr + piece, tl.load(tiles_ptr + 4 * mt + 3))
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, tl.cdiv(K, BLOCK_K)):
-            a = a_desc.load([row0, kk * BLOCK_K])
-            if B_T:
-                b = b_desc.load([nt * BLOCK_N, kk * BLOCK_K]).T
-            else:
-                b = b_desc.load([kk * BLOCK_K, nt * BLOCK_N])
-            acc = tl.dot(a, b, acc)
-        offs_m = row0 + tl.arange(0, BLOCK_M)
-        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < row1) & (offs_n[None, :] < N))
+        acc = _tma_tile(a_desc, b_desc, row0, nt * BLOCK_N, 0, k_iters, BLOCK_M, BLOCK_N, BLOCK_K, B_T)
+        _store_tile(c_ptr, acc, row0, row1, nt * BLOCK_N, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
         if MODE == 2:
             tl.debug_barrier()
             tl.atomic_add(flags_ptr + piece, 1, sem="release", scope="sys")
+    if STREAM_K:
+        total = (num_m_tiles * num_n_tiles - dp_tiles) * k_iters
+        j = num_programs - 1 - pid
+        it = _range_start(j, total, num_programs)
+        it_end = _range_start(j + 1, total, num_programs)
+        offs_w = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        while it < it_end:
+            local = it // k_iters
+            t_begin = local * k_iters
+            t_end = t_begin + k_iters
+            seg_end = tl.minimum(it_end, t_end)
+            mt, nt = _tile_coords(dp_tiles + local, num_m_tiles, num_n_tiles, GROUP_M)
+            row0 = tl.load(tiles_ptr + 4 * mt)
+            row1 = tl.load(tiles_ptr + 4 * mt + 1)
+            piece = tl.load(tiles_ptr + 4 * mt + 2)
+            if MODE == 1:
+                _spin_until(flags_ptr + piece, tl.load(tiles_ptr + 4 * mt + 3))
+            acc = _tma_tile(a_desc, b_desc, row0, nt * BLOCK_N, it - t_begin, seg_end - t_begin,
+                            BLOCK_M, BLOCK_N, BLOCK_K, B_T)
+            ws_tile = ws_ptr + local.to(tl.int64) * (BLOCK_M * BLOCK_N) + offs_w
+            if it == t_begin:
+                if seg_end < t_end:
+                    # count the later ranges that hold part of this tile, wait for all of them
+                    expected = 0
+                    jj = j + 1
+                    while (jj < num_programs) & (_range_start(jj, total, num_programs) < t_end):
+                        if _range_start(jj + 1, total, num_programs) > _range_start(jj, total, num_programs):
+                            expected += 1
+                        jj += 1
+                    _spin_until(ws_count_ptr + local, expected)
+                    acc += tl.load(ws_tile, cache_modifier=".cg")
+                    tl.store(ws_tile, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # clean for next call
+                    tl.atomic_xchg(ws_count_ptr + local, 0)
+                _store_tile(c_ptr, acc, row0, row1, nt * BLOCK_N, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N)
+                if MODE == 2:
+                    tl.debug_barrier()
+                    tl.atomic_add(flags_ptr + piece, 1, sem="release", scope="sys")
+            else:
+                tl.atomic_add(ws_tile, acc, sem="relaxed")
+                tl.debug_barrier()
+                tl.atomic_add(ws_count_ptr + local, 1, sem="release", scope="gpu")
+            it = seg_end
 
 
 @triton.jit
@@ -226,16 +300,45 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.stride(1) == 1 and a.stride(0) % 8 == 0 and (rowmajor_b or colmajor_b)
 
 
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def use_stream_k(tiles: int, num_programs: int, k_iters: int) -> bool:
+    """Stream-K pays where whole-tile waves leave >10% of the programs idle and tiles are deep."""
+    waves = triton.cdiv(tiles, num_programs)
+    return k_iters >= 8 and tiles / (waves * num_programs) < 0.9
+
+
+def stream_k_split(tiles: int, num_programs: int) -> int:
+    """Tiles done whole (round-robin) before the stream-K part: all but the last one-to-two waves."""
+    return max(0, tiles // num_programs - 1) * num_programs
+
+
+def _stream_k_workspace(device: torch.device, slots: int, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed fp32 partial-sum slots and int32 counters; kernels leave them zeroed again."""
+    key = (str(device), cfg.block_m, cfg.block_n)
+    ws = _workspaces.get(key)
+    slots = max(slots, 1)
+    if ws is None or ws[1].numel() < slots:
+        ws = _workspaces[key] = (torch.zeros(slots * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device),
+                                 torch.zeros(slots, dtype=torch.int32, device=device))
+    return ws
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
          flags: torch.Tensor | None, mode: str = "none", cfg: GemmConfig | None = None,
-         num_programs: int | None = None, variant: str = "auto") -> torch.Tensor:
+         num_programs: int | None = None, variant: str = "auto",
+         stream_k: bool | None = None) -> torch.Tensor:
     """c[rows of each tile] = a[rows] @ b, tiles visited in table order, with waits or signals.
 
     ``num_programs`` None: one program per SM (persistent); ``variant``: "ptr" (pointer loads,
-    any strides and dtypes), "tma" (tensor descriptors, Hopper, 16-bit) or "auto"."""
+    any strides and dtypes), "tma" (tensor descriptors, Hopper, 16-bit) or "auto"; ``stream_k``
+    (tma only) None: where the last wave would leave many programs idle."""
     m, k = a.shape
     n = b.shape[1]
-    cfg = cfg or default_config(m, n, k, a.device)
+    if variant == "auto":
+        variant = "tma" if tma_ok(a, b) else "ptr"
+    cfg = cfg or default_config(m, n, k, a.device, a.dtype, variant)
     num_m_tiles = tiles.shape[0]
     total = num_m_tiles * triton.cdiv(n, cfg.block_n)
     if num_programs is None:
@@ -244,8 +347,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
     num_programs = max(1, min(num_programs, total))
     if flags is None:
         flags = tiles  # never read in mode "none"
-    if variant == "auto":
-        variant = "tma" if tma_ok(a, b) else "ptr"
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                 MODE=MODES[mode], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if variant == "tma":
@@ -255,8 +356,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
         b_t = b.stride(0) == 1 and b.stride(1) != 1
         b_desc = (TensorDescriptor.from_tensor(b.t(), [cfg.block_n, cfg.block_k]) if b_t
                   else TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]))
-        _gemm_tma_kernel[(num_programs,)](a_desc, b_desc, c, tiles, flags, n, k, num_m_tiles, num_programs,
-                                          c.stride(0), c.stride(1), B_T=b_t, **meta)
+        k_iters = triton.cdiv(k, cfg.block_k)
+        if stream_k is None:
+            stream_k = use_stream_k(total, num_programs, k_iters)
+        dp_tiles = stream_k_split(total, num_programs) if stream_k else total
+        ws, count = _stream_k_workspace(a.device, total - dp_tiles, cfg)
+        _gemm_tma_kernel[(num_programs,)](a_desc, b_desc, c, tiles, flags, ws, count, n, k, num_m_tiles,
+                                          num_programs, dp_tiles, c.stride(0), c.stride(1), B_T=b_t,
+                                          STREAM_K=bool(stream_k), **meta)
         return c
     _gemm_kernel[(num_programs,)](
         a, b, c, tiles, flags, n, k, num_m_tiles, num_programs,
