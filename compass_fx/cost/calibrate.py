@@ -66,9 +66,9 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], parts: Sequence[int] =
             rows = m // d
             pieces = [(a[j * rows:(j + 1) * rows], c[j * rows:(j + 1) * rows]) for j in range(d)]
 
-            def run() -> None:
+            def run(pieces=pieces, weight=b) -> None:
                 for x, y in pieces:
-                    torch.mm(x, b, out=y)
+                    torch.mm(x, weight, out=y)
 
             out.append(GemmMeasurement(m, n, k, d, _median_time(run, cuda, min_time_s)))
         if progress:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from .collective import CollectiveTime, collective_time, schedule_steps
 from .decomposition import DecompositionModel
-from .gemm import gemm_time
 from .gpus import dtype_bytes, gpu_spec
 from .overlap import overlapped_gemm_time
 from .topology import Topology
@@ -39,8 +38,10 @@ def comm_bytes(w: Workload) -> int:
 
 
 def _even(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` split into ``parts`` near-equal positive pieces (fewer if total < parts)."""
     base, extra = divmod(total, parts)
-    return tuple(base + (1 if i < extra else 0) for i in range(parts) if base + (1 if i < extra else 0) > 0)
+    sizes = (base + (1 if i < extra else 0) for i in range(parts))
+    return tuple(size for size in sizes if size > 0)
 
 
 def gemm_shapes(w: Workload) -> tuple[tuple[int, int], ...]:
