@@ -79,8 +79,11 @@ def test_selection_is_deterministic_and_validates_its_inputs():
         assert select(w) == select(w, Topology.preset("h200-nvswitch-8"))
     with pytest.raises(ValueError, match="workload"):
         select("not a workload", H200)
+    assert select(w, "a6000-nvlink-pairs-pcie-8") == select(w, A6000)
     with pytest.raises(ValueError, match="topology"):
-        select(w, "h200-nvswitch-8")
+        select(w, 42)
+    with pytest.raises(ValueError, match="known presets"):
+        select(w, "dgx-9000")
     big = Workload("matmul_all_reduce", m=64, n=64, k=64, group_size=16)
     with pytest.raises(ValueError, match="group size"):
         select(big, H200)                       # an explicit machine must hold the group

@@ -34,10 +34,10 @@ def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
     return f"{winner.label} {seq.seconds / winner.seconds:.2f}x faster than sequential"
 
 
-def select(workload: Workload, topology: Topology | None = None, *,
+def select(workload: Workload, topology: "Topology | str | None" = None, *,
            fused_schedules: tuple[str, ...] = ()) -> Decision:
-    """Choose how to run ``workload`` on ``topology`` (default: :meth:`Topology.default`, replicated
-    over InfiniBand when the group is larger than that machine).
+    """Choose how to run ``workload`` on ``topology`` (a Topology, a preset name or a file; default
+    :meth:`Topology.default`, replicated over InfiniBand when the group is larger than that machine).
 
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
     most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
@@ -47,9 +47,11 @@ def select(workload: Workload, topology: Topology | None = None, *,
     """
     if workload is None or not isinstance(workload, Workload):
         raise ValueError(f"select: workload must be a Workload, got {workload!r}")
+    if isinstance(topology, str):
+        topology = Topology.resolve(topology)
     topo = Topology.default() if topology is None else topology
     if not isinstance(topo, Topology):
-        raise ValueError(f"select: topology must be a Topology or None, got {topology!r}")
+        raise ValueError(f"select: topology must be a Topology, a preset name, a file or None, got {topology!r}")
     if topology is None and workload.group_size > topo.num_gpus:
         # The group spans machines like this one (a detected single box, or the default preset).
         topo = topo.replicated(-(-workload.group_size // topo.num_gpus))
@@ -73,7 +75,7 @@ def select(workload: Workload, topology: Topology | None = None, *,
                     _reason(winner, candidates), coefficients, d_star, topo.name)
 
 
-def plan(workload: Workload, topology: Topology | None = None, *,
+def plan(workload: Workload, topology: "Topology | str | None" = None, *,
          fused_schedules: tuple[str, ...] = SCHEDULES) -> Decision:
     """What-if planning without a graph (CLI, benchmarks, reports): like :func:`select`, but by
     default with every fused schedule, i.e. the whole framework of the paper."""
