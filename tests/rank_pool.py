@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import socket
 import traceback
 from typing import Any, Callable
@@ -63,12 +64,18 @@ class RankPool:
             q.put((fn, args, kwargs))
         out: dict[int, Any] = {}
         failures = []
+        deadline = time.monotonic() + self.timeout_s
         while len(out) + len(failures) < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=self.timeout_s)
+                rank, ok, value = self._results.get(timeout=1.0)
             except queue.Empty:
-                self.close(force=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on all ranks within {self.timeout_s}s")
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in out]
+                if dead or time.monotonic() > deadline:
+                    codes = {r: self._procs[r].exitcode for r in dead}
+                    self.close(force=True)
+                    why = f"rank(s) died with exit codes {codes}" if dead else f"timed out after {self.timeout_s}s"
+                    raise RuntimeError(f"{fn.__name__}: {why}")
+                continue
             if ok:
                 out[rank] = value
             else:
