@@ -3,9 +3,11 @@
     model = torch.compile(model, backend="compass")
     report = compass_fx.explain(model, *example_inputs)
 """
+from .cost.hooks import clear_cost_hooks, register_cost_hook, unregister_cost_hook
 from .explain import explain, last_report
 from .options import CompassOptions, parse_options
 from .report import Report
 
-__all__ = ["CompassOptions", "Report", "explain", "last_report", "parse_options"]
+__all__ = ["CompassOptions", "Report", "clear_cost_hooks", "explain", "last_report", "parse_options",
+           "register_cost_hook", "unregister_cost_hook"]
 __version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""The ``compass-fx`` command: ``explain`` the demo model, and the planning subcommands.
+
+    compass-fx explain --world 4 --chunks 2      # what the backend does to the demo TP model
+    compass-fx plan --model llama3-70b --tp 8 --tokens 8192 --topology a6000-nvlink-pairs-pcie-8
+    compass-fx sweep --out sweep.csv             # the 288-configuration planning grid
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Trace the demo Llama-style model on a fake process group and print the report."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import compass_fx
+    from compass_fx.demo import ModelArgs, Transformer, parallelize
+
+    options = {"strategy": args.strategy, "topology": args.topology}
+    if args.chunks is not None:
+        options["chunks"] = args.chunks
+    if args.schedule is not None:
+        options["schedule"] = args.schedule
+    compass_fx.parse_options(options)  # a bad value fails here, before any tracing
+    if args.seq % args.world:
+        raise SystemExit(f"compass-fx explain: --seq {args.seq} must divide by --world {args.world}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    try:
+        mesh = init_device_mesh("cpu", (args.world,))
+        torch.manual_seed(0)
+        model_args = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                               ffn_hidden=args.ffn_hidden, vocab_size=args.vocab)
+        model = parallelize(Transformer(model_args), mesh, sequence_parallel=not args.no_sequence_parallel)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq))
+        report = compass_fx.explain(model, tokens, **options)
+    finally:
+        dist.destroy_process_group()
+    print(report.to_json() if args.json else report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compass-fx", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("explain", help="show which matmul<->collective pairs the backend rewrites in the demo model")
+    ex.add_argument("--world", type=int, default=4, help="tensor-parallel group size (fake ranks)")
+    ex.add_argument("--layers", type=int, default=2)
+    ex.add_argument("--dim", type=int, default=256)
+    ex.add_argument("--heads", type=int, default=8)
+    ex.add_argument("--ffn-hidden", type=int, default=512)
+    ex.add_argument("--vocab", type=int, default=1024)
+    ex.add_argument("--batch", type=int, default=2)
+    ex.add_argument("--seq", type=int, default=64)
+    ex.add_argument("--no-sequence-parallel", action="store_true", help="plain TP (all_reduce pairs)")
+    ex.add_argument("--strategy", default="auto", help="auto, off, decompose or fuse")
+    ex.add_argument("--chunks", type=int, default=None, help="force the InterDecom part count")
+    ex.add_argument("--schedule", default=None, help="fused schedule: ring, double_ring, direct")
+    ex.add_argument("--topology", default=None, help="topology preset name or file for the cost model")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.set_defaults(func=cmd_explain)
+    from .cost.commands import add_subcommands
+
+    add_subcommands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"compass-fx {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
