@@ -167,3 +167,9 @@ def test_schedules_available():
     assert fused_schedules_available("cpu", torch.float32) == SCHEDULES
     assert fused_schedules_available("cpu", torch.int64) == ()
     assert fused_schedules_available("xla", torch.float32) == ()
+
+
+def test_schedules_available_cuda_p2p_valve(monkeypatch):
+    monkeypatch.setenv("COMPASS_CUDA_FUSED", "p2p")
+    assert fused_schedules_available("cuda", torch.bfloat16) == SCHEDULES
+    assert fused_schedules_available("cuda", torch.int32) == ()

@@ -214,3 +214,20 @@ def _cuda_impl_glue(rank):
 
 def test_cuda_impl_glue_at_world_one(pools):
     assert pools(1).run(_cuda_impl_glue) == [True]
+
+
+def _default_tiles(rank):
+    tg = _interp()
+    cuda = torch.device("cuda")  # a device object only: nothing touches a GPU with num_programs given
+    pick = {name: tg.default_config(m, n, k, cuda, torch.bfloat16, "tma", 132)
+            for name, (m, n, k) in {"70b_qkv_4k": (4096, 1280, 8192), "8b_qkv_4k": (4096, 768, 4096),
+                                    "8b_gate_up_4k": (4096, 3584, 4096)}.items()}
+    return {name: (c.block_m, c.block_n, c.num_warps) for name, c in pick.items()}, \
+        tg.default_config(4096, 1280, 8192, cuda, torch.float32, "ptr", 132).block_k
+
+
+def test_default_tiles_follow_the_h200_measurements(pools):
+    """128x128 only where 128x256 tiles would leave most of a wave idle (70B QKV, 4096 tokens)."""
+    tiles, fp32_block_k = pools(1).run(_default_tiles)[0]
+    assert tiles == {"70b_qkv_4k": (128, 128, 4), "8b_qkv_4k": (128, 256, 8), "8b_gate_up_4k": (128, 256, 8)}
+    assert fp32_block_k == 32

@@ -28,7 +28,12 @@ _streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
 def supported(dtype: torch.dtype) -> bool:
-    """True where the Triton path runs: a CUDA device, Triton importable, a supported dtype."""
+    """True where the Triton path runs: a CUDA device, Triton importable, a supported dtype.
+
+    ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead
+    (a safety valve: the symmetric-memory path has been run on one GPU only so far)."""
+    if os.environ.get("COMPASS_CUDA_FUSED", "triton") == "p2p":
+        return False
     return (dtype in _SUPPORTED and torch.cuda.is_available()
             and importlib.util.find_spec("triton") is not None)
 

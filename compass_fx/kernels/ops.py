@@ -11,6 +11,7 @@ Layout: every matrix is 2-D and rows are rank-major blocks, exactly as
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -197,12 +198,15 @@ def fused_schedules_available(device_type: str, dtype: torch.dtype) -> tuple[str
     """Schedules with a real fused implementation for ``device_type``/``dtype``.
 
     CPU: the point-to-point implementation, for floating dtypes.  CUDA: the symmetric-memory +
-    Triton implementation, where Triton is importable and the dtype is one its GEMM supports.
+    Triton implementation, where Triton is importable and the dtype is one its GEMM supports
+    (or the point-to-point one over NCCL when ``COMPASS_CUDA_FUSED=p2p``).
     Anything else: none (the cost model then offers no fusion)."""
     if device_type == "cpu":
         return SCHEDULES if dtype in _FLOAT_DTYPES else ()
     if device_type == "cuda":
         from . import cuda_impl
 
-        return SCHEDULES if cuda_impl.supported(dtype) else ()
+        if cuda_impl.supported(dtype):
+            return SCHEDULES
+        return SCHEDULES if os.environ.get("COMPASS_CUDA_FUSED") == "p2p" and dtype in _FLOAT_DTYPES else ()
     return ()

@@ -83,7 +83,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], outs: S
     if not bs:
         return
     variant = "tma" if all(tg.tma_ok(g, b) for b in bs) else "ptr"
-    cfg = buf.gemm_config or tg.default_config(g.shape[0], bs[0].shape[1], k, g.device, g.dtype, variant)
+    cfg = buf.gemm_config or tg.default_config(g.shape[0], bs[0].shape[1], k, g.device, g.dtype, variant,
+                                               buf.gemm_programs)
     spans = []
     for p in sched.order:
         s, e = _rows(m, sched.parts, p)
@@ -108,7 +109,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s
     m = rows // w
     p_buf, acc, pf, af = buf.local["P"], buf.local["ACC"], buf.local["PF"], buf.local["AF"]
     variant = "tma" if tg.tma_ok(a, b) else "ptr"
-    cfg = buf.gemm_config or tg.default_config(rows, n, a.shape[1], a.device, a.dtype, variant)
+    cfg = buf.gemm_config or tg.default_config(rows, n, a.shape[1], a.device, a.dtype, variant,
+                                               buf.gemm_programs)
 
     def idx(p: Piece) -> int:
         return p.block * sched.parts + p.part

@@ -45,18 +45,37 @@ class GemmConfig:
 INTERPRETER_CONFIG = GemmConfig(16, 16, 16, 2, 1, 1)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                   variant: str = "tma") -> GemmConfig:
-    """Tiles the operators use (H200: benchmarks/results/kernel_consumer_gemm-h200.json).
+def wave_efficiency(tiles: int, programs: int) -> float:
+    """Share of program-slots busy when ``tiles`` equal tiles run in whole waves of ``programs``."""
+    return tiles / (triton.cdiv(tiles, programs) * programs)
 
-    16-bit: 128x256x64, 8 warps, 4 stages (3 for pointer loads, whose epilogue needs more shared
-    memory); stream-K (TMA variant) takes care of shapes with too few tiles for whole waves.
-    fp32 (exact, no tf32): smaller K blocks to fit shared memory."""
+
+# Measured on one H200 (benchmarks/results/kernel_consumer_gemm-h200.json): at equal wave
+# efficiency a 128x128 tile (4 warps) does ~0.85 of the work rate of a 128x256 tile (8 warps).
+SMALL_TILE_RATE = 0.85
+
+
+def default_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                   variant: str = "tma", num_programs: int | None = None) -> GemmConfig:
+    """Tiles the operators use (chosen from the H200 measurements in
+    benchmarks/results/kernel_consumer_gemm-h200.json).
+
+    16-bit, TMA: 128x256x64 / 8 warps / 4 stages, unless its tiles fill the programs' waves so
+    badly that 128x128 tiles (4 warps) finish sooner despite their lower rate (Llama-3 70B QKV at
+    4096 tokens: 160 big tiles on 132 SMs).  16-bit, pointer loads: 128x256x64, 3 stages.
+    fp32 (exact, no tf32): 128x128x32 to fit shared memory."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, 8, 8, 3)
-    return GemmConfig(128, 256, 64, 8, 8, 4 if variant == "tma" else 3)
+    if variant != "tma":
+        return GemmConfig(128, 256, 64, 8, 8, 3)
+    programs = num_programs or torch.cuda.get_device_properties(device).multi_processor_count
+    big = wave_efficiency(triton.cdiv(m, 128) * triton.cdiv(n, 256), programs)
+    small = wave_efficiency(triton.cdiv(m, 128) * triton.cdiv(n, 128), programs)
+    if SMALL_TILE_RATE * small > big:
+        return GemmConfig(128, 128, 64, 8, 4, 4)
+    return GemmConfig(128, 256, 64, 8, 8, 4)
 
 
 @triton.jit
@@ -303,12 +322,6 @@ def tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def use_stream_k(tiles: int, num_programs: int, k_iters: int) -> bool:
-    """Stream-K pays where whole-tile waves leave >10% of the programs idle and tiles are deep."""
-    waves = triton.cdiv(tiles, num_programs)
-    return k_iters >= 8 and tiles / (waves * num_programs) < 0.9
-
-
 def stream_k_split(tiles: int, num_programs: int) -> int:
     """Tiles done whole (round-robin) before the stream-K part: all but the last one-to-two waves."""
     return max(0, tiles // num_programs - 1) * num_programs
@@ -328,22 +341,24 @@ def _stream_k_workspace(device: torch.device, slots: int, cfg: GemmConfig) -> tu
 def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
          flags: torch.Tensor | None, mode: str = "none", cfg: GemmConfig | None = None,
          num_programs: int | None = None, variant: str = "auto",
-         stream_k: bool | None = None) -> torch.Tensor:
+         stream_k: bool = False) -> torch.Tensor:
     """c[rows of each tile] = a[rows] @ b, tiles visited in table order, with waits or signals.
 
     ``num_programs`` None: one program per SM (persistent); ``variant``: "ptr" (pointer loads,
     any strides and dtypes), "tma" (tensor descriptors, Hopper, 16-bit) or "auto"; ``stream_k``
-    (tma only) None: where the last wave would leave many programs idle."""
+    (tma only): split the last waves' K loops between programs.  Off by default: on the H200
+    it was slower than whole tiles on 10 of 12 Llama-3 shapes, within 1% on two (fp32 atomic
+    fix-up, register spills)."""
     m, k = a.shape
     n = b.shape[1]
     if variant == "auto":
         variant = "tma" if tma_ok(a, b) else "ptr"
-    cfg = cfg or default_config(m, n, k, a.device, a.dtype, variant)
-    num_m_tiles = tiles.shape[0]
-    total = num_m_tiles * triton.cdiv(n, cfg.block_n)
     if num_programs is None:
         num_programs = (torch.cuda.get_device_properties(a.device).multi_processor_count
                         if a.device.type == "cuda" else 4)
+    cfg = cfg or default_config(m, n, k, a.device, a.dtype, variant, num_programs)
+    num_m_tiles = tiles.shape[0]
+    total = num_m_tiles * triton.cdiv(n, cfg.block_n)
     num_programs = max(1, min(num_programs, total))
     if flags is None:
         flags = tiles  # never read in mode "none"
@@ -356,9 +371,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tiles: torch.Tensor,
         b_t = b.stride(0) == 1 and b.stride(1) != 1
         b_desc = (TensorDescriptor.from_tensor(b.t(), [cfg.block_n, cfg.block_k]) if b_t
                   else TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n]))
-        k_iters = triton.cdiv(k, cfg.block_k)
-        if stream_k is None:
-            stream_k = use_stream_k(total, num_programs, k_iters)
         dp_tiles = stream_k_split(total, num_programs) if stream_k else total
         ws, count = _stream_k_workspace(a.device, total - dp_tiles, cfg)
         _gemm_tma_kernel[(num_programs,)](a_desc, b_desc, c, tiles, flags, ws, count, n, k, num_m_tiles,
