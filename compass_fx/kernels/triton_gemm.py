@@ -60,22 +60,21 @@ def default_config(m: int, n: int, k: int, device: torch.device, dtype: torch.dt
     """Tiles the operators use (chosen from the H200 measurements in
     benchmarks/results/kernel_consumer_gemm-h200.json).
 
-    16-bit, TMA: 128x256x64 / 8 warps / 4 stages, unless its tiles fill the programs' waves so
-    badly that 128x128 tiles (4 warps) finish sooner despite their lower rate (Llama-3 70B QKV at
-    4096 tokens: 160 big tiles on 132 SMs).  16-bit, pointer loads: 128x256x64, 3 stages.
-    fp32 (exact, no tf32): 128x128x32 to fit shared memory."""
+    16-bit: 128x256x64 / 8 warps, unless its tiles fill the programs' waves so badly that 128x128
+    tiles (4 warps) finish sooner despite their lower rate (Llama-3 70B QKV at 4096 tokens: 160
+    big tiles on 132 SMs); 4 stages with TMA loads, 3 with pointer loads.  fp32 (exact, no tf32):
+    128x128x32.  The block shape depends on the shape and program count only, never on strides:
+    a reduce-scatter peer counts this rank's finished tiles, so every rank must tile alike."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return GemmConfig(128, 128, 32, 8, 8, 3)
-    if variant != "tma":
-        return GemmConfig(128, 256, 64, 8, 8, 3)
     programs = num_programs or torch.cuda.get_device_properties(device).multi_processor_count
     big = wave_efficiency(triton.cdiv(m, 128) * triton.cdiv(n, 256), programs)
     small = wave_efficiency(triton.cdiv(m, 128) * triton.cdiv(n, 128), programs)
     if SMALL_TILE_RATE * small > big:
         return GemmConfig(128, 128, 64, 8, 4, 4)
-    return GemmConfig(128, 256, 64, 8, 8, 4)
+    return GemmConfig(128, 256, 64, 8, 8, 4 if variant == "tma" else 3)
 
 
 @triton.jit
