@@ -145,6 +145,16 @@ def test_world_size_one_without_process_group(schedule):
     torch.testing.assert_close(o2, a @ b2)
     torch.testing.assert_close(torch.ops.compass.matmul_reduce_scatter(a, b1, schedule, "0", 1), a @ b1)
     torch.testing.assert_close(torch.ops.compass.matmul_all_reduce(a, b1, schedule, "0", 1), a @ b1)
+    # backward through all three ops, no process group at all
+    x, w = a.clone().requires_grad_(), b1.clone().requires_grad_()
+    g, (o,) = torch.ops.compass.all_gather_matmul(x, [w], schedule, "0", 1)
+    loss = (o.sum() + g.sum() + torch.ops.compass.matmul_reduce_scatter(x, w, schedule, "0", 1).sum()
+            + torch.ops.compass.matmul_all_reduce(x, w, schedule, "0", 1).sum())
+    loss.backward()
+    x2, w2 = a.clone().requires_grad_(), b1.clone().requires_grad_()
+    (3 * (x2 @ w2).sum() + x2.sum()).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
 
 
 def test_opcheck_and_fake_shapes():

@@ -91,9 +91,12 @@ def _ag_backward(ctx, grad_gathered, grad_outs):
         b_cat = torch.cat([b.t() for _, b in live], dim=0) if len(live) > 1 else live[0][1].t()
         grad_a = matmul_reduce_scatter(g_cat.contiguous(), b_cat, schedule, group_name, group_size)
     if grad_gathered is not None:
-        rs = torch.ops._c10d_functional.reduce_scatter_tensor(grad_gathered.contiguous(), "sum",
-                                                              group_size, group_name)
-        rs = torch.ops._c10d_functional.wait_tensor(rs)
+        if group_size == 1:
+            rs = grad_gathered
+        else:
+            rs = torch.ops._c10d_functional.reduce_scatter_tensor(grad_gathered.contiguous(), "sum",
+                                                                  group_size, group_name)
+            rs = torch.ops._c10d_functional.wait_tensor(rs)
         grad_a = rs if grad_a is None else grad_a + rs
     grad_bs = [None if g is None else gathered.t() @ g for g in grad_outs]
     return grad_a, grad_bs, None, None, None
