@@ -27,4 +27,18 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
     if options.strategy == "fuse":
         return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
-    return select(pair.workload(), topology)
+    return select(pair.workload(), topology, fused_schedules=_fused_schedules(pair))
+
+
+def _fused_schedules(pair: Pair) -> tuple[str, ...]:
+    """Fused schedules the cost model may choose for this pair: real implementations on GPUs only.
+
+    On CPU the fused operators are a correct reference (point-to-point messages), not a fast path,
+    so "auto" never picks them there; ``strategy="fuse"`` still forces them anywhere.
+    """
+    val = (pair.logical if pair.logical is not None else pair.reduced).meta.get("val")
+    if val is None or val.device.type != "cuda":
+        return ()
+    from ..kernels import fused_schedules_available
+
+    return fused_schedules_available("cuda", val.dtype)

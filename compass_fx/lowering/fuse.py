@@ -1,0 +1,137 @@
+"""IntraFusion: replace a pair by one call of a fused ``torch.ops.compass`` operator.
+
+The fused operators work on 2-D matrices whose rows are rank-major blocks (as
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on dim 0 lay them out).  A pair gathered or
+scattered on a dim g > 0 keeps its rows in logical order (``lead, rank, local, mid``), so rows are
+permuted on the way in or out; several matmuls reduced together become one GEMM over the
+concatenated inner dim.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..cost import Decision
+from ..passes.pairs import Pair, mm_operands
+from .graph_edit import PART_MARK, NodeBuilder, shape_of, stable_toposort
+
+aten = torch.ops.aten
+
+
+def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> tuple[bool, str]:
+    """Rewrite ``pair`` into a fused call; ``(False, reason)`` leaves the graph untouched."""
+    import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
+
+    why = _unsupported(pair)
+    if why:
+        return False, why
+    b = NodeBuilder(gm.graph, pair.collective)
+    build = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
+             "matmul_all_reduce": _all_reduce}[pair.kind]
+    try:
+        replacements = build(b, pair, decision.schedule or "ring")
+    except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: undo it, keep the pair
+        for node in reversed(b.created):
+            gm.graph.erase_node(node)
+        return False, f"fused rewrite not applicable: {e}"
+    for old, new in replacements:
+        old.replace_all_uses_with(new)
+    for node in b.created:
+        node.meta[PART_MARK] = True
+    stable_toposort(gm.graph)
+    gm.graph.eliminate_dead_code()
+    for node in (pair.wait, pair.collective):  # FX keeps wait_tensor (impure); drop it by hand
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    return True, ""
+
+
+def _unsupported(pair: Pair) -> str:
+    if pair.kind != "all_gather_matmul":
+        if pair.reduce_op != "sum":
+            return f"the fused operators reduce with 'sum', this pair with {pair.reduce_op!r}"
+        if any(t.target is aten.addmm.default for t in pair.terms):
+            return "a bias added inside the reduction differs per rank; the fused GEMM has no bias"
+        dtypes = {mm_operands(t)[0].meta["val"].dtype for t in pair.terms}
+        if len(dtypes) != 1:
+            return "the reduced matmuls differ in dtype"
+    return ""
+
+
+def _local_shape(pair: Pair) -> list[int]:
+    shape = list(pair.layout.shape[:-1])
+    shape[pair.layout.dim] //= pair.layout.world
+    return shape
+
+
+def _rank_major_to_logical(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
+    """Rows ``(rank, lead, local, mid)`` -> ``(lead, rank, local, mid)`` for a gather on dim g > 0."""
+    g, cols = pair.layout.dim, shape_of(t2d)[-1]
+    local = _local_shape(pair)
+    v = b.view(t2d, [pair.layout.world] + local + [cols])
+    order = list(range(1, g + 1)) + [0] + list(range(g + 1, len(local) + 2))
+    return b.view(b.contiguous(b.call(aten.permute.default, v, order)), [pair.layout.rows, cols])
+
+
+def _logical_to_rank_major(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
+    """Inverse of ``_rank_major_to_logical``."""
+    g, cols = pair.layout.dim, shape_of(t2d)[-1]
+    local = _local_shape(pair)
+    split = local[:g] + [pair.layout.world] + local[g:] + [cols]
+    order = [g] + list(range(g)) + list(range(g + 1, len(split)))
+    return b.view(b.contiguous(b.call(aten.permute.default, b.view(t2d, split), order)),
+                  [pair.layout.rows, cols])
+
+
+Replacements = list[tuple[fx.Node, fx.Node]]
+
+
+def _all_gather(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+    cols = pair.layout.shape[-1]
+    shard = b.view(pair.shard, [pair.layout.rows // pair.layout.world, cols])
+    weights = [mm_operands(rc.mm)[1] for rc in pair.row_consumers]
+    fused = b.call(torch.ops.compass.all_gather_matmul.default, shard, weights, schedule,
+                   pair.group_name, pair.group_size)
+    outs = b.call(operator.getitem, fused, 1)
+    replacements = []
+    for j, rc in enumerate(pair.row_consumers):
+        out = b.call(operator.getitem, outs, j)
+        if pair.layout.dim > 0:
+            out = _rank_major_to_logical(b, out, pair)
+        if rc.mm.target is aten.addmm.default:
+            out = b.add(out, rc.mm.args[0])
+        replacements.append((rc.mm, out))
+    if pair.contraction_consumers or pair.other_users:
+        gathered = b.call(operator.getitem, fused, 0)
+        if pair.layout.dim > 0:
+            gathered = _rank_major_to_logical(b, gathered, pair)
+        replacements.append((pair.logical, b.view(gathered, list(pair.layout.shape))))
+    return replacements
+
+
+def _concat_terms(b: NodeBuilder, pair: Pair) -> tuple[fx.Node, fx.Node]:
+    """One GEMM for a sum of GEMMs: concatenate the row operands on K and the weights on K."""
+    lhs = [mm_operands(t)[0] for t in pair.terms]
+    rhs = [mm_operands(t)[1] for t in pair.terms]
+    if len(lhs) == 1:
+        return lhs[0], rhs[0]
+    return b.cat(lhs, 1), b.cat(rhs, 0)
+
+
+def _reduce_scatter(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+    a, w = _concat_terms(b, pair)
+    if pair.layout.dim > 0:
+        a = _logical_to_rank_major(b, a, pair)
+    out = b.call(torch.ops.compass.matmul_reduce_scatter.default, a, w, schedule, pair.group_name,
+                 pair.group_size)
+    return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
+
+
+def _all_reduce(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+    a, w = _concat_terms(b, pair)
+    out = b.call(torch.ops.compass.matmul_all_reduce.default, a, w, schedule, pair.group_name,
+                 pair.group_size)
+    return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
