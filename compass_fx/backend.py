@@ -84,10 +84,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
 
 
 def _topology(opts: CompassOptions) -> Any:
+    """The Topology named by the options (a preset or a file), resolved once per compile."""
     if opts.topology is None or not isinstance(opts.topology, str):
         return opts.topology
-    from . import cost
+    from .cost import Topology
 
-    if not hasattr(cost, "Topology"):
-        raise ValueError("option 'topology': no topology model is available in this version")
-    return cost.Topology.preset(opts.topology)
+    try:
+        return Topology.resolve(opts.topology)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"option 'topology': {e}") from None

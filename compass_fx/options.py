@@ -98,8 +98,15 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
             raise ValueError(f"option 'dump_dir' must be a path, got {dump_dir!r}")
         dump_dir = str(dump_dir)
     topology = raw.get("topology")
-    if topology is not None and not isinstance(topology, str) and not hasattr(topology, "graph"):
-        raise ValueError(f"option 'topology' must be a preset name or a Topology, got {topology!r}")
+    if isinstance(topology, str):
+        from .cost import Topology
+
+        try:
+            Topology.resolve(topology)  # an unknown preset fails here, not deep inside a compile
+        except (ValueError, OSError) as e:
+            raise ValueError(f"option 'topology': {e}") from None
+    elif topology is not None and not hasattr(topology, "graph"):
+        raise ValueError(f"option 'topology' must be a preset name, a file or a Topology, got {topology!r}")
     mode = raw.get("mode")
     if mode is not None and not isinstance(mode, str):
         raise ValueError(f"option 'mode' must be a string, got {mode!r}")

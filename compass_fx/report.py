@@ -29,6 +29,9 @@ class PairRecord:
     schedule: str | None = None
     predicted_s: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    topology: str | None = None
+    d_star: float | None = None            # the decomposition model's continuous optimum sqrt(C/A)
+    coefficients: list[float] | None = None  # A, B, C of T(d) = A*d + B + C/d
 
 
 @dataclass
@@ -110,10 +113,14 @@ def format_report(report: Report) -> str:
                         for g in report.graphs)
     if summary:
         lines.append(summary)
+    topologies = sorted({p.topology for p in report.pairs if p.topology})
+    if topologies:
+        lines.append(f"cost model topology: {', '.join(topologies)}")
     for p in report.pairs:
         if len(p.candidates) > 1 and any(c.get("seconds") is not None for c in p.candidates):
             cands = ", ".join(f"{c['label']}={_fmt_seconds(c.get('seconds'))}" for c in p.candidates)
-            lines.append(f"candidates {p.graph}/{p.collective}: {cands}")
+            d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
+            lines.append(f"candidates {p.graph}/{p.collective}{d_star}: {cands}")
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from compass_fx import parse_options
     ({"chunk": 2}, "unknown compass option(s) ['chunk']"),
     ({"group": 3}, "'group'"),
     ({"strategy": "off", "chunks": 2}, "'chunks'"),
+    ({"topology": "dgx-imaginary"}, "'topology'"),
 ])
 def test_bad_options_name_the_option(bad, needle):
     with pytest.raises(ValueError) as e:

@@ -53,6 +53,7 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
         pair = todo[0]
         handled.add(pair.collective.name)
         report.pairs.append(_apply(gm, pair, options, topology))
+    gm.graph.lint()
     gm.recompile()
     report.collectives_after = count_collectives(gm)
     _dump(gm, graph_kind, "after", options)
@@ -96,7 +97,9 @@ def _record(pair: Pair, decision: Decision) -> PairRecord:
         strategy=decision.strategy, parts=decision.parts, status="", reason=decision.reason,
         schedule=decision.schedule, predicted_s=decision.predicted_s,
         candidates=[{"label": c.label, "strategy": c.strategy, "parts": c.parts, "schedule": c.schedule,
-                     "seconds": c.seconds} for c in decision.candidates])
+                     "seconds": c.seconds} for c in decision.candidates],
+        topology=decision.topology, d_star=decision.d_star,
+        coefficients=list(decision.coefficients) if decision.coefficients else None)
 
 
 _dump_counter = 0
