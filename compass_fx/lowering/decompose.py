@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..passes.pairs import Pair, mm_operands
+from ..passes.pairs import BatchedWeight, Pair, mm_operands
 from .graph_edit import PART_MARK, NodeBuilder, shape_of, stable_toposort
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+prims = torch.ops.prims
 
 
 def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
@@ -39,11 +40,35 @@ def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
     gm.graph.eliminate_dead_code()
 
 
-def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node) -> fx.Node:
-    """The same mm/addmm as ``mm`` with its row operand replaced by ``rows``."""
+def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node, weight: fx.Node | None = None) -> fx.Node:
+    """The same mm/addmm as ``mm`` with its row operand replaced by ``rows`` (2-D).
+
+    ``weight`` is the 2-D weight of a bmm-form matmul (see ``batched_weight_2d``).
+    """
     if mm.target is aten.addmm.default:
         return b.call(aten.addmm.default, mm.args[0], rows, mm.args[2], **mm.kwargs)
+    if mm.target is aten.bmm.default:
+        return b.call(aten.mm.default, rows, weight)
     return b.call(aten.mm.default, rows, mm.args[1])
+
+
+def batched_weight_2d(b: NodeBuilder, weight: BatchedWeight | None) -> fx.Node | None:
+    """The [K, N] matrix that a bmm-form matmul multiplies every batch by."""
+    if weight is None:
+        return None
+    w = weight.source
+    shape = shape_of(w)
+    if len(shape) == 3:
+        w = b.view(w, list(shape[1:]))
+    if weight.transpose:
+        w = b.call(aten.permute.default, w, [1, 0])
+    return w
+
+
+def _cast(b: NodeBuilder, x: fx.Node, casts: tuple[torch.dtype, ...]) -> fx.Node:
+    for dtype in casts:
+        x = b.call(prims.convert_element_type.default, x, dtype)
+    return x
 
 
 def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
@@ -51,6 +76,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
     shard_shape = shape_of(pair.shard)
     c = shard_shape[g] // parts
     flat = [layout.rows // parts, layout.shape[-1]]
+    weights = [batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
 
     shard_parts = []
     for i in range(parts):
@@ -72,10 +98,18 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         if g > 0:
             gathered = b.cat(b.split(gathered, shard_shape[0], 0, world), g)
         logical_parts.append(gathered)
-        rows = gathered if len(layout.shape) == 2 else b.view(gathered, flat)
+        plain = gathered if len(layout.shape) == 2 else b.view(gathered, flat)
+        cast_rows: dict[tuple, fx.Node] = {}
+
+        def rows_as(casts: tuple) -> fx.Node:
+            if casts not in cast_rows:
+                cast_rows[casts] = _cast(b, plain, casts)
+            return cast_rows[casts]
+
         for j, rc in enumerate(pair.row_consumers):
-            row_outs[j].append(_matmul_like(b, rc.mm, rows))
+            row_outs[j].append(_matmul_like(b, rc.mm, rows_as(rc.casts), weights[j]))
         for j, cc in enumerate(pair.contraction_consumers):
+            rows = rows_as(cc.casts)
             other = select_rows(b, cc.other, layout, parts, i)
             if cc.gathered_on_left:
                 part = b.call(aten.mm.default, b.call(aten.permute.default, rows, [1, 0]), other)
@@ -84,7 +118,10 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
             sums[j] = part if sums[j] is None else b.add(sums[j], part)
 
     for rc, outs in zip(pair.row_consumers, row_outs):
-        rc.mm.replace_all_uses_with(interleave_rows(b, outs, layout))
+        out = interleave_rows(b, outs, layout)
+        if rc.mm.target is aten.bmm.default:
+            out = b.view(out, list(shape_of(rc.mm)))
+        rc.mm.replace_all_uses_with(out)
     for cc, total in zip(pair.contraction_consumers, sums):
         cc.mm.replace_all_uses_with(total)
     if pair.other_users:
@@ -92,19 +129,55 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         pair.logical.replace_all_uses_with(full)
 
 
-def _row_parts(b: NodeBuilder, pair: Pair, parts: int, i: int) -> fx.Node:
-    """The sum of the pair's matmul terms over the rows of part ``i``."""
-    total = None
-    for term in pair.terms:
-        a, _ = mm_operands(term)
-        if pair.kind == "matmul_all_reduce":
-            r = pair.layout.rows // parts
-            rows = b.slice(a, 0, i * r, (i + 1) * r)
+class _PartValues:
+    """Per-part values, as 2-D row blocks, of every node of a reduced sum of matmuls."""
+
+    def __init__(self, b: NodeBuilder, pair: Pair, parts: int) -> None:
+        self.b, self.pair, self.parts = b, pair, parts
+        self.weights = {t: batched_weight_2d(b, w) for t, w in pair.forms.items()}
+        self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def rows_of(self, x: fx.Node, i: int) -> fx.Node:
+        """Rows of part ``i`` of a row-aligned operand (any rank; flattened to 2-D first)."""
+        shape = shape_of(x)
+        if len(shape) != 2:
+            x = self.b.view(x, [self.pair.layout.rows, shape[-1]])
+        if self.pair.kind == "matmul_all_reduce":
+            r = self.pair.layout.rows // self.parts
+            return self.b.slice(x, 0, i * r, (i + 1) * r)
+        return select_rows(self.b, x, self.pair.layout, self.parts, i)
+
+    def value(self, node: fx.Node, i: int) -> fx.Node:
+        key = (node, i)
+        if key not in self.memo:
+            self.memo[key] = self._compute(node, i)
+        return self.memo[key]
+
+    def _compute(self, node: fx.Node, i: int) -> fx.Node:
+        if node in self.pair.terms:
+            a, _ = mm_operands(node)
+            return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
+        if node.target is aten.add.Tensor:
+            return self.b.add(self.value(node.args[0], i), self.value(node.args[1], i))
+        if node.target is prims.convert_element_type.default:
+            return _cast(self.b, self.value(node.args[0], i), (node.args[1],))
+        if node.target is aten._to_copy.default:
+            return _cast(self.b, self.value(node.args[0], i), (node.kwargs["dtype"],))
+        return self.value(node.args[0], i)  # a reshape: the row blocks are the same
+
+    def whole(self, node: fx.Node) -> fx.Node:
+        """``node`` rebuilt from its part values, for its users outside the sum."""
+        pieces = [self.value(node, i) for i in range(self.parts)]
+        if self.pair.kind == "matmul_all_reduce":
+            flat = self.b.cat(pieces, 0)
         else:
-            rows = select_rows(b, a, pair.layout, parts, i)
-        out = _matmul_like(b, term, rows)
-        total = out if total is None else b.add(total, out)
-    return total
+            flat = interleave_rows(self.b, pieces, self.pair.layout)
+        return self.b.view(flat, list(shape_of(node)))
+
+
+def _rebuild_escapes(values: _PartValues) -> None:
+    for node in values.pair.escapes:
+        node.replace_all_uses_with(values.whole(node))
 
 
 def _reduce_scatter(b: NodeBuilder, pair: Pair, parts: int) -> None:
@@ -112,22 +185,28 @@ def _reduce_scatter(b: NodeBuilder, pair: Pair, parts: int) -> None:
     c = layout.local_extent // parts
     part_shape = list(layout.shape)
     part_shape[g] //= parts
+    values = _PartValues(b, pair, parts)
     pending = []
     for i in range(parts):
-        total = _row_parts(b, pair, parts, i)
-        logical = total if len(layout.shape) == 2 else b.view(total, part_shape)
+        total = values.value(pair.reduced, i)
+        logical = b.view(total, part_shape)
         if g > 0:
             logical = b.cat(b.split(logical, c, g, world), 0)
         pending.append(b.call(c10d.reduce_scatter_tensor.default, logical, pair.reduce_op, world,
                               pair.group_name))
     out = b.cat([b.wait(p) for p in pending], g)
+    if pair.scatter_perm is not None:
+        out = b.call(aten.permute.default, out, list(pair.scatter_perm))
+    _rebuild_escapes(values)
     pair.wait.replace_all_uses_with(out)
 
 
 def _all_reduce(b: NodeBuilder, pair: Pair, parts: int) -> None:
-    pending = [b.call(c10d.all_reduce.default, _row_parts(b, pair, parts, i), pair.reduce_op,
+    values = _PartValues(b, pair, parts)
+    pending = [b.call(c10d.all_reduce.default, values.value(pair.reduced, i), pair.reduce_op,
                       pair.group_name) for i in range(parts)]
     out = b.cat([b.wait(p) for p in pending], 0)
     if len(pair.layout.shape) != 2:
         out = b.view(out, list(pair.layout.shape))
+    _rebuild_escapes(values)
     pair.wait.replace_all_uses_with(out)

@@ -9,19 +9,24 @@ from __future__ import annotations
 import logging
 import math
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from ..lowering.graph_edit import PART_MARK, shape_of
-from .pairs import ContractionConsumer, Pair, RowConsumer, RowLayout, Skip, mm_operands
+from .pairs import BatchedWeight, ContractionConsumer, Pair, RowConsumer, RowLayout, Skip, mm_operands
 
 log = logging.getLogger("compass_fx")
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+prims = torch.ops.prims
+
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                          aten.flatten.using_ints)
 MM_OPS = (aten.mm.default, aten.addmm.default)
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
@@ -79,7 +84,8 @@ def _dtype(node: fx.Node) -> torch.dtype:
 def _gathered_logical(wait: fx.Node, world: int, shard_shape: tuple[int, ...]) -> tuple[fx.Node, int]:
     """The gathered tensor in its logical shape and the gather dim.
 
-    A gather on dim g > 0 appears as ``split(wait, shard_rows, 0) -> getitem x world -> cat(dim g)``.
+    A gather on dim g > 0 appears as ``split(wait, shard_rows, 0) -> getitem x world -> cat(dim g)``
+    (DTensor's forward) or as ``slice(wait, 0, i*rows, (i+1)*rows) x world -> cat(dim g)`` (backward).
     """
     users = list(wait.users)
     if len(users) == 1 and users[0].target is aten.split.Tensor:
@@ -88,76 +94,137 @@ def _gathered_logical(wait: fx.Node, world: int, shard_shape: tuple[int, ...]) -
         getitems = sorted(split.users, key=lambda n: n.args[1] if n.target is operator.getitem else -1)
         if (dim == 0 and split.args[1] == shard_shape[0] and len(getitems) == world
                 and all(g.target is operator.getitem and g.args[1] == i for i, g in enumerate(getitems))):
-            cats = {u for g in getitems for u in g.users}
-            if len(cats) == 1 and all(len(g.users) == 1 for g in getitems):
-                cat = cats.pop()
-                if (cat.target is aten.cat.default and list(cat.args[0]) == getitems):
-                    cat_dim = cat.args[1] if len(cat.args) > 1 else 0
-                    ndim = len(shard_shape)
-                    cat_dim = cat_dim % ndim
-                    if cat_dim == 0:
-                        raise NoMatch("split/cat around the gather does not change the gather dim")
-                    return cat, cat_dim
+            return _cat_of_pieces(getitems, len(shard_shape))
         raise NoMatch("gathered tensor is split in a way that is not a gather-dim change")
+    if users and all(u.target is aten.slice.Tensor for u in users):
+        return _cat_of_pieces(_ordered_slices(users, world, shard_shape[0]), len(shard_shape))
     return wait, 0
 
 
-def _flat_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[fx.Node], int]:
-    """2-D views of ``logical`` that flatten its leading dims, and the count of other users.
+def _ordered_slices(slices: list[fx.Node], world: int, rows: int) -> list[fx.Node]:
+    """The slices ``[i*rows, (i+1)*rows)`` of dim 0 for i < world, in order, or NoMatch."""
+    by_start = {}
+    for s in slices:
+        args = list(s.args) + [0, None, None, 1][len(s.args) - 1:]
+        _, dim, start, end, step = args[:5]
+        if dim != 0 or step != 1 or s.kwargs or not isinstance(start, int) or end != start + rows:
+            raise NoMatch("gathered tensor is sliced in a way that is not a gather-dim change")
+        by_start[start] = s
+    if sorted(by_start) != [i * rows for i in range(world)] or len(slices) != world:
+        raise NoMatch("gathered tensor is sliced in a way that is not a gather-dim change")
+    return [by_start[i * rows] for i in range(world)]
 
-    Views that keep the logical shape are followed through.
+
+def _cat_of_pieces(pieces: list[fx.Node], ndim: int) -> tuple[fx.Node, int]:
+    """The one ``cat(pieces, g)`` with g > 0 that all rank pieces feed, and g."""
+    cats = {u for p in pieces for u in p.users}
+    if len(cats) == 1 and all(len(p.users) == 1 for p in pieces):
+        cat = cats.pop()
+        if cat.target is aten.cat.default and list(cat.args[0]) == pieces:
+            cat_dim = (cat.args[1] if len(cat.args) > 1 else 0) % ndim
+            if cat_dim == 0:
+                raise NoMatch("split/cat around the gather does not change the gather dim")
+            return cat, cat_dim
+    raise NoMatch("gathered tensor is split in a way that is not a gather-dim change")
+
+
+def _cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of an elementwise dtype conversion node (None if ``node`` is not one)."""
+    if node.target is prims.convert_element_type.default:
+        return node.args[1]
+    if node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
+        return node.kwargs.get("dtype")
+    return None
+
+
+def _is_reshape(node: fx.Node) -> bool:
+    """Reshapes keep the row-major element order, so rows survive any chain of them."""
+    return node.target in RESHAPE_OPS and shape_of(node) is not None
+
+
+def _row_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[tuple[fx.Node, tuple]], int]:
+    """Nodes that hold the gathered rows, with the dtype casts on the way, and the count of other users.
+
+    From the logical tensor the walk follows reshapes (any chain: the element order is kept) and
+    dtype conversions; a node reached that way whose last dim is the logical last dim holds the
+    same rows.  Users that are neither followed nor classified later count as other users.
     """
-    flat = (math.prod(shape[:-1]), shape[-1])
-    views: list[fx.Node] = []
+    found: list[tuple[fx.Node, tuple]] = []
     others = 0
-    frontier = [logical]
-    if len(shape) == 2:
-        views.append(logical)
-    seen = set()
+    frontier: list[tuple[fx.Node, tuple]] = [(logical, ())]
+    seen: set[fx.Node] = {logical}
     while frontier:
-        node = frontier.pop()
+        node, casts = frontier.pop(0)
+        nshape = shape_of(node)
+        rows_here = nshape is not None and len(nshape) in (2, 3) and nshape[-1] == shape[-1]
+        if rows_here:
+            found.append((node, casts))
         for user in node.users:
             if user in seen:
                 continue
-            seen.add(user)
-            if user.target in VIEW_OPS:
-                ushape = shape_of(user)
-                if ushape == flat and user not in views:
-                    views.append(user)
-                    continue
-                if ushape == shape:
-                    frontier.append(user)
-                    continue
-            if node is logical and len(shape) == 2:
-                continue  # classified below as a user of the 2-D view itself
-            others += 1
-    return views, others
+            dtype = _cast_dtype(user)
+            if dtype is not None or _is_reshape(user):
+                seen.add(user)
+                frontier.append((user, casts + ((dtype,) if dtype is not None else ())))
+            elif not rows_here:
+                others += 1
+    return found, others
 
 
-def _classify_view_users(view: fx.Node, views: list[fx.Node]) -> tuple[list[RowConsumer], list[ContractionConsumer], int]:
+def _batched_weight(node: object) -> BatchedWeight | None:
+    """The 2-D matrix that a bmm's right operand broadcasts over its batch, if it is one."""
+    if not isinstance(node, fx.Node):
+        return None
+    shape = shape_of(node)
+    if shape is None or len(shape) != 3:
+        return None
+    transpose = False
+    if node.target is aten.permute.default and list(node.args[1]) == [0, 2, 1]:
+        transpose, node = True, node.args[0]
+    if node.target is aten.expand.default:
+        src = node.args[0]
+        sshape = shape_of(src)
+        if sshape is not None and (sshape == tuple(shape_of(node)[1:]) or sshape == (1,) + tuple(shape_of(node)[1:])):
+            return BatchedWeight(src, transpose)
+        return None
+    if shape_of(node)[0] == 1:
+        return BatchedWeight(node, transpose)
+    return None
+
+
+def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tuple[list[RowConsumer], list[ContractionConsumer], int]:
     rows: list[RowConsumer] = []
     contractions: list[ContractionConsumer] = []
     others = 0
+    two_d = len(shape_of(view)) == 2
     for user in view.users:
-        if user in views:
-            continue  # a flattening view of a flattening view: classified on its own
-        if user.target is aten.mm.default and user.args[0] is view and user.args[1] is not view:
-            rows.append(RowConsumer(user, view))
-        elif user.target is aten.addmm.default and user.args[1] is view and user.args[2] is not view \
-                and _row_broadcast_bias(user.args[0]):
-            rows.append(RowConsumer(user, view))
-        elif user.target is aten.permute.default and list(user.args[1]) == [1, 0] and user.users and all(
+        if user in views or _cast_dtype(user) is not None or _is_reshape(user):
+            continue  # followed by the walk in _row_views
+        if two_d and user.target is aten.mm.default and user.args[0] is view and user.args[1] is not view:
+            rows.append(RowConsumer(user, view, casts))
+        elif two_d and user.target is aten.addmm.default and user.args[1] is view and user.args[2] is not view \
+                and _row_broadcast_bias(user.args[0]) and _unscaled(user):
+            rows.append(RowConsumer(user, view, casts))
+        elif (not two_d and user.target is aten.bmm.default and user.args[0] is view
+              and user.args[1] is not view and _batched_weight(user.args[1]) is not None):
+            rows.append(RowConsumer(user, view, casts, _batched_weight(user.args[1])))
+        elif two_d and user.target is aten.permute.default and list(user.args[1]) == [1, 0] and user.users and all(
                 mm.target is aten.mm.default and mm.args[0] is user and mm.args[1] is not view
                 for mm in user.users):
             for mm in user.users:
-                contractions.append(ContractionConsumer(mm, view, mm.args[1], gathered_on_left=True))
-        elif (user.target is aten.mm.default and user.args[1] is view
+                contractions.append(ContractionConsumer(mm, view, mm.args[1], gathered_on_left=True, casts=casts))
+        elif (two_d and user.target is aten.mm.default and user.args[1] is view
               and isinstance(user.args[0], fx.Node) and user.args[0].target is aten.permute.default
               and list(user.args[0].args[1]) == [1, 0] and user.args[0].args[0] is not view):
-            contractions.append(ContractionConsumer(user, view, user.args[0].args[0], gathered_on_left=False))
+            contractions.append(ContractionConsumer(user, view, user.args[0].args[0], gathered_on_left=False,
+                                                    casts=casts))
         else:
             others += 1
     return rows, contractions, others
+
+
+def _unscaled(mm: fx.Node) -> bool:
+    return mm.kwargs.get("beta", 1) == 1 and mm.kwargs.get("alpha", 1) == 1
 
 
 def _row_broadcast_bias(bias: object) -> bool:
@@ -175,11 +242,12 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
         raise NoMatch("gathered tensor is 1-D")
     if dim == len(shape) - 1:
         raise NoMatch("gather on the last dim (the matmul's inner dim) is not a row gather")
-    views, others = _flat_views(logical, shape)
+    found, others = _row_views(logical, shape)
+    views = {v for v, _ in found}
     rows: list[RowConsumer] = []
     contractions: list[ContractionConsumer] = []
-    for view in views:
-        r, c, o = _classify_view_users(view, views)
+    for view, casts in found:
+        r, c, o = _classify_view_users(view, views, casts)
         rows += r
         contractions += c
         others += o
@@ -196,42 +264,93 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
 
 # ------------------------------------------------------------------------ matmul -> collectives
 
-def _terms(node: fx.Node, shape: tuple[int, ...], root: bool = False) -> list[fx.Node]:
-    """The mm/addmm nodes whose sum is ``node`` (in the 2-D or the logical shape).
+@dataclass
+class _Sum:
+    """The matmul terms whose (cast) sum is reduced, and the details the lowering needs."""
 
-    Each node on the way must be used only by the sum; views may flatten or unflatten the rows
-    (``add(view(mm_a), view(mm_b))`` is how DTensor sums two input gradients).
+    terms: list[fx.Node] = field(default_factory=list)
+    forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)
+    escapes: list[fx.Node] = field(default_factory=list)
+    casts: tuple[torch.dtype, ...] = ()
+
+
+def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node) -> _Sum:
+    """Walk down from the reduced tensor ``root`` to the matmuls whose sum it is.
+
+    Dtype conversions may sit on top (before any add); reshapes anywhere (they keep the row
+    order); adds of same-shaped tensors.  A node on the way that has users outside the walk is
+    an escape: the lowering rebuilds it for those users from the per-part pieces.
     """
-    flat = (math.prod(shape[:-1]), shape[-1])
-    if not root and len(node.users) != 1:
-        raise NoMatch(f"matmul result {node.name} is used elsewhere too")
-    if node.target in VIEW_OPS:
-        src = node.args[0]
-        if not isinstance(src, fx.Node) or shape_of(src) not in (flat, shape):
-            raise NoMatch(f"view {node.name} before the collective is not a flattening of the rows")
-        return _terms(src, shape)
-    if node.target is aten.mm.default or node.target is aten.addmm.default:
-        if shape_of(node) != flat:
+    found = _Sum()
+    casts: list[torch.dtype] = []
+
+    def walk(node: fx.Node, parent: fx.Node, top: bool) -> None:
+        if not isinstance(node, fx.Node) or shape_of(node) is None:
+            raise NoMatch("the reduced tensor has no static shape")
+        if any(u is not parent for u in node.users) and node not in found.escapes:
+            found.escapes.append(node)
+        dtype = _cast_dtype(node)
+        if dtype is not None:
+            if not top:
+                raise NoMatch(f"dtype conversion {node.name} inside the sum of matmuls")
+            casts.append(dtype)
+            return walk(node.args[0], node, True)
+        if node.target in RESHAPE_OPS:
+            return walk(node.args[0], node, top)
+        if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
+                and all(isinstance(a, fx.Node) and shape_of(a) == shape_of(node) for a in node.args):
+            walk(node.args[0], node, False)
+            walk(node.args[1], node, False)
+            return None
+        found.terms.append(_term(node, shape, found))
+        return None
+
+    walk(root, collective_side, True)
+    found.casts = tuple(reversed(casts))
+    return found
+
+
+def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
+    """Check that ``node`` is a matmul producing the reduced rows (row-aligned) and return it."""
+    out = shape_of(node)
+    if node.target in MM_OPS:
+        if out != (math.prod(shape[:-1]), shape[-1]):
             raise NoMatch(f"{node.name} does not produce the reduced rows")
         if node.target is aten.addmm.default:
             if not _row_broadcast_bias(node.args[0]):
                 raise NoMatch(f"{node.name} adds a bias that is not a row broadcast")
-            if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            if not _unscaled(node):
                 raise NoMatch(f"{node.name} scales its terms (alpha/beta)")
         a = mm_operands(node)[0]
         if shape_of(a) is None or len(shape_of(a)) != 2:
             raise NoMatch(f"{node.name}'s row operand has no static 2-D shape")
-        return [node]
-    if node.target is aten.add.Tensor and "alpha" not in node.kwargs and len(node.args) == 2 \
-            and all(isinstance(a, fx.Node) and shape_of(a) == shape_of(node) for a in node.args):
-        return _terms(node.args[0], shape) + _terms(node.args[1], shape)
+        return node
+    if node.target is aten.bmm.default:
+        weight = _batched_weight(node.args[1])
+        if weight is None:
+            raise NoMatch(f"{node.name} is a bmm whose right operand is not one broadcast matrix")
+        if out is None or out[-1] != shape[-1] or shape_of(node.args[0]) is None:
+            raise NoMatch(f"{node.name} does not produce the reduced rows")
+        found.forms[node] = weight
+        return node
     raise NoMatch(f"the reduced tensor is produced by {node.target}, not by a matmul or a sum of matmuls")
 
 
-def _scatter_logical(inp: fx.Node, world: int) -> tuple[fx.Node, int]:
+@dataclass
+class _Scatter:
+    """How the reduce-scatter's input relates to the logical tensor it scatters."""
+
+    logical: fx.Node
+    dim: int
+    side: fx.Node                        # the node through which ``logical`` reaches the collective
+    perm: tuple[int, ...] | None = None  # the collective sees permute(logical, perm)
+
+
+def _scatter_logical(inp: fx.Node, world: int, rs: fx.Node) -> _Scatter:
     """The reduce-scatter input in its logical shape and the scatter dim.
 
-    A scatter on dim g > 0 appears as ``split(x, local, g) -> getitem x world -> cat(dim 0)``.
+    A scatter on dim g > 0 appears as ``split(x, local, g) -> getitem x world -> cat(dim 0)``
+    (DTensor) or as ``clone(permute(x, perm))`` with ``perm`` swapping dims 0 and g (torchtitan).
     """
     if inp.target is aten.cat.default and (len(inp.args) < 2 or inp.args[1] == 0):
         pieces = list(inp.args[0])
@@ -245,12 +364,21 @@ def _scatter_logical(inp: fx.Node, world: int) -> tuple[fx.Node, int]:
             dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
             if dim == 0 or split.args[1] * world != shape[dim]:
                 raise NoMatch("split/cat before the reduce-scatter is not a scatter-dim change")
-            if len(logical.users) != 1:
-                raise NoMatch("reduce-scatter input is used elsewhere too")
-            return logical, dim
+            return _Scatter(logical, dim, split)
         if split is not None and split.target is aten.split.Tensor:
             raise NoMatch("split/cat before the reduce-scatter is not a scatter-dim change")
-    return inp, 0
+    permute = inp
+    if inp.target is aten.clone.default and isinstance(inp.args[0], fx.Node) and len(inp.args) == 1:
+        permute = inp.args[0] if len(inp.users) == 1 else inp
+    if permute.target is aten.permute.default and len(permute.users) == 1:
+        perm = tuple(int(p) for p in permute.args[1])
+        g = perm[0] % len(perm)
+        swap = list(range(len(perm)))
+        swap[0], swap[g] = g, 0
+        if g == 0 or list(perm) != swap:
+            raise NoMatch(f"permute {perm} before the reduce-scatter is not a swap of dim 0 with another")
+        return _Scatter(permute.args[0], g, permute, perm)
+    return _Scatter(inp, 0, rs)
 
 
 def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Pair:
@@ -258,17 +386,18 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Pair:
     if op not in LINEAR_REDUCE_OPS:
         raise NoMatch(f"reduce op {op!r} does not distribute over row blocks")
     wait = _single_wait(rs)
-    logical, dim = _scatter_logical(inp, world)
+    scatter = _scatter_logical(inp, world, rs)
+    logical, dim = scatter.logical, scatter.dim
     shape = _static_shape(logical, "reduce-scatter input")
     if len(shape) < 2 or dim == len(shape) - 1:
         raise NoMatch("scatter on the last dim (the matmul's columns) is not a row scatter")
     if shape[dim] % world:
         raise NoMatch("scatter dim does not divide by the group size")
-    if dim == 0 and len(inp.users) != 1:
-        raise NoMatch("reduce-scatter input is used elsewhere too")
-    terms = _terms(logical, shape, root=True)
+    found = _reduced_sum(logical, shape, scatter.side)
     return Pair("matmul_reduce_scatter", graph_kind, rs, wait, RowLayout(shape, dim, world),
-                str(rs.args[3]), world, _dtype(logical), reduce_op=op, terms=terms, reduced=logical)
+                str(rs.args[3]), world, _dtype(logical), reduce_op=op, terms=found.terms, reduced=logical,
+                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes,
+                scatter_perm=scatter.perm)
 
 
 def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
@@ -279,9 +408,7 @@ def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
     shape = _static_shape(inp, "all_reduce input")
     if len(shape) < 2:
         raise NoMatch("all_reduce of a 1-D tensor")
-    if len(inp.users) != 1:
-        raise NoMatch("all_reduce input is used elsewhere too")
-    terms = _terms(inp, shape, root=True)
+    found = _reduced_sum(inp, shape, ar)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
@@ -289,4 +416,5 @@ def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
     except Exception as e:  # noqa: BLE001 - an unknown group is a reason to leave the pair alone
         raise NoMatch(f"cannot resolve process group {ar.args[2]!r}: {e}") from None
     return Pair("matmul_all_reduce", graph_kind, ar, wait, RowLayout(shape, 0, world),
-                str(ar.args[2]), world, _dtype(inp), reduce_op=op, terms=terms, reduced=inp)
+                str(ar.args[2]), world, _dtype(inp), reduce_op=op, terms=found.terms, reduced=inp,
+                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes)

@@ -38,12 +38,30 @@ class RowLayout:
         return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+@dataclass(frozen=True)
+class BatchedWeight:
+    """The right operand of a ``bmm`` that is one matrix broadcast over the batch.
+
+    Such a bmm (what ``einsum``/``matmul`` on 3-D activations trace to) is a plain row matmul in
+    disguise: ``bmm(X[B,M,K], W)`` equals ``mm(X.view(B*M, K), W2d).view(B, M, N)``.
+    """
+
+    source: fx.Node     # a [K', N'] tensor or a [1, K', N'] tensor
+    transpose: bool     # the bmm sees the source's transpose
+
+
 @dataclass
 class RowConsumer:
-    """``mm(V, B)`` / ``addmm(bias, V, B)``: output rows follow the gathered rows."""
+    """``mm(V, B)`` / ``addmm(bias, V, B)`` / ``bmm(V3, broadcast B)``: output rows follow the gathered rows.
+
+    ``casts`` are the dtype conversions between the gathered tensor and ``view`` (applied in
+    order, e.g. a bf16 gather feeding an fp32 matmul); ``weight`` is set only for the bmm form.
+    """
 
     mm: fx.Node
     view: fx.Node
+    casts: tuple[torch.dtype, ...] = ()
+    weight: BatchedWeight | None = None
 
 
 @dataclass
@@ -54,6 +72,7 @@ class ContractionConsumer:
     view: fx.Node
     other: fx.Node          # Y, whose rows pair with V's rows
     gathered_on_left: bool  # True for mm(t(V), Y)
+    casts: tuple[torch.dtype, ...] = ()  # dtype conversions between the gathered tensor and V
 
 
 @dataclass
@@ -82,6 +101,24 @@ class Pair:
     # matmul_reduce_scatter / matmul_all_reduce
     terms: list[fx.Node] = field(default_factory=list)
     reduced: fx.Node | None = None          # the collective's input in its logical shape
+    # Wild-graph details (empty for the plain DTensor shapes):
+    reduce_casts: tuple[torch.dtype, ...] = ()  # conversions from the sum of terms to ``reduced``
+    forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)  # bmm terms -> their weight
+    escapes: list[fx.Node] = field(default_factory=list)  # nodes of the reduced sum used elsewhere too
+    scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
+    #                                              output is permute(scatter of reduced on dim, perm)
+
+    @property
+    def plain(self) -> bool:
+        """True when every matmul is a plain mm/addmm fed (or feeding) without casts or extra uses.
+
+        Lowerings that only know the plain DTensor shapes must check this and leave the pair
+        alone when it is False.
+        """
+        consumers = list(self.row_consumers) + list(self.contraction_consumers)
+        return (not self.reduce_casts and not self.forms and not self.escapes and self.scatter_perm is None
+                and all(not c.casts for c in consumers)
+                and all(c.weight is None for c in self.row_consumers))
 
     @property
     def matmuls(self) -> list[fx.Node]:

@@ -1,0 +1,142 @@
+"""Check rewrites without spawning ranks: replay graphs on every rank at once with LocalTensorMode.
+
+The fake process group traces the same graphs as gloo; ``LocalTensorMode(world)`` then runs a
+graph with one real tensor per rank, collectives included, so an original and a rewritten graph
+can be compared on the same per-rank inputs in one process (FACTS.md).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+
+from compass_fx.lowering.decompose import decompose
+from compass_fx.passes.match import find_pairs
+from compass_fx.passes.pairs import Pair, Skip
+
+
+def local_inputs(gm: fx.GraphModule, world: int, seed: int) -> list[Any]:
+    """Random per-rank tensors (different on each rank) for every placeholder of ``gm``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            out.append(val)
+            continue
+        shape = [int(d) for d in val.shape]
+        per_rank = {}
+        for r in range(world):
+            if val.dtype == torch.bool:
+                t = torch.rand(shape, generator=g) > 0.5
+            elif val.dtype.is_floating_point:
+                t = torch.randn(shape, generator=g).to(val.dtype)
+            else:
+                t = torch.randint(0, 4, shape, generator=g).to(val.dtype)
+            strided = torch.empty_strided(shape, [int(x) for x in val.stride()], dtype=val.dtype)
+            per_rank[r] = strided.copy_(t)  # saved activations may need their traced strides
+        out.append(LocalTensor(per_rank))
+    return out
+
+
+def replay(gm: fx.GraphModule, inputs: list[Any], world: int) -> list[dict[int, torch.Tensor] | None]:
+    """Run ``gm`` on all ranks at once; each output as {rank: tensor} (None for non-tensors)."""
+    with LocalTensorMode(world):
+        outs = gm(*inputs)
+    if not isinstance(outs, (tuple, list)):
+        outs = [outs]
+    res = []
+    for o in outs:
+        if isinstance(o, LocalTensor):
+            res.append({r: t.clone() for r, t in o._local_tensors.items()})
+        elif isinstance(o, torch.Tensor):
+            res.append({r: o.clone() for r in range(world)})
+        else:
+            res.append(None)
+    return res
+
+
+def assert_same_outputs(ref: list, got: list, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    assert len(ref) == len(got), "rewritten graph returns a different number of outputs"
+    for j, (a, b) in enumerate(zip(ref, got)):
+        if a is None or b is None:
+            assert a is None and b is None, f"output {j}: tensor vs non-tensor"
+            continue
+        for r in a:
+            # Random inputs for saved activations can make sums large: the rewrite may reassociate
+            # them, so the absolute tolerance scales with the output's magnitude.
+            scale = max(1.0, float(a[r].abs().max())) if a[r].is_floating_point() and a[r].numel() else 1.0
+            torch.testing.assert_close(b[r], a[r], rtol=rtol, atol=atol * scale,
+                                       msg=lambda m, j=j, r=r: f"output {j} rank {r}: {m}")
+
+
+def rewrite_all(gm: fx.GraphModule, parts: Callable[[Pair], int | None], graph_kind: str = "forward",
+                group: str | None = None) -> tuple[list[Pair], list[Skip]]:
+    """The backend's loop with a chosen part count per pair (None: leave it); returns what was done."""
+    gm.graph.eliminate_dead_code()
+    done: list[Pair] = []
+    handled: set[str] = set()
+    skips: dict[str, Skip] = {}
+    while True:
+        pairs, new_skips = find_pairs(gm, graph_kind, group)
+        for s in new_skips:
+            skips.setdefault(s.node, s)
+        todo = [p for p in pairs if p.collective.name not in handled]
+        if not todo:
+            break
+        pair = todo[0]
+        handled.add(pair.collective.name)
+        k = parts(pair)
+        if k is not None and k in pair.feasible_parts():
+            decompose(gm, pair, k)
+            gm.graph.lint()
+            done.append(pair)
+    gm.recompile()
+    return done, list(skips.values())
+
+
+class GraphCapture:
+    """A compass backend run that keeps a copy of each graph after the pass (inner compiler: eager)."""
+
+    def __init__(self, options: dict) -> None:
+        from compass_fx.options import parse_options
+
+        self.options = parse_options({**options, "inner": "eager"})
+        self.graphs: dict[str, fx.GraphModule] = {}
+        self.reports: list = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        from compass_fx import backend
+
+        def finish(graph: fx.GraphModule, inputs: Any, **kwargs: Any) -> Callable:
+            kind = "backward" if kwargs.get("is_backward") else "forward"
+            self.graphs[kind] = graph
+            return backend._eager_inner(graph, inputs, **kwargs)
+
+        with backend.collect_reports() as reports:
+            out = backend.compile_graph(gm, example_inputs, self.options, finish=finish)
+        self.reports += reports
+        return out
+
+
+def capture(model: torch.nn.Module, inputs: tuple, options: dict, backward: bool = True,
+            dynamic: bool | None = False) -> GraphCapture:
+    """Compile ``model`` with the compass backend and ``options``; run forward (and backward)."""
+    torch._dynamo.reset()
+    cap = GraphCapture(options)
+    compiled = torch.compile(model, backend=cap, fullgraph=True, dynamic=dynamic)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        out = compiled(*inputs)
+        if backward:
+            (out.float() ** 2).sum().backward()
+    return cap
+
+
+def compare_captures(ref: GraphCapture, got: GraphCapture, world: int, seed: int = 0) -> None:
+    """Replay every captured graph of ``ref`` and ``got`` on the same per-rank inputs."""
+    assert ref.graphs.keys() == got.graphs.keys()
+    for kind, gm in ref.graphs.items():
+        inputs = local_inputs(gm, world, seed)
+        assert_same_outputs(replay(gm, inputs, world), replay(got.graphs[kind], inputs, world))
