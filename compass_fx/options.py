@@ -30,6 +30,9 @@ class CompassOptions:
     group: only collectives of this process group name are touched (None: all groups).
     topology: a preset name or a Topology object for the cost model (None: its default).
     schedule: the fused operators' schedule when strategy is "fuse".
+    auto_fuse: let "auto" choose the fused operators on GPUs.  Off by default until their
+        cross-GPU symmetric-memory path has been validated on multi-GPU hardware; "fuse" forces
+        them regardless.
     """
 
     strategy: str = "auto"
@@ -39,6 +42,7 @@ class CompassOptions:
     group: str | None = None
     topology: Any = None
     schedule: str = "double_ring"
+    auto_fuse: bool = False
     mode: str | None = None
 
     def cache_key(self) -> str:
@@ -107,9 +111,12 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
             raise ValueError(f"option 'topology': {e}") from None
     elif topology is not None and not hasattr(topology, "graph"):
         raise ValueError(f"option 'topology' must be a preset name, a file or a Topology, got {topology!r}")
+    auto_fuse = raw.get("auto_fuse", False)
+    if not isinstance(auto_fuse, bool):
+        raise ValueError(f"option 'auto_fuse' must be True or False, got {auto_fuse!r}")
     mode = raw.get("mode")
     if mode is not None and not isinstance(mode, str):
         raise ValueError(f"option 'mode' must be a string, got {mode!r}")
     return CompassOptions(strategy=strategy, chunks=chunks, inner=inner, dump_dir=dump_dir,
                           group=_group_name(raw.get("group")), topology=topology,
-                          schedule=schedule, mode=mode)
+                          schedule=schedule, auto_fuse=auto_fuse, mode=mode)

@@ -27,7 +27,8 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
     if options.strategy == "fuse":
         return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
-    return select(pair.workload(), topology, fused_schedules=_fused_schedules(pair))
+    fused = _fused_schedules(pair) if options.auto_fuse else ()
+    return select(pair.workload(), topology, fused_schedules=fused)
 
 
 def _fused_schedules(pair: Pair) -> tuple[str, ...]:
