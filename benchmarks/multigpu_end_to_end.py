@@ -1,0 +1,387 @@
+"""End-to-end training step of a Llama-3-style model with tensor parallelism over every GPU, with
+and without sequence parallelism, timed under:
+
+* ``inductor``   — ``torch.compile`` with Inductor (NCCL collectives, then cuBLAS);
+* ``async_tp``   — Inductor + PyTorch's async-TP: ``torch._inductor.config._micro_pipeline_tp = True``
+                   and symmetric memory enabled for the TP group (CUDA only; it has nothing to
+                   rewrite without sequence parallelism, where it is run anyway for the record);
+* ``compass``    — ``torch.compile(backend="compass")`` (cost model chooses per pair; Inductor inside);
+* ``eager``      — optional (``--modes``), DTensor eager;
+* ``megatron``   — optional: Megatron-core's tensor-parallel GPT layers at the same sizes, with
+                   and without its communication overlap, when ``megatron.core`` is importable
+                   (recorded as "not installed" otherwise).
+
+The model is the demo Llama (``compass_fx.demo``) at Llama-3 8B layer sizes (hidden 4096, FFN 14336,
+32 heads of 128, 8 KV heads: grouped-query attention replaces the demo's attention), the TP/SP plan
+is the demo's torchtitan-style plan.  Tokens/s and step time are the median of ``--steps`` steps
+after ``--warmup`` steps (the first includes compilation, reported separately); the loss of the
+first step is recorded per mode as a sanity check (same seed, same data).
+
+    python benchmarks/multigpu_end_to_end.py                              # every GPU, SP and non-SP
+    python benchmarks/multigpu_end_to_end.py --layers 32 --seq 8192
+    torchrun --nproc-per-node 8 benchmarks/multigpu_end_to_end.py
+    python benchmarks/multigpu_end_to_end.py --dry-run                    # 2 gloo ranks, tiny model, fp32
+    python benchmarks/multigpu_end_to_end.py --dry-run --fast             # aot_eager / compass inner eager
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import multigpu_common as mc  # noqa: E402  (sets the no-multicast environment first)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+NAME = "multigpu_end_to_end"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODES = ("inductor", "async_tp", "compass", "eager", "megatron")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mc.add_launch_args(p)
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bfloat16 (float32 with --dry-run)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --dry-run)")
+    p.add_argument("--dim", type=int, default=None, help="hidden size (default 4096)")
+    p.add_argument("--ffn", type=int, default=None, help="FFN hidden size (default 14336)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 8)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default 128256)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 8192)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --dry-run)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps, the first compiles (default 3; 1 dry run)")
+    p.add_argument("--modes", default="inductor,async_tp,compass,megatron", help=f"any of {MODES}")
+    p.add_argument("--sp", default="both", choices=("both", "on", "off"), help="sequence parallelism")
+    p.add_argument("--compass-options", default='{"strategy": "auto"}',
+                   help="JSON options of backend='compass' (inner defaults to inductor)")
+    p.add_argument("--fast", action="store_true",
+                   help="dry-run helper: aot_eager instead of Inductor and compass inner='eager' (quick CPU check)")
+    args = p.parse_args(argv)
+    small = args.dry_run
+    args.dtype = args.dtype or ("float32" if small else "bfloat16")
+    defaults = dict(layers=(2, 8), dim=(64, 4096), ffn=(128, 14336), heads=(4, 32), kv_heads=(2, 8),
+                    vocab=(256, 128256), seq=(32, 8192), batch=(2, 1), steps=(2, 10), warmup=(1, 3))
+    for key, (tiny, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if small else full)
+    args.compass_options = json.loads(args.compass_options)
+    for m in args.modes.split(","):
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# the model: the demo Llama with grouped-query attention at Llama-3 sizes
+# ---------------------------------------------------------------------------------------------
+class GQAttention(nn.Module):
+    """Llama-3 attention: ``kv_heads`` key/value heads shared by ``heads / kv_heads`` query heads.
+    Head counts are inferred from the local weight widths, so it runs unchanged under TP."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def build_model(args, mesh, sequence_parallel: bool, device: torch.device) -> nn.Module:
+    from compass_fx.demo import ModelArgs, Transformer, parallelize
+
+    margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab,
+                      ffn_hidden=args.ffn)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(margs)
+        for block in model.layers:
+            block.attention = GQAttention(args.dim, args.heads, args.kv_heads)
+    model = model.to(DTYPES[args.dtype])
+    return parallelize(model, mesh, sequence_parallel=sequence_parallel)
+
+
+def batches(args, device: torch.device, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)  # the same on every rank: TP ranks see the same tokens
+    out = []
+    for _ in range(count):
+        t = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
+        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# modes
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def inductor_config(**changes):
+    import torch._inductor.config as cfg
+
+    old = {k: getattr(cfg, k) for k in changes}
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(cfg, k, v)
+
+
+def skip_reason(ctx: mc.Ctx, mode: str, sp: bool, args) -> str | None:
+    if mode == "async_tp":
+        if not ctx.is_cuda:
+            return "async-TP needs CUDA: symmetric memory allocates only on CUDA and Inductor's " \
+                   "_micro_pipeline_tp pass is skipped off NCCL"
+        if args.fast:
+            return "--fast replaces Inductor"
+    if mode == "megatron":
+        try:
+            import megatron.core  # noqa: F401
+        except ImportError:
+            return "not installed (megatron-core is not importable)"
+        if not ctx.is_cuda:
+            return "Megatron-core needs CUDA"
+    return None
+
+
+def compile_model(ctx: mc.Ctx, mode: str, model: nn.Module, args):
+    if mode == "eager":
+        return model
+    if mode == "compass":
+        opts = dict(args.compass_options)
+        if args.fast:
+            opts.setdefault("inner", "eager")
+        return torch.compile(model, backend="compass", options=opts)
+    if mode == "async_tp":
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+        enable_symm_mem_for_group(ctx.group_name)
+    return torch.compile(model, backend="aot_eager" if args.fast else "inductor")
+
+
+def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
+    """Warm up (compiling), then time ``args.steps`` steps; the slowest rank's time per step."""
+    model = build_model(args, mesh, sp, ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fn = compile_model(ctx, mode, model, args)
+    data = batches(args, ctx.device, args.warmup + args.steps)
+    step_times, losses = [], []
+    if ctx.is_cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    flags = {"_micro_pipeline_tp": True} if mode == "async_tp" else {}
+    for i, (inputs, labels) in enumerate(data):
+        mc.synchronize(ctx)
+        t0 = time.perf_counter()
+        with inductor_config(**flags):
+            logits = fn(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mc.synchronize(ctx)
+        dt = mc.max_over_ranks(ctx, time.perf_counter() - t0)
+        step_times.append(dt)
+        losses.append(float(loss.detach().float().item()))
+        if i == 0:
+            ctx.log(f"    first step (compiles) {dt:.1f}s, loss {losses[0]:.5f}")
+    timed = step_times[args.warmup:]
+    step_s = statistics.median(timed)
+    out = {"first_step_s": step_times[0], "step_s": step_s, "step_s_min": min(timed), "step_s_max": max(timed),
+           "tokens_per_s": args.batch * args.seq / step_s, "loss_first": losses[0], "loss_last": losses[-1],
+           "step_times_s": timed}
+    if ctx.is_cuda:
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+    if mode == "compass":
+        import compass_fx
+        rep = compass_fx.last_report()
+        out["compass_pairs"] = len(rep.pairs)
+        out["compass_rewritten"] = sum(p.status == "rewritten" for p in rep.pairs)
+        decisions: dict[str, int] = {}
+        for p in rep.pairs:
+            label = {"decompose": f"decompose(d={p.parts})", "fuse": f"fuse({p.schedule})"}.get(p.strategy, p.strategy)
+            key = f"{p.graph}:{p.kind}:{label}"
+            decisions[key] = decisions.get(key, 0) + 1
+        out["compass_decisions"] = decisions
+    del fn, model, opt, data
+    return out
+
+
+def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
+    """Megatron-core GPT layers (local spec, no Transformer Engine) at the same sizes; best effort.
+
+    ``overlap`` turns on the overlap Megatron-core offers without Transformer Engine (the
+    asynchronous weight-gradient all-reduce/all-gather overlap of its linear layers); the
+    userbuffer-based TP overlap (``tp_comm_overlap``) needs Transformer Engine and is not run."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=ctx.world)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    dtype = DTYPES[args.dtype]
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.dim, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads, kv_channels=args.dim // args.heads, tensor_model_parallel_size=ctx.world,
+        sequence_parallel=sp, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+        gradient_accumulation_fusion=False, async_tensor_model_parallel_allreduce=overlap,
+    ) if _accepts(TransformerConfig, "async_tensor_model_parallel_allreduce") else TransformerConfig(
+        num_layers=args.layers, hidden_size=args.dim, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads, kv_channels=args.dim // args.heads, tensor_model_parallel_size=ctx.world,
+        sequence_parallel=sp, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
+        gradient_accumulation_fusion=False,
+    )
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
+                     max_sequence_length=args.seq, position_embedding_type="rope").to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = batches(args, ctx.device, args.warmup + args.steps)
+    pos = torch.arange(args.seq, device=ctx.device).unsqueeze(0).expand(args.batch, -1)
+    mask = torch.ones(1, 1, args.seq, args.seq, device=ctx.device, dtype=torch.bool).tril().logical_not()
+    times, losses = [], []
+    for inputs, labels in data:
+        mc.synchronize(ctx)
+        t0 = time.perf_counter()
+        loss = model(inputs, pos, mask, labels=labels).float().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mc.synchronize(ctx)
+        times.append(mc.max_over_ranks(ctx, time.perf_counter() - t0))
+        losses.append(float(loss.item()))
+    timed = times[args.warmup:]
+    step_s = statistics.median(timed)
+    return {"first_step_s": times[0], "step_s": step_s, "step_s_min": min(timed), "step_s_max": max(timed),
+            "tokens_per_s": args.batch * args.seq / step_s, "loss_first": losses[0], "loss_last": losses[-1],
+            "step_times_s": timed, "note": "Megatron-core local layers (no Transformer Engine), own init/loss"}
+
+
+def _accepts(cls, field: str) -> bool:
+    import dataclasses
+    return any(f.name == field for f in dataclasses.fields(cls))
+
+
+def _free(ctx: mc.Ctx) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if ctx.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def worker(ctx: mc.Ctx, args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    sps = {"both": [True, False], "on": [True], "off": [False]}[args.sp]
+    modes = args.modes.split(",")
+    ctx.log(f"world {ctx.world}, {ctx.backend}, {args.dtype}: {args.layers} layers, dim {args.dim}, ffn {args.ffn}, "
+            f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}; "
+            f"{args.warmup} warm-up + {args.steps} timed steps")
+    runs = [(sp, m) for sp in sps for m in modes]
+    progress = mc.Progress(ctx, len(runs), f"w{ctx.world}")
+    rows = []
+    for sp, mode in runs:
+        base = {"world": ctx.world, "sequence_parallel": sp, "mode": mode}
+        reason = skip_reason(ctx, mode, sp, args)
+        if reason:
+            rows.append(dict(base, status="skipped", note=reason))
+            progress.step(f"SP={sp} {mode}: skipped ({reason})")
+            continue
+        if mode == "megatron":
+            for overlap in (False, True):
+                res, err = mc.guarded(ctx, mode, lambda: run_megatron(ctx, args, sp, overlap))
+                rows.append(dict(base, mode=f"megatron{'+overlap' if overlap else ''}",
+                                 **(res or {}), status="error" if err else "ok", note=err or (res or {}).get("note", "")))
+                _free(ctx)
+            progress.step(f"SP={sp} megatron")
+            continue
+        ctx.log(f"  SP={sp} {mode} ...")
+        res, err = mc.guarded(ctx, mode, lambda: run_mode(ctx, args, mode, sp, mesh))
+        _free(ctx)
+        row = dict(base, **(res or {}), status="error" if err else "ok", note=err or "")
+        if mode == "async_tp" and not sp and not err:
+            row["note"] = "no all_gather/reduce_scatter pairs without SP: async-TP has nothing to rewrite"
+        rows.append(row)
+        progress.step(f"SP={sp} {mode}: " + (f"error {err}" if err else
+                                              f"{res['step_s'] * 1e3:.1f} ms/step, {res['tokens_per_s']:.0f} tokens/s"))
+    # speedups within each SP setting
+    for sp in sps:
+        by_mode = {r["mode"]: r for r in rows if r["sequence_parallel"] == sp and r.get("step_s")}
+        for r in by_mode.values():
+            for ref in ("inductor", "async_tp"):
+                if ref in by_mode and r is not by_mode[ref]:
+                    r[f"speedup_vs_{ref}"] = by_mode[ref]["step_s"] / r["step_s"]
+            if "inductor" in by_mode and r.get("loss_first") is not None and not r["mode"].startswith("megatron"):
+                ref_loss = by_mode["inductor"]["loss_first"]
+                r["loss_rel_diff_vs_inductor"] = abs(r["loss_first"] - ref_loss) / max(abs(ref_loss), 1e-12)
+    return {"world": ctx.world, "rows": rows}
+
+
+COLUMNS = ["world", ("sequence_parallel", "SP"), "mode", "status", ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"),
+           ("speedup_vs_inductor", "vs Inductor"), ("speedup_vs_async_tp", "vs async-TP"),
+           ("first_step_s", "first step s"), ("peak_memory_gib", "peak GiB"), ("loss_first", "loss (step 1)"),
+           ("loss_rel_diff_vs_inductor", "loss diff vs Inductor"), ("compass_rewritten", "pairs rewritten"), "note"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    worlds = mc.parse_worlds(args.worlds, args.dry_run)
+    t0 = time.time()
+    results = mc.run_worlds(worker, args, worlds)
+    if not mc.is_writer():
+        return 0
+    rows = [r for _, res in results for r in res["rows"]]
+    for r in rows:
+        if r.get("step_s"):
+            r["step_ms"] = r["step_s"] * 1e3
+    tag = args.tag or mc.device_tag(args.dry_run, max(w for w, _ in results))
+    goals = {}
+    for r in rows:
+        if r["mode"] == "compass" and r.get("step_s"):
+            key = "SP" if r["sequence_parallel"] else "no SP"
+            goals[f"w{r['world']} {key}: >= 1.15x over Inductor"] = (r.get("speedup_vs_inductor") or 0) >= 1.15
+            if r["sequence_parallel"] and r.get("speedup_vs_async_tp") is not None:
+                goals[f"w{r['world']} {key}: >= 1.05x over async-TP"] = r["speedup_vs_async_tp"] >= 1.05
+    model = {k: getattr(args, k) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "seq", "batch")}
+    payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
+               "environment": mc.environment(args.dry_run), "dtype": args.dtype, "model": model,
+               "warmup": args.warmup, "steps": args.steps, "compass_options": args.compass_options, "fast": args.fast,
+               "worlds": [w for w, _ in results], "goals": goals, "seconds": round(time.time() - t0, 1), "rows": rows}
+    md = [f"# End-to-end training step ({tag}{', dry run on CPU: times are meaningless' if args.dry_run else ''})", "",
+          f"Llama-3-style model: {args.layers} layers, hidden {args.dim}, FFN {args.ffn}, {args.heads} heads / "
+          f"{args.kv_heads} KV heads, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; TP over "
+          f"all ranks; median of {args.steps} steps after {args.warmup} warm-up (slowest rank per step); "
+          f"compass options {args.compass_options}{'; --fast: aot_eager and compass inner eager' if args.fast else ''}.",
+          ""]
+    md += [f"* goal {g}: {'met' if ok else 'NOT met'}" for g, ok in goals.items()]
+    md += ["", mc.markdown_table(rows, COLUMNS)]
+    text = "\n".join(md)
+    print(text)
+    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    return 1 if any(r["status"] == "error" and not r["mode"].startswith("megatron") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
