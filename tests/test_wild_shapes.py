@@ -1,0 +1,116 @@
+"""Graph shapes seen in the wild (issue 5): each one rewritten correctly or left alone with a reason.
+
+Structure and numerics of every rewritten graph are checked in one process (fake process group,
+graphs replayed with LocalTensorMode on the same per-rank inputs); the same models then run on
+real gloo ranks, compiled against eager, forward and backward.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import wild_check
+import wild_models
+
+WORLD = 2
+
+# (graph, kind, matmuls) of every pair found, per model; all of them rewritten under chunks=2.
+EXPECTED = {
+    "einsum_bmm": [("forward", "all_gather_matmul", 1), ("forward", "matmul_reduce_scatter", 1),
+                   ("backward", "all_gather_matmul", 1)],
+    "reshape_chain": [("forward", "all_gather_matmul", 1), ("forward", "matmul_reduce_scatter", 1),
+                      ("backward", "all_gather_matmul", 2)],
+    "dtype_casts": [("forward", "all_gather_matmul", 1), ("forward", "matmul_reduce_scatter", 1),
+                    ("backward", "all_gather_matmul", 2)],
+    "shared_uses": [("forward", "all_gather_matmul", 2), ("forward", "matmul_all_reduce", 1)],
+    # The backward recomputes the checkpointed block: its gather feeds w1 again (and w1's weight
+    # gradient), the gradient's gather feeds w2's input and weight gradients.
+    "checkpointed": [("forward", "all_gather_matmul", 1), ("forward", "matmul_reduce_scatter", 1),
+                     ("backward", "all_gather_matmul", 2), ("backward", "all_gather_matmul", 2)],
+    "unmatched": [],
+}
+# Collectives left alone, by (graph, reason fragment).
+LEFT_ALONE = {
+    "shared_uses": [("backward", "produced by tangents")],
+    "unmatched": [("forward", "reduce op 'max'"), ("forward", "gather on the last dim"),
+                  ("forward", "not a row broadcast"), ("backward", "feeds no matmul")],
+}
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(wild_models.WILD))
+def test_wild_shape_rewritten_or_left_with_reason(fake_group, name, caplog):
+    model, x = wild_models.build(name, fake_group), wild_models.shard_input(name, 0)
+    ref = wild_check.capture(model, (x,), {"strategy": "off"})
+    with caplog.at_level(logging.INFO, logger="compass_fx"):
+        got = wild_check.capture(model, (x,), {"chunks": 2})
+    pairs = [p for r in got.reports for p in r.pairs]
+    assert [(p.graph, p.kind, p.matmuls) for p in pairs] == EXPECTED[name]
+    assert all(p.status == "rewritten" and p.parts == 2 for p in pairs)
+    skipped = [s for r in got.reports for s in r.skipped]
+    assert len(skipped) == len(LEFT_ALONE.get(name, []))
+    for graph, why in LEFT_ALONE.get(name, []):
+        assert any(s.graph == graph and why in s.reason for s in skipped), (graph, why, skipped)
+        assert why in caplog.text, "a collective left alone must be logged with its reason"
+    for r in got.reports:  # each rewritten pair adds one collective per extra part
+        assert r.collectives_after - r.collectives_before == sum(p.status == "rewritten" for p in r.pairs)
+    wild_check.compare_captures(ref, got, WORLD)
+
+
+def test_replay_check_catches_a_wrong_rewrite(fake_group, monkeypatch):
+    """The numerics check above can fail: a rewrite that swaps two row blocks is caught."""
+    import compass_fx.lowering.decompose as dec
+
+    real = dec.interleave_rows
+    monkeypatch.setattr(dec, "interleave_rows", lambda b, outs, layout: real(b, outs[::-1], layout))
+    model, x = wild_models.build("reshape_chain", fake_group), wild_models.shard_input("reshape_chain", 0)
+    ref = wild_check.capture(model, (x,), {"strategy": "off"})
+    got = wild_check.capture(model, (x,), {"chunks": 2})
+    with pytest.raises(AssertionError):
+        wild_check.compare_captures(ref, got, WORLD)
+
+
+# ------------------------------------------------------------------------------- real gloo ranks
+
+def compiled_vs_eager(rank: int, name: str, options: dict) -> list[tuple]:
+    import compass_fx.backend
+
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+    x = wild_models.shard_input(name, rank)
+    eager = wild_models.build(name, group)
+    out_ref = eager(x)
+    (out_ref.float() ** 2).sum().backward()
+    model = wild_models.build(name, group)
+    before = len(compass_fx.backend.history)
+    out = torch.compile(model, backend="compass", options=options, fullgraph=True)(x)
+    (out.float() ** 2).sum().backward()
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    reports = list(compass_fx.backend.history)[before:]
+    return [(p.graph, p.kind, p.status) for r in reports for p in r.pairs]
+
+
+@pytest.mark.parametrize("name", list(wild_models.WILD))
+def test_wild_shape_on_gloo_matches_eager(ranks, name):
+    results = ranks(WORLD).run(compiled_vs_eager, name, {"chunks": 2, "inner": "eager"})
+    assert results[0] == results[1], "ranks rewrote different pairs"
+    assert [(g, k) for g, k, _ in results[0]] == [(g, k) for g, k, _ in EXPECTED[name]]
+    assert all(s == "rewritten" for *_, s in results[0])
+
+
+def test_wild_shapes_under_inductor(ranks):
+    for name in ("einsum_bmm", "dtype_casts", "shared_uses"):
+        results = ranks(WORLD).run(compiled_vs_eager, name, {"chunks": 2})
+        assert results[0] and all(s == "rewritten" for *_, s in results[0])
