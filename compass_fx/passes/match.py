@@ -71,7 +71,11 @@ def _single_wait(coll: fx.Node) -> fx.Node:
 def _static_shape(node: fx.Node, what: str) -> tuple[int, ...]:
     shape = shape_of(node)
     if shape is None:
-        raise NoMatch(f"{what} has no static shape (symbolic or missing metadata)")
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            raise NoMatch(f"{what} has symbolic sizes (dynamic shapes): no part count is known to "
+                          "divide them, so the pair is left as traced")
+        raise NoMatch(f"{what} has no shape metadata")
     return shape
 
 
