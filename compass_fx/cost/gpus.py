@@ -54,6 +54,9 @@ class GpuSpec:
     max_split_k: int = 4
     nccl_sms: int = 16
     pcie_gen: int = 4
+    # Software cost of each extra InterDecom part beyond its GEMM: one more collective launched
+    # and waited on through the functional-collective runtime, plus the row-shuffle kernels.
+    part_overhead_s: float = 10e-6
     source: str = "datasheet"
 
     def peak_flops(self, dtype: str) -> float:
@@ -80,8 +83,11 @@ class GpuSpec:
 # efficiency, the overheads and the tile efficiencies were fitted to 288 bf16 GEMMs measured on one
 # H200 with torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation-h200.json; median error
 # 4.0% on times, 4.9% on split/unsplit ratios).  The H100 is the same processor: it shares them.
+# part_overhead_s is the median extra time per InterDecom part measured on that H200 with the
+# collectives of a one-rank NCCL group under Inductor, beyond what the split GEMMs explain
+# (benchmarks/results/decompose_overhead-h200.json: 70 us, spread -16..410 us).
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
-               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6,
+               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6, part_overhead_s=70e-6,
                tiles=((128, 256, 1.0), (128, 128, 0.55), (64, 128, 0.1)), source="fitted on an H200")
 
 GPUS: dict[str, GpuSpec] = {

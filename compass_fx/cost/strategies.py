@@ -105,8 +105,9 @@ def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] |
 
     def build(d: int) -> DecompositionModel:
         beta = max((g(d) - gm) / (d - 1), spec.kernel_overhead_s)
-        comm_bound = DecompositionModel(alpha, cm + beta, gm, "comm-bound")
-        compute_bound = DecompositionModel(beta, gm + alpha, cm, "compute-bound")
+        ov = spec.part_overhead_s  # software cost per part, on the critical path either way
+        comm_bound = DecompositionModel(alpha + ov, cm + beta, gm, "comm-bound")
+        compute_bound = DecompositionModel(beta + ov, gm + alpha, cm, "compute-bound")
         # The pipeline takes the longer of the two forms (c + g + (d-1)*max(c, g)).
         return max((comm_bound, compute_bound), key=lambda m: m.seconds(d))
 

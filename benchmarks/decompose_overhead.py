@@ -1,0 +1,137 @@
+"""What InterDecom costs when communication is free: compiled pair, sequential vs d parts.
+
+Why: on a single device the collectives of a one-rank group move nothing, so the time of the
+decomposed pipeline over the sequential one is the pure overhead the rewrite adds (smaller GEMMs,
+the row shuffles that put parts back in order).  The cost model must charge exactly this, so the
+script prints the model's predicted GEMM split ratio beside the measured ratio.
+
+    python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
+    python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import compass_fx.backend  # noqa: E402
+from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
+
+# Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
+SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
+          "matmul_all_reduce": (1792, 4096)}
+TOKENS = (4096, 16384)
+PARTS = (2, 4, 8)
+
+
+def pair_fn(kind: str):
+    group = dist.group.WORLD
+
+    def all_gather_matmul(x, w):
+        return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
+
+    def matmul_reduce_scatter(a, w):
+        return funcol.reduce_scatter_tensor(torch.mm(a, w), "sum", 0, group)
+
+    def matmul_all_reduce(a, w):
+        return funcol.all_reduce(torch.mm(a, w), "sum", group)
+
+    return {"all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
+            "matmul_all_reduce": matmul_all_reduce}[kind]
+
+
+def timed(fn, args, device: str, iters: int) -> float:
+    for _ in range(3):
+        fn(*args)
+    samples = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = "cpu" if args.dry_run else "cuda"
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    tokens = (64,) if args.dry_run else TOKENS
+    rows = []
+    total = len(SHAPES) * len(tokens) * (1 + len(PARTS))
+    done = 0
+    for kind, (k, n) in SHAPES.items():
+        if args.dry_run:
+            k, n = 32, 48
+        for m in tokens:
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            w = torch.randn(k, n, device=device, dtype=dtype)
+            base = None
+            for parts in (None,) + PARTS:
+                options = {"strategy": "off"} if parts is None else {"chunks": parts}
+                torch._dynamo.reset()
+                before = len(compass_fx.backend.history)
+                fn = torch.compile(pair_fn(kind), backend="compass", options=options)
+                with torch.no_grad():
+                    seconds = timed(fn, (a, w), device, args.iters)
+                rewritten = sum(p.status == "rewritten" for r in list(compass_fx.backend.history)[before:]
+                                for p in r.pairs)
+                if parts is None:
+                    base = seconds
+                gpu = "H200"
+                predicted = (split_gemm_seconds(m, n, k, parts, "bfloat16", gpu=gpu) /
+                             gemm_seconds(m, n, k, "bfloat16", gpu=gpu)) if parts else 1.0
+                rows.append({"kind": kind, "m": m, "n": n, "k": k, "parts": parts or 1,
+                             "rewritten": rewritten, "seconds": seconds, "ratio": seconds / base,
+                             "model_gemm_ratio": predicted})
+                done += 1
+                print(f"[{done}/{total}] {kind:22s} m={m:<6d} d={parts or 1}: {seconds * 1e6:9.1f} us "
+                      f"({seconds / base:.2f}x of sequential; model's GEMM split ratio {predicted:.2f}x)",
+                      flush=True)
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": str(dtype), "rows": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, gloo")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decompose_overhead-<device>.json)")
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo" if args.dry_run else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    if not args.dry_run:
+        torch.cuda.set_device(0)
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    out = Path(args.out or f"benchmarks/results/decompose_overhead-{'cpu' if args.dry_run else 'h200'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    main()
