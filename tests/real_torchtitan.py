@@ -31,7 +31,7 @@ def _cpu_workarounds() -> None:
 
 
 def build_llama3(world: int, sequence_parallel: bool, layers: int = 2, seed: int = 0,
-                 checkpoint: bool = False) -> torch.nn.Module:
+                 checkpoint: bool = False, dims=None) -> torch.nn.Module:
     """torchtitan's llama3 "debugmodel" (dim 256, 16 heads) cut to ``layers`` layers, TP over ``world``.
 
     Every rank must call this (it builds the device mesh); the same seed gives the same weights.
@@ -51,8 +51,9 @@ def build_llama3(world: int, sequence_parallel: bool, layers: int = 2, seed: int
     model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)  # full weights, identical on every rank
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world)
-    dims.build_mesh()
+    if dims is None:  # pass another model's ``compass_dims`` to reuse its meshes (no new groups)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world)
+        dims.build_mesh()
     model.parallelize(dims)  # each rank keeps its shard
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -157,13 +157,19 @@ class _PartValues:
         if node in self.pair.terms:
             a, _ = mm_operands(node)
             return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
-        if node.target is aten.add.Tensor:
-            return self.b.add(self.value(node.args[0], i), self.value(node.args[1], i))
+        if node.target is aten.add.Tensor:  # a sum of terms, or a term plus a column bias
+            a, c = (self.value(x, i) if shape_of(x) == shape_of(node) else self._bias(x) for x in node.args)
+            return self.b.add(a, c)
         if node.target is prims.convert_element_type.default:
             return _cast(self.b, self.value(node.args[0], i), (node.args[1],))
         if node.target is aten._to_copy.default:
             return _cast(self.b, self.value(node.args[0], i), (node.kwargs["dtype"],))
         return self.value(node.args[0], i)  # a reshape: the row blocks are the same
+
+    def _bias(self, bias: fx.Node) -> fx.Node:
+        """A [..1, N] bias as [N], so that it broadcasts over a 2-D row block."""
+        shape = shape_of(bias)
+        return bias if len(shape) == 1 else self.b.view(bias, [shape[-1]])
 
     def whole(self, node: fx.Node) -> fx.Node:
         """``node`` rebuilt from its part values, for its users outside the sum."""

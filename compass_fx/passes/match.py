@@ -142,8 +142,17 @@ def _cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 
 def _is_reshape(node: fx.Node) -> bool:
-    """Reshapes keep the row-major element order, so rows survive any chain of them."""
-    return node.target in RESHAPE_OPS and shape_of(node) is not None
+    """Reshapes keep the row-major element order, so rows survive any chain of them.
+
+    A permute that moves only size-1 dims (what einsum traces around its bmm) is one too.
+    """
+    if shape_of(node) is None:
+        return False
+    if node.target is aten.permute.default and isinstance(node.args[0], fx.Node):
+        src = shape_of(node.args[0])
+        kept = [d % len(src) for d in node.args[1] if src is not None and src[d] != 1] if src else None
+        return kept is not None and kept == sorted(kept)
+    return node.target in RESHAPE_OPS
 
 
 def _row_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[tuple[fx.Node, tuple]], int]:
@@ -227,6 +236,12 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tu
     return rows, contractions, others
 
 
+def _row_bias_of(bias: fx.Node, cols: int) -> bool:
+    """A tensor that broadcasts one value per column over every row: shape [..1, cols]."""
+    shape = shape_of(bias)
+    return shape is not None and len(shape) >= 1 and shape[-1] == cols and all(d == 1 for d in shape[:-1])
+
+
 def _unscaled(mm: fx.Node) -> bool:
     return mm.kwargs.get("beta", 1) == 1 and mm.kwargs.get("alpha", 1) == 1
 
@@ -299,13 +314,19 @@ def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node
                 raise NoMatch(f"dtype conversion {node.name} inside the sum of matmuls")
             casts.append(dtype)
             return walk(node.args[0], node, True)
-        if node.target in RESHAPE_OPS:
+        if _is_reshape(node):
             return walk(node.args[0], node, top)
         if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
-                and all(isinstance(a, fx.Node) and shape_of(a) == shape_of(node) for a in node.args):
-            walk(node.args[0], node, False)
-            walk(node.args[1], node, False)
-            return None
+                and all(isinstance(a, fx.Node) and shape_of(a) is not None for a in node.args):
+            full = [a for a in node.args if shape_of(a) == shape_of(node)]
+            if len(full) == 2:
+                walk(node.args[0], node, False)
+                walk(node.args[1], node, False)
+                return None
+            bias = [a for a in node.args if a not in full]
+            if len(full) == 1 and len(bias) == 1 and _row_bias_of(bias[0], shape[-1]):
+                walk(full[0], node, False)  # x + bias[N]: a bias added after a bmm-form matmul
+                return None
         found.terms.append(_term(node, shape, found))
         return None
 

@@ -1,0 +1,198 @@
+"""A generator of small TP graphs mixing collectives, matmuls, views, casts and pointwise ops.
+
+A ``spec`` (plain dict, printable for reproduction) describes rounds of "gather -> matmuls" and
+"matmuls -> reduce-scatter / all-reduce" blocks, each with a random form taken from the shapes
+seen in real graphs.  ``trace(spec)`` gives the aten graph (fake process group, fake tensors);
+``check(spec, parts)`` rewrites every pair it can with ``parts`` and replays the original and
+the rewritten graph on every rank with LocalTensorMode: outputs must agree.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import wild_check
+
+c10d = torch.ops._c10d_functional
+GATHER_FORMS = ("view2d", "reshape", "unsqueeze_flatten", "bmm_expand", "einsum", "matmul3d")
+REDUCE_FORMS = ("mm", "bmm_expand", "matmul3d")
+
+
+@st.composite
+def specs(draw, world: int | None = None) -> dict:
+    world = world or draw(st.sampled_from([2, 4]))
+    three_d = draw(st.booleans())
+    spec = {"world": world, "batch": draw(st.sampled_from([1, 2])) if three_d else 0,
+            "local": draw(st.sampled_from([2, 4, 6])), "dim": draw(st.sampled_from([8, 12])), "rounds": []}
+    for _ in range(draw(st.integers(1, 2))):
+        gdim = draw(st.sampled_from([0, 1] if three_d else [0]))
+        gather = {"dim": gdim, "style": draw(st.sampled_from(["fc", "slices"] if gdim else ["fc"])),
+                  "cast": draw(st.sampled_from([None, "bf16_roundtrip", "double"])),
+                  "form": draw(st.sampled_from(GATHER_FORMS if three_d else ("view2d", "reshape", "unsqueeze_flatten"))),
+                  "consumers": draw(st.lists(st.booleans(), min_size=1, max_size=3)),  # True: with bias
+                  "extra_use": draw(st.booleans()), "contraction": draw(st.booleans()),
+                  "hidden": draw(st.sampled_from([8, 16])),
+                  "hostile": draw(st.sampled_from([None, None, None, "relu", "narrow"]))}
+        kind = draw(st.sampled_from(["rs", "ar"]))
+        rdim = draw(st.sampled_from([0, 1] if three_d and kind == "rs" else [0]))
+        reduce = {"kind": kind, "dim": rdim, "terms": draw(st.integers(1, 2)), "bias": draw(st.booleans()),
+                  "cast": draw(st.sampled_from([None, "bf16"])), "escape": draw(st.booleans()),
+                  "style": draw(st.sampled_from(["fc", "permute"] if rdim else ["fc"])),
+                  "form": draw(st.sampled_from(REDUCE_FORMS if three_d else ("mm",))),
+                  "hostile": draw(st.sampled_from([None, None, None, "scale", "max"]))}
+        spec["rounds"].append({"gather": gather, "reduce": reduce, "noise": draw(st.booleans())})
+    return spec
+
+
+def _logical_shape(spec: dict, dim: int, cols: int) -> list[int]:
+    """Full (gathered) shape with the split dim ``dim`` of extent world * local."""
+    w, n = spec["world"], spec["local"]
+    if not spec["batch"]:
+        return [w * n, cols]
+    shape = [spec["batch"], 2, cols]
+    shape[dim] = w * n if dim == 1 else w * spec["batch"]
+    if dim == 0:
+        shape[1] = n
+    return shape
+
+
+def _shard_shape(spec: dict, dim: int, cols: int) -> list[int]:
+    shape = _logical_shape(spec, dim, cols)
+    shape[dim] //= spec["world"]
+    return shape
+
+
+def _gather(x: torch.Tensor, g: dict, world: int, group: str) -> torch.Tensor:
+    if g["style"] == "fc" or g["dim"] == 0:
+        import torch.distributed._functional_collectives as fc
+
+        return fc.all_gather_tensor(x, g["dim"], group)
+    w = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group))
+    n = x.shape[0]
+    return torch.cat([w[i * n:(i + 1) * n] for i in range(world)], dim=g["dim"])
+
+
+def _apply_linear(f: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form: str) -> torch.Tensor:
+    """``f @ w`` (+ b) written in one of the wild forms; returns [rows, N] or [B, M, N]."""
+    d = f.shape[-1]
+    if form in ("view2d", "reshape", "unsqueeze_flatten", "mm") or f.dim() == 2:
+        if form == "reshape":
+            f2 = f.reshape(-1, d)
+        elif form == "unsqueeze_flatten":
+            f2 = f.reshape(-1, d).unsqueeze(0).flatten(0, 1)
+        else:
+            f2 = f.reshape(-1, d) if f.dim() != 2 else f
+        return torch.addmm(b, f2, w) if b is not None else torch.mm(f2, w)
+    if form == "bmm_expand":
+        out = torch.bmm(f.contiguous(), w.expand(f.shape[0], *w.shape))
+    elif form == "einsum":
+        out = torch.einsum("bsd,dn->bsn", f, w)
+    else:
+        out = torch.matmul(f, w)
+    return out + b if b is not None else out
+
+
+def _reduce(y: torch.Tensor, r: dict, world: int, group: str) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    if r["hostile"] == "max":            # not a linear reduction: no pair
+        return fc.all_reduce(y, "max", group) if r["kind"] == "ar" else \
+            c10d.wait_tensor(c10d.reduce_scatter_tensor(y.flatten(0, -2).contiguous(), "max", world, group))
+    if r["kind"] == "ar":
+        return fc.all_reduce(y, "sum", group)
+    if r["style"] == "permute":
+        perm = [1, 0, 2]
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(y.permute(perm).contiguous(), "sum", world, group))
+        return out.permute(perm)
+    return fc.reduce_scatter_tensor(y, "sum", r["dim"], group)
+
+
+def program(spec: dict, group: str):
+    """The function the spec describes and its inputs (weights are inputs too)."""
+    world, dim = spec["world"], spec["dim"]
+    inputs: list[torch.Tensor] = []
+    gen = torch.Generator().manual_seed(0)
+
+    def new(*shape: int, dtype=torch.float32) -> int:
+        inputs.append((torch.randn(*shape, generator=gen) / max(shape[-1], 1) ** 0.5).to(dtype))
+        return len(inputs) - 1
+
+    plan = []
+    for rd in spec["rounds"]:
+        g, r = rd["gather"], rd["reduce"]
+        wdtype = torch.float64 if g["cast"] == "double" else torch.float32
+        x = new(*_shard_shape(spec, g["dim"], dim))
+        ws = [(new(dim, g["hidden"], dtype=wdtype), new(g["hidden"], dtype=wdtype) if bias else None)
+              for bias in g["consumers"]]
+        terms = [(new(g["hidden"], dim), new(dim) if r["bias"] and t == 0 else None) for t in range(r["terms"])]
+        plan.append((x, ws, terms))
+
+    def fn(*args: torch.Tensor):
+        outs = []
+        for rd, (xi, ws, terms) in zip(spec["rounds"], plan):
+            g, r = rd["gather"], rd["reduce"]
+            f = _gather(args[xi], g, world, group)
+            if g["cast"] == "bf16_roundtrip":
+                f = f.to(torch.bfloat16).float()
+            elif g["cast"] == "double":
+                f = f.double()
+            if g["hostile"] == "relu":      # a nonlinearity between gather and matmul: no pair
+                f = torch.relu(f)
+            elif g["hostile"] == "narrow":  # rows dropped before the matmul: no pair
+                f = torch.cat([f.narrow(-2, 0, 1), f.narrow(-2, 1, f.shape[-2] - 1) * 1.5], dim=-2)
+            hs = [_apply_linear(f, args[w], args[b] if b is not None else None, g["form"]) for w, b in ws]
+            h = hs[0]
+            for other in hs[1:]:
+                h = torch.relu(h) * other
+            h = h.float()
+            if g["extra_use"]:
+                outs.append(f.float().sum(dim=-1))
+            if g["contraction"]:
+                f2 = f.reshape(-1, f.shape[-1]).float()
+                outs.append(torch.mm(f2.t(), h.reshape(-1, h.shape[-1])))
+            if rd["noise"]:
+                h = torch.tanh(h) * 2
+            y = None
+            for t, (w, b) in enumerate(terms):
+                src = h if t == 0 else torch.relu(h)
+                term = _apply_linear(src, args[w], args[b] if b is not None else None, r["form"])
+                y = term if y is None else y + term
+            if r["escape"]:
+                outs.append(torch.sigmoid(y))
+            if r["hostile"] == "scale":     # a pointwise op between matmul and reduce: no pair
+                y = y * 0.5
+            if r["cast"] == "bf16":
+                y = y.to(torch.bfloat16)
+            y = y.reshape(_logical_shape(spec, r["dim"], dim)) if spec["batch"] else y.reshape(-1, dim)
+            outs.append(_reduce(y, r, world, group).float())
+        return tuple(outs)
+
+    return fn, inputs
+
+
+def trace(spec: dict, group: str) -> fx.GraphModule:
+    fn, inputs = program(spec, group)
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def check(spec: dict, group: str, parts_choice: int) -> dict:
+    """Rewrite ``spec``'s graph (parts: the ``parts_choice``-th feasible count > 1) and compare."""
+    ref, gm = trace(spec, group), trace(spec, group)
+
+    def parts(pair) -> int | None:
+        options = [p for p in pair.feasible_parts() if p > 1] or [1]
+        return options[parts_choice % len(options)]
+
+    done, skips = wild_check.rewrite_all(gm, parts)
+    inputs = wild_check.local_inputs(ref, spec["world"], seed=1)
+    wild_check.assert_same_outputs(wild_check.replay(ref, inputs, spec["world"]),
+                                   wild_check.replay(gm, inputs, spec["world"]), rtol=2e-2, atol=2e-2)
+    hostile = sum((rd["gather"]["hostile"] is not None) + (rd["reduce"]["hostile"] is not None)
+                  for rd in spec["rounds"])
+    return {"rewritten": len(done), "skipped": [s.reason for s in skips],
+            "blocks": 2 * len(spec["rounds"]), "hostile": hostile}

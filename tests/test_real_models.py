@@ -1,0 +1,79 @@
+"""A model this project did not write: torchtitan 0.3.0's Llama-3 and its TP plan, on gloo ranks.
+
+Compiled with backend="compass" (every pair forced to 2 parts) equals eager, forward and
+backward, with and without sequence parallelism; the pairs found match a hand count of the
+model's linears.  Needs ``pip install torchtitan==0.3.0`` (skipped without it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+LAYERS = 2
+
+
+def hand_count(layers: int, sp: bool) -> dict[tuple[str, str], int]:
+    """Pairs per (graph, kind), counted by hand from the model's linears.
+
+    Per layer: wqkv (fused), wo, w1, w2, w3; then lm_head.  With SP the forward gathers before
+    wqkv, before w1+w3 (one gather, two mms) and before lm_head, and reduce-scatters after wo and
+    w2; the backward mirrors it (gathers of wo's and w2's output gradients, reduce-scatters of the
+    input gradients of wqkv, of w1+w3 summed, and of lm_head).  The embedding's reduce-scatter
+    (a masked lookup, no matmul) and the gather feeding its gradient are not pairs.  Without SP,
+    wo and w2 all-reduce in the forward, and wqkv, w1+w3 and lm_head's input gradients in the backward.
+    """
+    if sp:
+        return {("forward", "all_gather_matmul"): 2 * layers + 1,
+                ("forward", "matmul_reduce_scatter"): 2 * layers,
+                ("backward", "all_gather_matmul"): 2 * layers,
+                ("backward", "matmul_reduce_scatter"): 2 * layers + 1}
+    return {("forward", "matmul_all_reduce"): 2 * layers,
+            ("backward", "matmul_all_reduce"): 2 * layers + 1}
+
+
+def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict) -> dict:
+    import collections
+
+    import compass_fx.backend
+    import real_torchtitan as rt
+
+    torch._dynamo.reset()
+    x = rt.tokens()
+    eager = rt.build_llama3(world, sp, layers=LAYERS)
+    model = rt.build_llama3(world, sp, layers=LAYERS, dims=eager.compass_dims)
+    with rt.spmd_context(eager, x):
+        out_ref = eager(x)
+        (out_ref.float() ** 2).mean().backward()
+    before = len(compass_fx.backend.history)
+    with rt.spmd_context(model, x):
+        out = torch.compile(model, backend="compass", options=options, fullgraph=True)(x)
+        (out.float() ** 2).mean().backward()
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    reports = list(compass_fx.backend.history)[before:]
+    counts = collections.Counter((p.graph, p.kind) for r in reports for p in r.pairs)
+    return {"counts": dict(counts), "statuses": sorted({p.status for r in reports for p in r.pairs}),
+            "matmuls": sum(p.matmuls for r in reports for p in r.pairs if p.graph == "forward"),
+            "linears": rt.linear_count(model)}
+
+
+@pytest.mark.parametrize("world,sp", [(2, True), (2, False), (4, True), (4, False)])
+def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp):
+    results = ranks(world).run(titan_compiled_vs_eager, world, sp, {"chunks": 2, "inner": "eager"})
+    res = results[0]
+    assert all(r["counts"] == res["counts"] for r in results), "ranks found different pairs"
+    assert res["counts"] == hand_count(LAYERS, sp)
+    assert res["statuses"] == ["rewritten"]
+    assert res["linears"] == {"wqkv": LAYERS, "wo": LAYERS, "w1": LAYERS, "w2": LAYERS, "w3": LAYERS,
+                              "lm_head": 1}
+    if sp:  # every linear of the forward sits in exactly one pair
+        assert res["matmuls"] == sum(res["linears"].values())
+
+
+def test_torchtitan_llama3_under_inductor(ranks):
+    results = ranks(2).run(titan_compiled_vs_eager, 2, True, {"chunks": 2})
+    assert results[0]["counts"] == hand_count(LAYERS, True)
+    assert results[0]["statuses"] == ["rewritten"]
