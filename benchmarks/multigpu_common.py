@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import socket
@@ -79,8 +80,9 @@ def add_launch_args(p, default_worlds: str = "") -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="CPU ranks over gloo, tiny shapes, fp32: checks the script end to end")
     p.add_argument("--worlds", default=default_worlds,
-                   help="comma-separated world sizes to launch one after another (default: every visible "
-                        "GPU; 2 with --dry-run). Ignored under torchrun.")
+                   help="comma-separated world sizes to launch one after another (default: correctness and "
+                        "operators 2,4,8 up to the GPU count, end to end every GPU; 2 with --dry-run). "
+                        "Ignored under torchrun.")
     p.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and markdown go")
     p.add_argument("--tag", default=None, help="device tag in the file names (default: e.g. h200x8 or cpu)")
 
@@ -94,6 +96,17 @@ def parse_worlds(text: str, dry_run: bool) -> list[int]:
     if n < 2:
         raise SystemExit(f"found {n} GPU(s); these benchmarks need at least 2 (or --dry-run on CPU)")
     return [n]
+
+
+def group_size_worlds(text: str, dry_run: bool) -> list[int]:
+    """``--worlds`` if given, else every group size of the paper's grid (2, 4, 8) that fits the GPUs."""
+    if text or dry_run:
+        return parse_worlds(text, dry_run)
+    n = torch.cuda.device_count()
+    worlds = [g for g in (2, 4, 8) if g <= n]
+    if not worlds:
+        raise SystemExit(f"found {n} GPU(s); these benchmarks need at least 2 (or --dry-run on CPU)")
+    return worlds
 
 
 def under_torchrun() -> bool:
@@ -132,7 +145,7 @@ def _spawned(rank: int, world: int, port: int, dry_run: bool, fn, args, out_path
         if rank == 0:
             with open(out_path, "w") as fh:
                 json.dump(result, fh, default=str)
-        dist.barrier()
+        barrier(ctx)
     finally:
         dist.destroy_process_group()
 
@@ -147,7 +160,7 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
         ctx = _init(rank, world, int(os.environ["LOCAL_RANK"]), args.dry_run, None)
         try:
             result = fn(ctx, args)
-            dist.barrier()
+            barrier(ctx)
         finally:
             dist.destroy_process_group()
         return [(world, result)]
@@ -222,7 +235,7 @@ def fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
-        if value != value:
+        if math.isnan(value):
             return "nan"
         if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
             return f"{value:.{digits}g}"
@@ -271,6 +284,12 @@ def synchronize(ctx: Ctx) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
+def barrier(ctx: Ctx) -> None:
+    """Every rank here before any goes on (a tiny all-reduce on the device, then a sync)."""
+    dist.all_reduce(torch.zeros(1, device=ctx.device))
+    synchronize(ctx)
+
+
 def time_fn(ctx: Ctx, fn: Callable[[], Any], warmup: int, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` (after ``warmup`` calls), each call started after a
     barrier; the slowest rank's median (every rank returns the same number).
@@ -281,7 +300,7 @@ def time_fn(ctx: Ctx, fn: Callable[[], Any], warmup: int, repeats: int) -> float
     synchronize(ctx)
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        barrier(ctx)
         if ctx.is_cuda:
             torch.cuda.synchronize(ctx.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

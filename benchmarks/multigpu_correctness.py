@@ -15,7 +15,7 @@ Two levels:
   compared with the same module run eagerly (DTensor: NCCL + mm); forward and backward graphs are
   both rewritten, and what the backend did is recorded from ``compass_fx.last_report()``.
 
-    python benchmarks/multigpu_correctness.py --worlds 2,4,8          # one launch per world size
+    python benchmarks/multigpu_correctness.py                         # worlds 2, 4, 8 (up to the GPU count)
     torchrun --nproc-per-node 8 benchmarks/multigpu_correctness.py    # one world
     python benchmarks/multigpu_correctness.py --dry-run               # 2 gloo ranks on CPU, fp32
 
@@ -329,7 +329,7 @@ COLUMNS = ["world", "level", "kind", "strategy", "role", "status", "err_out", "e
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = mc.parse_worlds(args.worlds, args.dry_run)
+    worlds = mc.group_size_worlds(args.worlds, args.dry_run)
     t0 = time.time()
     results = mc.run_worlds(worker, args, worlds)
     if not mc.is_writer():
@@ -345,9 +345,9 @@ def main(argv=None) -> int:
         "counts": counts, "seconds": round(time.time() - t0, 1), "rows": rows,
     }
     md = [f"# Multi-GPU correctness ({tag}{', dry run on CPU' if args.dry_run else ''})", "",
-          f"{args.dtype}, m={args.m}, n={args.n}, k={args.k}; worlds {payload['worlds']}; "
-          f"reference: torch.distributed collectives + torch.mm in {'fp64' if args.dry_run else 'fp32'}; "
-          f"error = max|x - ref| / max|ref| over ranks.", "",
+          (f"{args.dtype}, m={args.m}, n={args.n}, k={args.k}; worlds {payload['worlds']}; "
+           f"reference: torch.distributed collectives + torch.mm in {'fp64' if args.dry_run else 'fp32'}; "
+           f"error = max|x - ref| / max|ref| over ranks."), "",
           f"**{counts['pass']} pass, {counts['FAIL']} fail, {counts['error']} error, {counts['skipped']} skipped**", "",
           mc.markdown_table(rows, COLUMNS)]
     text = "\n".join(md)

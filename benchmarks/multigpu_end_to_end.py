@@ -165,7 +165,7 @@ def skip_reason(ctx: mc.Ctx, mode: str, sp: bool, args) -> str | None:
     return None
 
 
-def compile_model(ctx: mc.Ctx, mode: str, model: nn.Module, args):
+def compile_model(ctx: mc.Ctx, mode: str, model: nn.Module, args, group_name: str):
     if mode == "eager":
         return model
     if mode == "compass":
@@ -175,7 +175,7 @@ def compile_model(ctx: mc.Ctx, mode: str, model: nn.Module, args):
         return torch.compile(model, backend="compass", options=opts)
     if mode == "async_tp":
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-        enable_symm_mem_for_group(ctx.group_name)
+        enable_symm_mem_for_group(group_name)  # the TP mesh's group (the world here)
     return torch.compile(model, backend="aot_eager" if args.fast else "inductor")
 
 
@@ -183,7 +183,7 @@ def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     """Warm up (compiling), then time ``args.steps`` steps; the slowest rank's time per step."""
     model = build_model(args, mesh, sp, ctx.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    fn = compile_model(ctx, mode, model, args)
+    fn = compile_model(ctx, mode, model, args, mesh.get_group().group_name)
     data = batches(args, ctx.device, args.warmup + args.steps)
     step_times, losses = [], []
     if ctx.is_cuda:
@@ -370,10 +370,10 @@ def main(argv=None) -> int:
                "warmup": args.warmup, "steps": args.steps, "compass_options": args.compass_options, "fast": args.fast,
                "worlds": [w for w, _ in results], "goals": goals, "seconds": round(time.time() - t0, 1), "rows": rows}
     md = [f"# End-to-end training step ({tag}{', dry run on CPU: times are meaningless' if args.dry_run else ''})", "",
-          f"Llama-3-style model: {args.layers} layers, hidden {args.dim}, FFN {args.ffn}, {args.heads} heads / "
-          f"{args.kv_heads} KV heads, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; TP over "
-          f"all ranks; median of {args.steps} steps after {args.warmup} warm-up (slowest rank per step); "
-          f"compass options {args.compass_options}{'; --fast: aot_eager and compass inner eager' if args.fast else ''}.",
+          (f"Llama-3-style model: {args.layers} layers, hidden {args.dim}, FFN {args.ffn}, {args.heads} heads / "
+           f"{args.kv_heads} KV heads, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; TP over "
+           f"all ranks; median of {args.steps} steps after {args.warmup} warm-up (slowest rank per step); "
+           f"compass options {args.compass_options}{'; --fast: aot_eager and compass inner eager' if args.fast else ''}."),
           ""]
     md += [f"* goal {g}: {'met' if ok else 'NOT met'}" for g, ok in goals.items()]
     md += ["", mc.markdown_table(rows, COLUMNS)]

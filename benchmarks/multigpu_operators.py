@@ -65,18 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def default_worlds(args) -> list[int]:
-    if args.worlds or args.dry_run:
-        return mc.parse_worlds(args.worlds, args.dry_run)
-    from compass_fx.cost.sweep import DEFAULT_GROUPS
-
-    n = torch.cuda.device_count()
-    worlds = [g for g in DEFAULT_GROUPS if g <= n]
-    if not worlds:
-        raise SystemExit(f"found {n} GPU(s); need at least 2 (or --dry-run)")
-    return worlds
-
-
 def feasible(kind: str, m: int, world: int, d: int) -> bool:
     if kind == "all_gather_matmul":
         return (m // world) % d == 0
@@ -134,7 +122,7 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
                         "symm_mem_impl": "torch.ops.symm_mem (CUDA)" if ctx.is_cuda else "Python fallback (not a baseline)"}
         gemm_s = mc.time_fn(ctx, mc.gemm_only_fn(kind, a, b, ctx.world), args.warmup, args.repeats)
         comm_s = mc.time_fn(ctx, mc.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.warmup, args.repeats)
-    del a, b
+    a = b = None  # free the operands before the next configuration
     if ctx.is_cuda:
         torch.cuda.empty_cache()
 
@@ -265,7 +253,7 @@ def markdown(tag: str, args, results, summary: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = default_worlds(args)
+    worlds = mc.group_size_worlds(args.worlds, args.dry_run)
     t0 = time.time()
     results = mc.run_worlds(worker, args, worlds)
     if not mc.is_writer():
