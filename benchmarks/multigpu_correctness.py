@@ -248,14 +248,11 @@ def _report_summary() -> tuple[str, int]:
     return "; ".join(items), rewritten
 
 
-def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress) -> list[dict]:
-    from torch.distributed.device_mesh import init_device_mesh
-
+def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress, mesh) -> list[dict]:
     import compass_fx  # noqa: F401 - registers the backend
 
     dtype = DTYPES[args.dtype]
     tol = args.tolerance or TOLERANCE[dtype]
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     pick, best_d, _ = model_choice(ctx, kind, args, topo)
     gen = torch.Generator().manual_seed(11 + ctx.rank)
     rows_in = args.m // ctx.world if kind == "all_gather_matmul" else args.m
@@ -313,12 +310,16 @@ def worker(ctx: mc.Ctx, args) -> dict:
             f"{topo.name} ({how})")
     # progress total: a rough count (ops: ~8 per kind; compiled: ~8 per kind)
     progress = mc.Progress(ctx, len(kinds) * (9 * ("ops" in levels) + 8 * ("compiled" in levels)), f"w{ctx.world}")
+    mesh = None
+    if "compiled" in levels:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     rows = []
     for kind in kinds:
         if "ops" in levels:
             rows += check_ops(ctx, args, kind, topo, progress)
         if "compiled" in levels:
-            rows += check_compiled(ctx, args, kind, topo, progress)
+            rows += check_compiled(ctx, args, kind, topo, progress, mesh)
     return {"world": ctx.world, "topology": topo.name, "topology_source": how, "topology_description": topo.to_dict(),
             "rows": rows}
 

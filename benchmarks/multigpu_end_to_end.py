@@ -240,20 +240,23 @@ def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=ctx.world)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
+    import dataclasses
+
     dtype = DTYPES[args.dtype]
-    config = TransformerConfig(
+    wanted = dict(
         num_layers=args.layers, hidden_size=args.dim, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
         num_query_groups=args.kv_heads, kv_channels=args.dim // args.heads, tensor_model_parallel_size=ctx.world,
         sequence_parallel=sp, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
-        gradient_accumulation_fusion=False, async_tensor_model_parallel_allreduce=overlap,
-    ) if _accepts(TransformerConfig, "async_tensor_model_parallel_allreduce") else TransformerConfig(
-        num_layers=args.layers, hidden_size=args.dim, ffn_hidden_size=args.ffn, num_attention_heads=args.heads,
-        num_query_groups=args.kv_heads, kv_channels=args.dim // args.heads, tensor_model_parallel_size=ctx.world,
-        sequence_parallel=sp, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
-        add_bias_linear=False, bf16=dtype == torch.bfloat16, params_dtype=dtype, pipeline_dtype=dtype,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        async_tensor_model_parallel_allreduce=overlap,
     )
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    if overlap and "async_tensor_model_parallel_allreduce" not in fields:
+        raise RuntimeError("this megatron-core has no TE-free TP overlap (async_tensor_model_parallel_allreduce); "
+                           "its tp_comm_overlap needs Transformer Engine")
+    config = TransformerConfig(**{k: v for k, v in wanted.items() if k in fields})
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="rope").to(ctx.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -276,11 +279,6 @@ def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
     return {"first_step_s": times[0], "step_s": step_s, "step_s_min": min(timed), "step_s_max": max(timed),
             "tokens_per_s": args.batch * args.seq / step_s, "loss_first": losses[0], "loss_last": losses[-1],
             "step_times_s": timed, "note": "Megatron-core local layers (no Transformer Engine), own init/loss"}
-
-
-def _accepts(cls, field: str) -> bool:
-    import dataclasses
-    return any(f.name == field for f in dataclasses.fields(cls))
 
 
 def _free(ctx: mc.Ctx) -> None:
@@ -342,7 +340,7 @@ def worker(ctx: mc.Ctx, args) -> dict:
 COLUMNS = ["world", ("sequence_parallel", "SP"), "mode", "status", ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"),
            ("speedup_vs_inductor", "vs Inductor"), ("speedup_vs_async_tp", "vs async-TP"),
            ("first_step_s", "first step s"), ("peak_memory_gib", "peak GiB"), ("loss_first", "loss (step 1)"),
-           ("loss_rel_diff_vs_inductor", "loss diff vs Inductor"), ("compass_rewritten", "pairs rewritten"), "note"]
+           ("loss_rel_diff_vs_inductor", "loss diff vs Inductor"), ("compass_pairs", "pairs found"), ("compass_rewritten", "pairs rewritten"), "note"]
 
 
 def main(argv=None) -> int:
@@ -377,6 +375,11 @@ def main(argv=None) -> int:
           ""]
     md += [f"* goal {g}: {'met' if ok else 'NOT met'}" for g, ok in goals.items()]
     md += ["", mc.markdown_table(rows, COLUMNS)]
+    decided = [r for r in rows if r.get("compass_decisions")]
+    if decided:
+        md += ["", "compass decisions (graph:pair:strategy: count):", ""]
+        md += [f"* w{r['world']} SP={'on' if r['sequence_parallel'] else 'off'}: "
+               + ", ".join(f"{k}: {v}" for k, v in r["compass_decisions"].items()) for r in decided]
     text = "\n".join(md)
     print(text)
     mc.write_results(NAME, tag, payload, text, args.out_dir)

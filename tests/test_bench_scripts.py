@@ -19,7 +19,7 @@ BENCH = ROOT / "benchmarks"
 def _run(script: str, out: Path, *extra: str) -> dict:
     cmd = [sys.executable, str(BENCH / script), "--dry-run", "--out-dir", str(out), *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     name = script.removesuffix(".py")
     jpath, mpath = out / f"{name}-cpu.json", out / f"{name}-cpu.md"
@@ -33,13 +33,15 @@ def _run(script: str, out: Path, *extra: str) -> dict:
 
 
 def test_correctness_dry_run(tmp_path):
-    data = _run("multigpu_correctness.py", tmp_path, "--forced-d", "4", "--compiled-strategies", "decompose,fuse")
+    # the cost model's d only (forced d take the same code path); the compiled level without off/auto
+    data = _run("multigpu_correctness.py", tmp_path, "--forced-d", "", "--compiled-strategies", "decompose,fuse")
     rows = data["rows"]
     assert data["counts"]["FAIL"] == 0 and data["counts"]["error"] == 0
     assert data["topology"]["2"]["name"]
     for kind in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         ops = {r["strategy"] for r in rows if r["kind"] == kind and r["level"] == "ops" and r["status"] == "pass"}
-        assert {"sequential", "decompose(d=4)", "fuse(ring)", "fuse(double_ring)", "fuse(direct)"} <= ops, (kind, ops)
+        assert {"sequential", "fuse(ring)", "fuse(double_ring)", "fuse(direct)"} <= ops, (kind, ops)
+        assert any(s.startswith("decompose(d=") for s in ops), (kind, ops)
         assert any(r["role"] == "model's d" for r in rows if r["kind"] == kind and r["level"] == "ops")
         compiled = [r for r in rows if r["kind"] == kind and r["level"] == "compiled"]
         assert compiled and all(r["status"] == "pass" and r["rewritten"] > 0 for r in compiled), compiled
