@@ -9,9 +9,10 @@ import torch
 import torch.fx as fx
 
 from ..cost import Decision
-from ..lowering.decompose import decompose
+from ..lowering.decompose import RewriteFailed, decompose
 from ..options import CompassOptions
 from ..report import GraphReport, PairRecord, SkipRecord
+from .agree import agree
 from .decide import Infeasible, decide
 from .match import find_pairs
 from .pairs import Pair
@@ -62,8 +63,9 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
 
 def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: object | None) -> PairRecord:
     try:
-        decision = decide(pair, options, topology)
+        decision = agree(pair, decide(pair, options, topology))
     except Infeasible as e:
+        agree(pair, Decision("sequential", reason=str(e)))  # every rank takes part in each agreement
         record = _record(pair, Decision("sequential", reason=str(e)))
         record.status = "skipped"
         log.info("compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
@@ -83,7 +85,12 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
             log.info("compass_fx: %s graph: %s not fused: %s", pair.graph, pair.describe(), why)
         return record
     log.info("compass_fx: %s graph: %s -> %s", pair.graph, pair.describe(), decision.label)
-    decompose(gm, pair, decision.parts)
+    try:
+        decompose(gm, pair, decision.parts)
+    except RewriteFailed as e:  # the graph is back as it was; the same happens on every rank
+        record.status, record.reason = "skipped", str(e)
+        log.warning("compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
+        return record
     record.status = "rewritten"
     return record
 
