@@ -114,3 +114,22 @@ def test_wild_shapes_under_inductor(ranks):
     for name in ("einsum_bmm", "dtype_casts", "shared_uses"):
         results = ranks(WORLD).run(compiled_vs_eager, name, {"chunks": 2})
         assert results[0] and all(s == "rewritten" for *_, s in results[0])
+
+
+def test_a_rewrite_that_fails_half_way_leaves_the_graph_as_it_was(fake_group, monkeypatch, caplog):
+    import compass_fx.lowering.decompose as dec
+
+    def broken(*args, **kwargs):
+        raise KeyError("injected failure")
+
+    monkeypatch.setattr(dec, "interleave_rows", broken)
+    model, x = wild_models.build("shared_uses", fake_group), wild_models.shard_input("shared_uses", 0)
+    ref = wild_check.capture(model, (x,), {"strategy": "off"})
+    with caplog.at_level(logging.WARNING, logger="compass_fx"):
+        got = wild_check.capture(model, (x,), {"chunks": 2})
+    gather = [p for r in got.reports for p in r.pairs if p.kind == "all_gather_matmul"]
+    assert gather and all(p.status == "skipped" and "injected failure" in p.reason for p in gather)
+    assert "graph left as it was" in caplog.text
+    assert got.graphs["forward"].code.count("all_gather_into_tensor") == \
+        ref.graphs["forward"].code.count("all_gather_into_tensor")
+    wild_check.compare_captures(ref, got, WORLD)

@@ -7,6 +7,8 @@ while the matmul of part i+1 runs; the waits sit where the result is first neede
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
@@ -19,10 +21,29 @@ c10d = torch.ops._c10d_functional
 prims = torch.ops.prims
 
 
+class RewriteFailed(RuntimeError):
+    """A rewrite hit something it did not expect; the graph was restored exactly as it was."""
+
+
 def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
-    """Rewrite ``pair`` in place into ``parts`` pipelined parts (``parts`` must be feasible)."""
+    """Rewrite ``pair`` in place into ``parts`` pipelined parts (``parts`` must be feasible).
+
+    The rewrite is all or nothing: if anything fails half-way, ``gm`` gets back a copy of its graph
+    taken before, and ``RewriteFailed`` says why (a half-rewritten graph must never run).
+    """
     if parts not in pair.feasible_parts():
         raise ValueError(f"parts={parts} does not divide the split dimension of {pair.describe()}")
+    backup = copy.deepcopy(gm.graph)
+    try:
+        _rewrite(gm, pair, parts)
+        gm.graph.lint()
+    except Exception as e:  # noqa: BLE001 - restored, then reported with the pair
+        gm.graph = backup
+        raise RewriteFailed(f"{pair.describe()}: rewrite into {parts} parts failed ({type(e).__name__}: {e}); "
+                            "graph left as it was") from e
+
+
+def _rewrite(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
     lower = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
              "matmul_all_reduce": _all_reduce}[pair.kind]
     b = NodeBuilder(gm.graph, pair.collective)
