@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     small = args.dry_run
     args.dtype = args.dtype or ("float32" if small else "bfloat16")
-    defaults = dict(layers=(2, 8), dim=(64, 4096), ffn=(128, 14336), heads=(4, 32), kv_heads=(2, 8),
+    defaults = dict(layers=(2, 8), dim=(64, 4096), ffn=(128, 14336), heads=(8, 32), kv_heads=(4, 8),
                     vocab=(256, 128256), seq=(32, 8192), batch=(2, 1), steps=(2, 10), warmup=(1, 3))
     for key, (tiny, full) in defaults.items():
         if getattr(args, key) is None:
@@ -291,6 +291,10 @@ def _free(ctx: mc.Ctx) -> None:
 def worker(ctx: mc.Ctx, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    for what, value in (("heads", args.heads), ("kv-heads", args.kv_heads), ("ffn", args.ffn), ("vocab", args.vocab),
+                        ("seq", args.seq)):
+        if value % ctx.world:
+            raise SystemExit(f"--{what} {value} is not divisible by the world size {ctx.world}")
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     sps = {"both": [True, False], "on": [True], "off": [False]}[args.sp]
     modes = args.modes.split(",")
