@@ -138,16 +138,30 @@ def _init(rank: int, world: int, local_rank: int, dry_run: bool, init_method: st
     return Ctx(rank, world, local_rank, device, backend, dry_run)
 
 
+TEARDOWN_WARNINGS: list[str] = []
+
+
+def _teardown() -> None:
+    """Release finished work objects, then destroy the process group (gloo's worker threads can
+    otherwise hold the last references to tensors while the interpreter shuts down)."""
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, port: int, dry_run: bool, fn, args, out_path: str) -> None:
     ctx = _init(rank, world, rank, dry_run, f"tcp://127.0.0.1:{port}")
     try:
         result = fn(ctx, args)
+        barrier(ctx)  # every rank finished its work before rank 0 declares the run complete
         if rank == 0:
-            with open(out_path, "w") as fh:
+            with open(out_path + ".tmp", "w") as fh:
                 json.dump(result, fh, default=str)
-        barrier(ctx)
+            os.replace(out_path + ".tmp", out_path)
     finally:
-        dist.destroy_process_group()
+        _teardown()
 
 
 def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> list[tuple[int, Any]]:
@@ -158,11 +172,11 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         ctx = _init(rank, world, int(os.environ["LOCAL_RANK"]), args.dry_run, None)
-        try:
-            result = fn(ctx, args)
-            barrier(ctx)
-        finally:
-            dist.destroy_process_group()
+        import atexit
+
+        atexit.register(_teardown)  # after rank 0 has written its files
+        result = fn(ctx, args)
+        barrier(ctx)
         return [(world, result)]
     import torch.multiprocessing as mp
 
@@ -173,7 +187,16 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rank0.json")
             print(f"== launching {world} ranks ({'gloo/CPU' if args.dry_run else 'NCCL/CUDA'})", flush=True)
-            mp.spawn(_spawned, args=(world, _free_port(), args.dry_run, fn, args, path), nprocs=world, join=True)
+            try:
+                mp.spawn(_spawned, args=(world, _free_port(), args.dry_run, fn, args, path), nprocs=world, join=True)
+            except mp.ProcessExitedException as e:
+                if not os.path.exists(path):
+                    raise
+                # Every rank had finished (rank 0 writes after a final barrier): a crash while
+                # tearing the process group down loses nothing; say so and keep the results.
+                msg = f"world {world}: a rank died while tearing down after the run completed ({e})"
+                TEARDOWN_WARNINGS.append(msg)
+                print(f"WARNING: {msg}", file=sys.stderr, flush=True)
             with open(path) as fh:
                 out.append((world, json.load(fh)))
     return out
@@ -210,6 +233,7 @@ def environment(dry_run: bool) -> dict:
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
         "commit": git_commit(), "dry_run": dry_run,
         "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+        "teardown_warnings": list(TEARDOWN_WARNINGS),
     }
     if not dry_run and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
