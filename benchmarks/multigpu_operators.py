@@ -256,6 +256,18 @@ def markdown(tag: str, args, results, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def grid_description(args, worlds: list[int]) -> dict:
+    """The paper's grid and the part of it this run measured."""
+    from compass_fx.cost.sweep import SweepConfig
+
+    full = SweepConfig()
+    return {"full": {"topologies": list(full.topologies), "models": list(full.models), "kinds": list(full.kinds),
+                     "tokens": list(full.tokens), "group_sizes": list(full.group_sizes), "size": full.size()},
+            "measured": {"topology": "this machine's (see 'topology')", "models": args.models.split(","),
+                         "kinds": args.kinds.split(","), "tokens": [int(t) for t in args.tokens.split(",")],
+                         "group_sizes": worlds, "scale": args.scale}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     worlds = mc.group_size_worlds(args.worlds, args.dry_run)
@@ -272,6 +284,7 @@ def main(argv=None) -> int:
                "topology": {str(w): {"name": res["topology"], "source": res["topology_source"],
                                      "description": res["topology_description"],
                                      "fused_schedules": res["fused_schedules"]} for w, res in results},
+               "grid": grid_description(args, [w for w, _ in results]),
                "summary": summary, "seconds": round(time.time() - t0, 1), "rows": rows}
     text = markdown(tag, args, results, summary)
     print(text)
