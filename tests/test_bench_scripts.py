@@ -71,14 +71,17 @@ def test_operators_dry_run(tmp_path):
 
 
 def test_end_to_end_dry_run(tmp_path):
+    # eager instead of (aot_eager-substituted) Inductor keeps the test fast; the dry run of the
+    # committed results runs the real Inductor
     data = _run("multigpu_end_to_end.py", tmp_path, "--fast", "--sp", "on", "--layers", "1", "--steps", "1",
-                "--warmup", "1", "--compass-options", '{"strategy": "decompose", "chunks": 2}')
+                "--warmup", "1", "--modes", "eager,async_tp,compass,megatron",
+                "--compass-options", '{"strategy": "decompose", "chunks": 2}')
     rows = {r["mode"]: r for r in data["rows"]}
-    assert set(rows) == {"inductor", "async_tp", "compass", "megatron"}
-    for mode in ("inductor", "compass"):
+    assert set(rows) == {"eager", "async_tp", "compass", "megatron"}
+    for mode in ("eager", "compass"):
         assert rows[mode]["status"] == "ok" and rows[mode]["tokens_per_s"] > 0 and rows[mode]["step_s"] > 0
     assert rows["compass"]["compass_rewritten"] > 0
-    assert rows["compass"]["loss_rel_diff_vs_inductor"] < 1e-4
+    assert rows["compass"]["loss_rel_diff_vs_eager"] < 1e-4
     assert rows["async_tp"]["status"] == "skipped" and "CUDA" in rows["async_tp"]["note"]
     try:
         import megatron.core  # noqa: F401
