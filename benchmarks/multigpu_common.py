@@ -264,7 +264,7 @@ def fmt(value: Any, digits: int = 3) -> str:
         if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
             return f"{value:.{digits}g}"
         return f"{value:.{digits}f}"
-    return str(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str]]) -> str:
