@@ -93,3 +93,26 @@ def test_torchtitan_llama3_with_activation_checkpointing(ranks):
     assert counts[("backward", "all_gather_matmul")] == plain[("backward", "all_gather_matmul")] + 2 * LAYERS
     assert counts[("backward", "matmul_reduce_scatter")] > plain[("backward", "matmul_reduce_scatter")]
     assert results[0]["statuses"] == ["rewritten"]
+
+
+def titan_explain(rank: int, world: int, sp: bool) -> dict:
+    import compass_fx
+    import real_torchtitan as rt
+
+    torch._dynamo.reset()
+    x = rt.tokens()
+    model = rt.build_llama3(world, sp, layers=LAYERS)
+    with rt.spmd_context(model, x):
+        report = compass_fx.explain(model, x, strategy="off")
+    kinds = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+    counts = {(g, k): report.count(k, g) for g in ("forward", "backward") for k in kinds}
+    return {"counts": {key: n for key, n in counts.items() if n}, "text": str(report),
+            "left_alone": sorted(s.reason for s in report.skipped)}
+
+
+def test_explain_lists_every_pair_of_torchtitan_llama3(ranks):
+    res = ranks(2).run(titan_explain, 2, True)[0]
+    assert res["counts"] == hand_count(LAYERS, True)
+    assert res["text"].count("all_gather_matmul") >= 4 * LAYERS + 1
+    # The embedding's reduce-scatter (masked lookup) and its gradient's gather are the only others.
+    assert len(res["left_alone"]) == 2 and any("not by a matmul" in r for r in res["left_alone"])
