@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import wild_check
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
-
-import wild_check
 
 c10d = torch.ops._c10d_functional
 GATHER_FORMS = ("view2d", "reshape", "unsqueeze_flatten", "bmm_expand", "einsum", "matmul3d")

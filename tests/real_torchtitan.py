@@ -56,7 +56,9 @@ def build_llama3(world: int, sequence_parallel: bool, layers: int = 2, seed: int
         dims.build_mesh()
     model.parallelize(dims)  # each rank keeps its shard
     if checkpoint:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
 
         for name, block in list(model.layers.named_children()):
             model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))

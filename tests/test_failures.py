@@ -27,8 +27,9 @@ def _compiled_step_fn(group):
 def timeout_step(rank: int) -> dict:
     """Both ranks run one step of a rewritten model over a group with a 3 s timeout; then rank 1
     stays away from the second step."""
-    import compass_fx.backend
     import wild_models
+
+    import compass_fx.backend
 
     torch._dynamo.reset()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))

@@ -12,13 +12,12 @@ from __future__ import annotations
 import collections
 import os
 
+import fuzz_graphs
 import pytest
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
-
-import fuzz_graphs
 
 EXAMPLES = int(os.environ.get("COMPASS_FUZZ_EXAMPLES", "40"))
 SEED = int(os.environ.get("COMPASS_FUZZ_SEED", "20261129"))

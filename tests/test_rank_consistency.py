@@ -24,9 +24,10 @@ def _prefer(label: str):
 
 
 def disagreeing_hooks_step(rank: int, dump_dir: str) -> dict:
+    import wild_models
+
     import compass_fx
     import compass_fx.backend
-    import wild_models
     from compass_fx.cost import Workload, select
 
     torch._dynamo.reset()

@@ -36,8 +36,9 @@ def hand_count(layers: int, sp: bool) -> dict[tuple[str, str], int]:
 def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False) -> dict:
     import collections
 
-    import compass_fx.backend
     import real_torchtitan as rt
+
+    import compass_fx.backend
 
     torch._dynamo.reset()
     x = rt.tokens()
@@ -60,7 +61,7 @@ def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, chec
             "linears": rt.linear_count(model)}
 
 
-@pytest.mark.parametrize("world,sp", [(2, True), (2, False), (4, True)])
+@pytest.mark.parametrize("world,sp", [(2, True), (2, False), (4, True), (4, False)])
 def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp):
     results = ranks(world).run(titan_compiled_vs_eager, world, sp, {"chunks": 2, "inner": "eager"})
     res = results[0]
@@ -96,8 +97,9 @@ def test_torchtitan_llama3_with_activation_checkpointing(ranks):
 
 
 def titan_explain(rank: int, world: int, sp: bool) -> dict:
-    import compass_fx
     import real_torchtitan as rt
+
+    import compass_fx
 
     torch._dynamo.reset()
     x = rt.tokens()

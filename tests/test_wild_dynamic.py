@@ -27,10 +27,9 @@ def _input(name: str, rank: int, tokens: int) -> torch.Tensor:
 
 def _build(name: str):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
     import tp_models
     import wild_models
+    from torch.distributed.device_mesh import init_device_mesh
 
     if name in ("sp0_mlp", "sp1_llama"):
         return tp_models.build(name, init_device_mesh("cpu", (dist.get_world_size(),)))

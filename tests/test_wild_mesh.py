@@ -12,11 +12,14 @@ WORLD = 4
 
 
 def _sp_mlp(tp_mesh):
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-
     import tp_models
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     torch.manual_seed(0)
     return parallelize_module(tp_models.MLP(bias=False), tp_mesh, {
@@ -60,10 +63,10 @@ def _local(t):
 
 def mesh_step(rank: int, variant: str) -> dict:
     import torch.distributed as dist
+    import tp_models
     from torch.distributed.fsdp import fully_shard
 
     import compass_fx.backend
-    import tp_models
 
     torch._dynamo.reset()
     mesh = _mesh()

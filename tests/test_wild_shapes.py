@@ -11,10 +11,9 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
 import wild_check
 import wild_models
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 WORLD = 2
 

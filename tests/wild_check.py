@@ -6,7 +6,8 @@ can be compared on the same per-rank inputs in one process (FACTS.md).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx as fx

@@ -5,7 +5,7 @@ its input is this rank's shard; ``WILD`` maps a name to (builder, input shape, w
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as fc

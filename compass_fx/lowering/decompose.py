@@ -37,7 +37,7 @@ def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
     try:
         _rewrite(gm, pair, parts)
         gm.graph.lint()
-    except Exception as e:  # noqa: BLE001 - restored, then reported with the pair
+    except Exception as e:  # restored, then reported with the pair
         gm.graph = backup
         raise RewriteFailed(f"{pair.describe()}: rewrite into {parts} parts failed ({type(e).__name__}: {e}); "
                             "graph left as it was") from e
@@ -92,6 +92,13 @@ def _cast(b: NodeBuilder, x: fx.Node, casts: tuple[torch.dtype, ...]) -> fx.Node
     return x
 
 
+def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.Node:
+    """This part's gathered rows after ``casts`` (``cache[()]`` holds them uncast)."""
+    if casts not in cache:
+        cache[casts] = _cast(b, cache[()], casts)
+    return cache[casts]
+
+
 def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     shard_shape = shape_of(pair.shard)
@@ -120,17 +127,12 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
             gathered = b.cat(b.split(gathered, shard_shape[0], 0, world), g)
         logical_parts.append(gathered)
         plain = gathered if len(layout.shape) == 2 else b.view(gathered, flat)
-        cast_rows: dict[tuple, fx.Node] = {}
-
-        def rows_as(casts: tuple) -> fx.Node:
-            if casts not in cast_rows:
-                cast_rows[casts] = _cast(b, plain, casts)
-            return cast_rows[casts]
-
+        cast_rows: dict[tuple, fx.Node] = {(): plain}  # each distinct cast chain once per part
         for j, rc in enumerate(pair.row_consumers):
-            row_outs[j].append(_matmul_like(b, rc.mm, rows_as(rc.casts), weights[j]))
+            rows = _rows_as(b, cast_rows, rc.casts)
+            row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
         for j, cc in enumerate(pair.contraction_consumers):
-            rows = rows_as(cc.casts)
+            rows = _rows_as(b, cast_rows, cc.casts)
             other = select_rows(b, cc.other, layout, parts, i)
             if cc.gathered_on_left:
                 part = b.call(aten.mm.default, b.call(aten.permute.default, rows, [1, 0]), other)

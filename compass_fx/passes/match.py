@@ -15,7 +15,15 @@ import torch
 import torch.fx as fx
 
 from ..lowering.graph_edit import PART_MARK, shape_of
-from .pairs import BatchedWeight, ContractionConsumer, Pair, RowConsumer, RowLayout, Skip, mm_operands
+from .pairs import (
+    BatchedWeight,
+    ContractionConsumer,
+    Pair,
+    RowConsumer,
+    RowLayout,
+    Skip,
+    mm_operands,
+)
 
 log = logging.getLogger("compass_fx")
 
