@@ -195,3 +195,37 @@ def check(spec: dict, group: str, parts_choice: int) -> dict:
                   for rd in spec["rounds"])
     return {"rewritten": len(done), "skipped": [s.reason for s in skips],
             "blocks": 2 * len(spec["rounds"]), "hostile": hostile}
+
+
+def differentiable(spec: dict) -> bool:
+    """Specs whose every collective has a backward (functional collectives, linear reductions)."""
+    return all(rd["gather"]["style"] == "fc" and rd["reduce"]["style"] == "fc" and rd["reduce"]["hostile"] != "max"
+               for rd in spec["rounds"])
+
+
+class SpecModule(torch.nn.Module):
+    """The spec's program as a module: every input is a parameter, so the backward graph has the
+    transposed pairs (gathers of output gradients, reduce-scatters of input gradients, weight
+    gradients as contractions over the gathered rows)."""
+
+    def __init__(self, spec: dict, group: str) -> None:
+        super().__init__()
+        self.fn, inputs = program(spec, group)
+        self.inputs = torch.nn.ParameterList([torch.nn.Parameter(t) for t in inputs])
+
+    def forward(self) -> torch.Tensor:
+        outs = self.fn(*self.inputs)
+        return sum((o.float() ** 2).sum() for o in outs)
+
+
+def check_module(spec: dict, group: str) -> dict:
+    """Forward and backward graphs of ``SpecModule(spec)``: rewritten (chunks=2) vs not, replayed."""
+    model = SpecModule(spec, group)
+    ref = wild_check.capture(model, (), {"strategy": "off"})
+    got = wild_check.capture(model, (), {"chunks": 2})
+    wild_check.compare_captures(ref, got, spec["world"], seed=3)
+    pairs = [p for r in got.reports for p in r.pairs]
+    return {"graphs": len(got.graphs), "pairs": len(pairs),
+            "rewritten": sum(p.status == "rewritten" for p in pairs),
+            "backward_rewritten": sum(p.status == "rewritten" and p.graph == "backward" for p in pairs),
+            "not_rewritten": [(p.graph, p.kind, p.status, p.reason) for p in pairs if p.status != "rewritten"]}

@@ -44,3 +44,29 @@ def test_fuzzed_graphs_rewrite_correctly(world):
         dist.destroy_process_group()
     print(f"\nfuzz world={world}: {dict(stats)}")
     assert stats["graphs"] == EXAMPLES and stats["rewritten"] > 0
+
+
+MODULE_EXAMPLES = int(os.environ.get("COMPASS_FUZZ_MODULE_EXAMPLES", "6"))
+
+
+def test_fuzzed_modules_forward_and_backward():
+    """The same generator as modules compiled by the backend: forward and backward graphs.
+
+    Pairs that chunks=2 cannot divide (a batch of 1 per rank) are skipped by the backend."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    stats: collections.Counter = collections.Counter()
+    try:
+        @seed(SEED)
+        @settings(max_examples=MODULE_EXAMPLES, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(spec=fuzz_graphs.specs(world=2).filter(fuzz_graphs.differentiable))
+        def run(spec):
+            res = fuzz_graphs.check_module(spec, dist.group.WORLD.group_name)
+            assert res["graphs"] == 2, spec
+            stats.update({k: v for k, v in res.items() if k != "not_rewritten"})
+
+        run()
+    finally:
+        dist.destroy_process_group()
+    print(f"\nfuzzed modules: {dict(stats)}")
+    assert stats["backward_rewritten"] > 0

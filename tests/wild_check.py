@@ -131,7 +131,7 @@ def capture(model: torch.nn.Module, inputs: tuple, options: dict, backward: bool
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         out = compiled(*inputs)
         if backward:
-            (out.float() ** 2).sum().backward()
+            (out.float() ** 2).sum().backward() if out.dim() else out.backward()
     return cap
 
 
