@@ -28,7 +28,7 @@ def specs(draw, world: int | None = None) -> dict:
     for _ in range(draw(st.integers(1, 2))):
         gdim = draw(st.sampled_from([0, 1] if three_d else [0]))
         gather = {"dim": gdim, "style": draw(st.sampled_from(["fc", "slices"] if gdim else ["fc"])),
-                  "cast": draw(st.sampled_from([None, "bf16_roundtrip", "double"])),
+                  "cast": draw(st.sampled_from([None, "bf16_roundtrip", "double", "clone"])),
                   "form": draw(st.sampled_from(GATHER_FORMS if three_d else ("view2d", "reshape", "unsqueeze_flatten"))),
                   "consumers": draw(st.lists(st.booleans(), min_size=1, max_size=3)),  # True: with bias
                   "extra_use": draw(st.booleans()), "contraction": draw(st.booleans()),
@@ -37,7 +37,7 @@ def specs(draw, world: int | None = None) -> dict:
         kind = draw(st.sampled_from(["rs", "ar"]))
         rdim = draw(st.sampled_from([0, 1] if three_d and kind == "rs" else [0]))
         reduce = {"kind": kind, "dim": rdim, "terms": draw(st.integers(1, 2)), "bias": draw(st.booleans()),
-                  "cast": draw(st.sampled_from([None, "bf16"])), "escape": draw(st.booleans()),
+                  "cast": draw(st.sampled_from([None, "bf16", "clone"])), "escape": draw(st.booleans()),
                   "style": draw(st.sampled_from(["fc", "permute"] if rdim else ["fc"])),
                   "form": draw(st.sampled_from(REDUCE_FORMS if three_d else ("mm",))),
                   "hostile": draw(st.sampled_from([None, None, None, "scale", "max"]))}
@@ -137,6 +137,8 @@ def program(spec: dict, group: str):
                 f = f.to(torch.bfloat16).float()
             elif g["cast"] == "double":
                 f = f.double()
+            elif g["cast"] == "clone":  # a copy between gather and matmul (keeps the rows)
+                f = f.clone()
             if g["hostile"] == "relu":      # a nonlinearity between gather and matmul: no pair
                 f = torch.relu(f)
             elif g["hostile"] == "narrow":  # rows dropped before the matmul: no pair
@@ -164,6 +166,8 @@ def program(spec: dict, group: str):
                 y = y * 0.5
             if r["cast"] == "bf16":
                 y = y.to(torch.bfloat16)
+            elif r["cast"] == "clone":
+                y = y.clone()
             y = y.reshape(_logical_shape(spec, r["dim"], dim)) if spec["batch"] else y.reshape(-1, dim)
             outs.append(_reduce(y, r, world, group).float())
         return tuple(outs)

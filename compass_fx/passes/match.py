@@ -33,8 +33,10 @@ c10d = torch.ops._c10d_functional
 prims = torch.ops.prims
 
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Ops that keep every element and the row-major element order (values and rows unchanged):
+# reshapes, and copies (``clone``/``alias``, e.g. from ``.contiguous()``).
 RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-                          aten.flatten.using_ints)
+                          aten.flatten.using_ints, aten.clone.default, aten.alias.default)
 MM_OPS = (aten.mm.default, aten.addmm.default)
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
