@@ -37,7 +37,8 @@ def specs(draw, world: int | None = None) -> dict:
         kind = draw(st.sampled_from(["rs", "ar"]))
         rdim = draw(st.sampled_from([0, 1] if three_d and kind == "rs" else [0]))
         reduce = {"kind": kind, "dim": rdim, "terms": draw(st.integers(1, 2)), "bias": draw(st.booleans()),
-                  "cast": draw(st.sampled_from([None, "bf16", "clone"])), "escape": draw(st.booleans()),
+                  "cast": draw(st.sampled_from([None, "bf16", "clone", "term_double"])),
+                  "escape": draw(st.booleans()),
                   "style": draw(st.sampled_from(["fc", "permute"] if rdim else ["fc"])),
                   "form": draw(st.sampled_from(REDUCE_FORMS if three_d else ("mm",))),
                   "hostile": draw(st.sampled_from([None, None, None, "scale", "max"]))}
@@ -159,6 +160,8 @@ def program(spec: dict, group: str):
             for t, (w, b) in enumerate(terms):
                 src = h if t == 0 else torch.relu(h)
                 term = _apply_linear(src, args[w], args[b] if b is not None else None, r["form"])
+                if r["cast"] == "term_double":  # each term converted before the sum
+                    term = term.double()
                 y = term if y is None else y + term
             if r["escape"]:
                 outs.append(torch.sigmoid(y))

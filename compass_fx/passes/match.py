@@ -306,41 +306,39 @@ class _Sum:
 def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node) -> _Sum:
     """Walk down from the reduced tensor ``root`` to the matmuls whose sum it is.
 
-    Dtype conversions may sit on top (before any add); reshapes anywhere (they keep the row
-    order); adds of same-shaped tensors.  A node on the way that has users outside the walk is
+    Dtype conversions and reshapes (they keep the row order) may sit anywhere, adds of
+    same-shaped tensors, or of a term and a column bias.  A node on the way that has users outside the walk is
     an escape: the lowering rebuilds it for those users from the per-part pieces.
     """
     found = _Sum()
     casts: list[torch.dtype] = []
 
-    def walk(node: fx.Node, parent: fx.Node, top: bool) -> None:
+    def walk(node: fx.Node, parent: fx.Node) -> None:
         if not isinstance(node, fx.Node) or shape_of(node) is None:
             raise NoMatch("the reduced tensor has no static shape")
         if any(u is not parent for u in node.users) and node not in found.escapes:
             found.escapes.append(node)
         dtype = _cast_dtype(node)
-        if dtype is not None:
-            if not top:
-                raise NoMatch(f"dtype conversion {node.name} inside the sum of matmuls")
+        if dtype is not None:  # elementwise: each part converts its own rows the same way
             casts.append(dtype)
-            return walk(node.args[0], node, True)
+            return walk(node.args[0], node)
         if _is_reshape(node):
-            return walk(node.args[0], node, top)
+            return walk(node.args[0], node)
         if node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
                 and all(isinstance(a, fx.Node) and shape_of(a) is not None for a in node.args):
             full = [a for a in node.args if shape_of(a) == shape_of(node)]
             if len(full) == 2:
-                walk(node.args[0], node, False)
-                walk(node.args[1], node, False)
+                walk(node.args[0], node)
+                walk(node.args[1], node)
                 return None
             bias = [a for a in node.args if a not in full]
             if len(full) == 1 and len(bias) == 1 and _row_bias_of(bias[0], shape[-1]):
-                walk(full[0], node, False)  # x + bias[N]: a bias added after a bmm-form matmul
+                walk(full[0], node)  # x + bias[N]: a bias added after a bmm-form matmul
                 return None
         found.terms.append(_term(node, shape, found))
         return None
 
-    walk(root, collective_side, True)
+    walk(root, collective_side)
     found.casts = tuple(reversed(casts))
     return found
 

@@ -102,7 +102,7 @@ class Pair:
     terms: list[fx.Node] = field(default_factory=list)
     reduced: fx.Node | None = None          # the collective's input in its logical shape
     # Wild-graph details (empty for the plain DTensor shapes):
-    reduce_casts: tuple[torch.dtype, ...] = ()  # conversions from the sum of terms to ``reduced``
+    reduce_casts: tuple[torch.dtype, ...] = ()  # every dtype conversion between the terms and ``reduced``
     forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)  # bmm terms -> their weight
     escapes: list[fx.Node] = field(default_factory=list)  # nodes of the reduced sum used elsewhere too
     scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
