@@ -7,7 +7,6 @@ would have compiled; with ``inner="eager"`` the rewritten graphs run as plain Py
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 from typing import Any, Callable, Iterator, Sequence
@@ -21,8 +20,10 @@ from .report import GraphReport
 
 log = logging.getLogger("compass_fx")
 
-# Recent graph reports, newest last: what ``last_report`` shows and tests inspect.
-history: collections.deque[GraphReport] = collections.deque(maxlen=256)
+# Every graph report of this process, newest last: what ``last_report`` shows.  Unbounded on
+# purpose: a report is small, a training job compiles few graphs, and a capped buffer would make
+# ``history[before:]`` silently empty once full.
+history: list[GraphReport] = []
 _collectors: list[list[GraphReport]] = []
 
 

@@ -88,3 +88,16 @@ def test_register_rejects_non_callables_and_works_as_decorator():
         return None
 
     assert callable(decorated)
+
+
+def test_hook_predicting_zero_seconds_is_allowed():
+    from compass_fx.cost import Topology, Workload, clear_cost_hooks, register_cost_hook, select
+
+    clear_cost_hooks()
+    register_cost_hook(lambda w, t, c: 0.0 if c.strategy == "sequential" else None)
+    try:
+        d = select(Workload("all_gather_matmul", m=8192, n=3584, k=4096, group_size=8),
+                   Topology.preset("h200-nvswitch-8"))
+    finally:
+        clear_cost_hooks()
+    assert d.strategy == "sequential" and "slower" in d.reason

@@ -23,6 +23,11 @@ def _check_schedules(fused_schedules: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in SCHEDULES if s in fused_schedules)
 
 
+def _ratio(a: float, b: float) -> str:
+    """a/b for a reason string; a cost hook may legitimately predict 0 s."""
+    return f"{a / b:.2f}x" if b > 0 else ("1.00x" if a == 0 else "infinitely")
+
+
 def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
     seq = candidates[0]
     if winner is seq:
@@ -30,8 +35,8 @@ def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
         if not others:
             return "sequential: no other strategy is feasible for this pair"
         best = min(others, key=lambda c: c.seconds)
-        return f"sequential: best alternative {best.label} would be {best.seconds / seq.seconds:.2f}x slower"
-    return f"{winner.label} {seq.seconds / winner.seconds:.2f}x faster than sequential"
+        return f"sequential: best alternative {best.label} would be {_ratio(best.seconds, seq.seconds)} slower"
+    return f"{winner.label} {_ratio(seq.seconds, winner.seconds)} faster than sequential"
 
 
 def select(workload: Workload, topology: "Topology | str | None" = None, *,

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.pairs import BatchedWeight, Pair, mm_operands
-from .graph_edit import PART_MARK, NodeBuilder, shape_of, stable_toposort
+from .graph_edit import NodeBuilder, finish_rewrite, shape_of
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten
@@ -48,17 +48,7 @@ def _rewrite(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
              "matmul_all_reduce": _all_reduce}[pair.kind]
     b = NodeBuilder(gm.graph, pair.collective)
     lower(b, pair, parts)
-    for node in b.created:
-        node.meta[PART_MARK] = True
-    # Operands defined after the anchor (weights permuted late) force a stable re-sort.  Then the
-    # replaced matmuls, views and the original collective are dead; collectives are not
-    # side-effectful in FX, so dead-code elimination removes them and the old communication never runs.
-    stable_toposort(gm.graph)
-    gm.graph.eliminate_dead_code()
-    for node in (pair.wait, pair.collective):  # FX keeps wait_tensor (impure); drop it by hand
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    finish_rewrite(gm, b.created, (pair.wait, pair.collective))
 
 
 def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node, weight: fx.Node | None = None) -> fx.Node:

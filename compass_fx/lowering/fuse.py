@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..cost import Decision
 from ..passes.pairs import Pair, mm_operands
-from .graph_edit import PART_MARK, NodeBuilder, shape_of, stable_toposort
+from .graph_edit import NodeBuilder, finish_rewrite, shape_of
 
 aten = torch.ops.aten
 
@@ -38,14 +38,7 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> tuple[bool, str
         return False, f"fused rewrite not applicable: {e}"
     for old, new in replacements:
         old.replace_all_uses_with(new)
-    for node in b.created:
-        node.meta[PART_MARK] = True
-    stable_toposort(gm.graph)
-    gm.graph.eliminate_dead_code()
-    for node in (pair.wait, pair.collective):  # FX keeps wait_tensor (impure); drop it by hand
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    finish_rewrite(gm, b.created, (pair.wait, pair.collective))
     return True, ""
 
 

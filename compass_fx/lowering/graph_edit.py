@@ -122,3 +122,21 @@ def stable_toposort(graph: fx.Graph) -> None:
     for node in order[1:]:
         prev.append(node)
         prev = node
+
+
+def finish_rewrite(gm: fx.GraphModule, created: Iterable[fx.Node], retired: Iterable[fx.Node]) -> None:
+    """Close a rewrite: mark its nodes, re-sort, and remove what it replaced.
+
+    Operands defined after the insertion point (weights permuted late) force a stable re-sort.
+    Then the replaced matmuls, views and the original collective are dead; collectives are not
+    side-effectful in FX, so dead-code elimination removes them and the old communication never
+    runs, except ``wait_tensor``, which FX keeps (impure): ``retired`` nodes are dropped by hand.
+    """
+    for node in created:
+        node.meta[PART_MARK] = True
+    stable_toposort(gm.graph)
+    gm.graph.eliminate_dead_code()
+    for node in retired:
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
