@@ -16,7 +16,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
+from compass_fx.cost.timing import seconds_of_one_call  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
@@ -54,20 +54,7 @@ def pair_fn(kind: str):
 def timed(fn, args, device: str, iters: int) -> float:
     for _ in range(3):
         fn(*args)
-    samples = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn(*args)
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return statistics.median(seconds_of_one_call(lambda: fn(*args), device == "cuda") for _ in range(iters))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -45,6 +45,8 @@ for _k, _v in NO_MULTICAST_ENV.items():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from compass_fx.cost.timing import seconds_of_one_call  # noqa: E402
+
 c10d = torch.ops._c10d_functional
 PAIR_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
@@ -327,16 +329,7 @@ def time_fn(ctx: Ctx, fn: Callable[[], Any], warmup: int, repeats: int) -> float
         barrier(ctx)
         if ctx.is_cuda:
             torch.cuda.synchronize(ctx.device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        times.append(seconds_of_one_call(fn, ctx.is_cuda))
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 from .gemm import gemm_seconds
 from .gpus import GpuSpec, with_overrides
+from .timing import seconds_of_one_call
 
 LLAMA3_WIDTHS = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}  # (hidden, ffn)
 
@@ -90,20 +91,7 @@ def _median_time(fn, cuda: bool, min_time_s: float) -> float:
         torch.cuda.synchronize()
     once = max(time.perf_counter() - t0, 1e-6)
     reps = max(5, min(100, math.ceil(min_time_s / once)))
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(seconds_of_one_call(fn, cuda) for _ in range(reps))
 
 
 def model_errors(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str = "bfloat16") -> dict:
