@@ -15,7 +15,8 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from compass_fx.lowering.decompose import decompose
 from compass_fx.passes.match import find_pairs
-from compass_fx.passes.pairs import Pair, Skip
+from compass_fx.passes.pairs import Pair
+from compass_fx.report import SkipRecord
 
 
 def local_inputs(gm: fx.GraphModule, world: int, seed: int) -> list[Any]:
@@ -74,16 +75,16 @@ def assert_same_outputs(ref: list, got: list, rtol: float = 1e-4, atol: float = 
 
 
 def rewrite_all(gm: fx.GraphModule, parts: Callable[[Pair], int | None], graph_kind: str = "forward",
-                group: str | None = None) -> tuple[list[Pair], list[Skip]]:
+                group: str | None = None) -> tuple[list[Pair], list[SkipRecord]]:
     """The backend's loop with a chosen part count per pair (None: leave it); returns what was done."""
     gm.graph.eliminate_dead_code()
     done: list[Pair] = []
     handled: set[str] = set()
-    skips: dict[str, Skip] = {}
+    skips: dict[str, SkipRecord] = {}
     while True:
         pairs, new_skips = find_pairs(gm, graph_kind, group)
         for s in new_skips:
-            skips.setdefault(s.node, s)
+            skips.setdefault(s.collective, s)
         todo = [p for p in pairs if p.collective.name not in handled]
         if not todo:
             break

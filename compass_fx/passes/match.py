@@ -2,7 +2,7 @@
 
 A match is accepted only when every node between the collective and the matmul is understood
 (views that flatten the logical tensor, the split/cat pair that expresses a non-zero gather or
-scatter dim); anything else becomes a ``Skip`` with its reason, and the graph is left alone there.
+scatter dim); anything else becomes a ``SkipRecord`` with its reason, and the graph is left alone there.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from .pairs import (
     Pair,
     RowConsumer,
     RowLayout,
-    Skip,
     mm_operands,
 )
+from ..report import SkipRecord
 
 log = logging.getLogger("compass_fx")
 
@@ -45,10 +45,10 @@ class NoMatch(Exception):
     """Raised inside a matcher with the reason a collective is left as it is."""
 
 
-def find_pairs(gm: fx.GraphModule, graph_kind: str, group: str | None = None) -> tuple[list[Pair], list[Skip]]:
+def find_pairs(gm: fx.GraphModule, graph_kind: str, group: str | None = None) -> tuple[list[Pair], list[SkipRecord]]:
     """All pairs in ``gm`` (in graph order) and the collectives that were not paired, with reasons."""
     pairs: list[Pair] = []
-    skips: list[Skip] = []
+    skips: list[SkipRecord] = []
     matchers = {
         c10d.all_gather_into_tensor.default: ("all_gather_matmul", _match_all_gather),
         c10d.reduce_scatter_tensor.default: ("matmul_reduce_scatter", _match_reduce_scatter),
@@ -64,7 +64,7 @@ def find_pairs(gm: fx.GraphModule, graph_kind: str, group: str | None = None) ->
                 raise NoMatch(f"group {group_name!r} is not the optimised group {group!r}")
             pair = matcher(node, graph_kind)
         except NoMatch as e:
-            skips.append(Skip(graph_kind, node.name, kind, str(e)))
+            skips.append(SkipRecord(graph_kind, node.name, kind, str(e)))
             log.info("compass_fx: %s graph: %s %s left untouched: %s", graph_kind, kind, node.name, e)
             continue
         pairs.append(pair)

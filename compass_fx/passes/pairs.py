@@ -165,13 +165,3 @@ def mm_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node]:
     if mm.target is torch.ops.aten.addmm.default:
         return mm.args[1], mm.args[2]
     return mm.args[0], mm.args[1]
-
-
-@dataclass(frozen=True)
-class Skip:
-    """A collective (or candidate pair) left untouched, and why."""
-
-    graph: str
-    node: str
-    kind: str
-    reason: str

@@ -11,7 +11,7 @@ import torch.fx as fx
 from ..cost import Decision
 from ..lowering.decompose import RewriteFailed, decompose
 from ..options import CompassOptions
-from ..report import GraphReport, PairRecord, SkipRecord
+from ..report import GraphReport, PairRecord
 from .agree import agree
 from .decide import Infeasible, decide
 from .match import find_pairs
@@ -45,9 +45,9 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
     while True:
         pairs, skips = find_pairs(gm, graph_kind, options.group)
         for s in skips:
-            if s.node not in skips_seen:
-                skips_seen.add(s.node)
-                report.skipped.append(SkipRecord(s.graph, s.node, s.kind, s.reason))
+            if s.collective not in skips_seen:
+                skips_seen.add(s.collective)
+                report.skipped.append(s)
         todo = [p for p in pairs if p.collective.name not in handled]
         if not todo:
             break
