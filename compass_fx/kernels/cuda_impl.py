@@ -1,167 +1,274 @@
-"""CUDA implementation of the fused operators: symmetric memory + the Triton kernels.
+"""CUDA implementation of the fused operators: :mod:`.protocol`'s plans on real streams.
 
-Per call: zero the signal counters and pass a barrier (so no rank signals before every peer has
-zeroed, and no rank overwrites a buffer a peer still reads from the previous call), then run
-:mod:`.pipeline` with one CUDA stream per ring direction for the movers/adders and the current
-stream for the GEMM.  The persistent GEMM leaves ``COMM_SMS`` multiprocessors free so that the
-movers, which spin on their peers' counters, always find room next to it.
+Compute (cuBLAS GEMMs, the sums of a reduce-scatter) runs on the caller's stream, one GEMM per
+piece, own rows first, so it keeps every multiprocessor.  Everything else runs on a high-priority
+side stream as CUDA driver calls (:mod:`.driver`): peer-to-peer copies out of the peers'
+symmetric-memory buffers (copy engines) and the epoch flags (stream memory operations).  The two
+streams of a rank meet at CUDA events; the ranks meet only at flags.  The watchdog
+(:mod:`.watchdog`) bounds every wait.
 
-Buffers live in symmetric memory (``torch.distributed._symmetric_memory``), allocated once per
-(group, shape, dtype) and reused; results are copied out of them because the next call
-overwrites them.  A group of size 1 without a process group uses plain device memory.
+Per (operator, schedule, group, shape, dtype) a workspace is built once (collectively, on first
+use, in the same order on every rank): the double-buffered symmetric buffers, the flags, the
+staging buffers, the peers' addresses and the events.  A call then does no host synchronisation
+and no allocation beyond its outputs, and issues a fixed list of launches.  Not capturable in a
+CUDA graph: the epoch is an argument that changes every call.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
-from typing import Sequence
+from typing import Callable
 
 import torch
 
-from .cpu_impl import resolve_group
+from . import driver, watchdog
+from .protocol import (COMM, MAIN, SELF, SYMMETRIC, Copy, Matmul, Plan, Record, Reduce, Region,
+                       SetFlag, WaitEvent, WaitFlag, all_gather_plan, all_reduce_chunks,
+                       all_reduce_plan, reduce_scatter_plan)
 
-COMM_SMS = int(os.environ.get("COMPASS_COMM_SMS", "16"))
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
-_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_comm_streams: dict[int, torch.cuda.Stream] = {}
+Step = Callable[[dict, int, dict], None]
 
 
 def supported(dtype: torch.dtype) -> bool:
-    """True where the Triton path runs: a CUDA device, Triton importable, a supported dtype.
-
-    ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead
-    (a safety valve: the symmetric-memory path has been run on one GPU only so far)."""
-    if os.environ.get("COMPASS_CUDA_FUSED", "triton") == "p2p":
+    """True where this path runs: a CUDA device and a supported dtype.
+    ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead."""
+    if os.environ.get("COMPASS_CUDA_FUSED", "copy_engine") == "p2p":
         return False
-    return (dtype in _SUPPORTED and torch.cuda.is_available()
-            and importlib.util.find_spec("triton") is not None)
+    return dtype in _SUPPORTED and torch.cuda.is_available()
 
 
-def _stream(device: torch.device, i: int) -> torch.cuda.Stream:
-    key = (device.index or 0, i)
-    if key not in _streams:
-        _streams[key] = torch.cuda.Stream(device=device)
-    return _streams[key]
+def _comm_stream(index: int) -> torch.cuda.Stream:
+    if index not in _comm_streams:
+        _comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _comm_streams[index]
 
 
 class _Workspace:
-    """Named buffers of one rank, symmetric across the group, plus one int32 counter array."""
+    """One rank's buffers, flags, peer addresses and events for one plan."""
 
-    def __init__(self, group_name: str, group, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    def __init__(self, plan: Plan, group_name: str, cols: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.group = group
-        self.local: dict[str, torch.Tensor] = {}
-        self.handles: dict[str, object] = {}
-        if group is None or device.type != "cuda":
-            if group is not None and group.size() > 1:
-                raise RuntimeError("symmetric memory needs CUDA for more than one rank")
-            for name, (shape, dtype) in shapes.items():
-                self.local[name] = torch.zeros(shape, dtype=dtype, device=device)
-            return
         import torch.distributed._symmetric_memory as symm_mem
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             symm_mem.enable_symm_mem_for_group(group_name)
-        for name, (shape, dtype) in shapes.items():
-            t = symm_mem.empty(shape, dtype=dtype, device=device)
-            if dtype == torch.int32:
-                t.zero_()
-            self.local[name] = t
-            self.handles[name] = symm_mem.rendezvous(t, group_name)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.plan, self.rank, self.epoch, self.elem = plan, plan.rank, 0, torch.empty((), dtype=dtype).element_size()
+        self.comm = _comm_stream(index)
+        self.dog = watchdog.for_device(index)
+        self.flags = symm_mem.empty((plan.n_flags,), dtype=torch.int32, device=device)
+        self.flags.zero_()
+        self.buffers = {name: symm_mem.empty((2, rows, cols), dtype=dtype, device=device)
+                        for name, rows in plan.symmetric_rows.items()}
+        torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
+        handle = symm_mem.rendezvous(self.flags, group_name)
+        peers = [p for p in range(plan.world_size) if p != self.rank]
+        self.peer_flags = {p: handle.get_buffer(p, (plan.n_flags,), torch.int32) for p in peers}
+        self.peer_buffers: dict[tuple[str, int], torch.Tensor] = {}
+        for name, buf in self.buffers.items():
+            h = symm_mem.rendezvous(buf, group_name)
+            for p in peers:
+                self.peer_buffers[(name, p)] = h.get_buffer(p, tuple(buf.shape), dtype)
+        self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
+                      for _ in range(plan.stage_slots)]
+        self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
+        self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in (0, 1)]
+        self.watched = watchdog.Watched(self._diagnose)
 
-    def peer(self, rank: int, name: str) -> torch.Tensor:
-        t = self.local[name]
-        return self.handles[name].get_buffer(rank, tuple(t.shape), t.dtype)
+    # -- addressing -------------------------------------------------------------------------
+    def _fixed(self, region: Region, parity: int) -> torch.Tensor | None:
+        if region.buf in SYMMETRIC:
+            whole = (self.buffers[region.buf] if region.owner == SELF
+                     else self.peer_buffers[(region.buf, region.owner)])
+            return whole[parity, region.start:region.stop]
+        if region.buf == "STAGE":
+            return self.stage[region.index][:region.rows]
+        return None
 
-    def start_call(self, counters: Sequence[str], stream: torch.cuda.Stream) -> None:
-        """Zero this rank's counters, then wait until every rank has done the same."""
-        with torch.cuda.stream(stream):
-            for name in counters:
-                self.local[name].zero_()
-            if self.handles:
-                self.handles[counters[0]].barrier(channel=0)
+    def _tensor(self, region: Region, parity: int) -> Callable[[dict], torch.Tensor]:
+        fixed = self._fixed(region, parity)
+        if fixed is not None:
+            return lambda tensors: fixed
+        buf, index, start, stop = region.buf, region.index, region.start, region.stop
+        return lambda tensors: tensors[buf][index][start:stop]
+
+    def _address(self, region: Region, parity: int) -> Callable[[dict], int]:
+        fixed = self._fixed(region, parity)
+        if fixed is not None:
+            ptr = fixed.data_ptr()
+            return lambda tensors: ptr
+        buf, index, start = region.buf, region.index, region.start
+
+        def address(tensors):
+            t = tensors[buf][index]
+            return t.data_ptr() + start * t.stride(0) * t.element_size()
+        return address
+
+    # -- one command -> one closure over what stays fixed -----------------------------------
+    def _compile(self, cmd, parity: int) -> Step:
+        side = cmd.stream
+        if isinstance(cmd, (Matmul, Reduce)) and side != MAIN:
+            raise ValueError(f"{cmd} must run on the caller's stream")
+        if isinstance(cmd, WaitFlag):
+            addr = self.peer_flags[cmd.peer].data_ptr() + 4 * cmd.slot
+            delta = cmd.delta
+            return lambda tensors, epoch, streams: driver.wait_at_least(addr, epoch + delta, streams[side].cuda_stream)
+        if isinstance(cmd, SetFlag):
+            addr = self.flags.data_ptr() + 4 * cmd.slot
+            return lambda tensors, epoch, streams: driver.write(addr, epoch, streams[side].cuda_stream)
+        if isinstance(cmd, Copy):
+            dst, src = self._address(cmd.dst, parity), self._address(cmd.src, parity)
+            rows = cmd.dst.rows
+            row_bytes = self._row_bytes(cmd)
+
+            def copy(tensors, epoch, streams):
+                driver.memcpy(dst(tensors), src(tensors), rows * row_bytes(tensors), streams[side].cuda_stream)
+            return copy
+        if isinstance(cmd, Matmul):
+            dst, src, w = self._tensor(cmd.dst, parity), self._tensor(cmd.src, parity), cmd.weight
+            return lambda tensors, epoch, streams: torch.mm(src(tensors), tensors["W"][w], out=dst(tensors))
+        if isinstance(cmd, Reduce):
+            dst = self._tensor(cmd.dst, parity)
+            srcs = [self._tensor(r, parity) for r in cmd.srcs]
+
+            def reduce(tensors, epoch, streams):
+                terms = [f(tensors) for f in srcs]
+                if len(terms) == 2:
+                    torch.add(terms[0], terms[1], out=dst(tensors))
+                    return
+                acc = terms[0].float()
+                for t in terms[1:]:
+                    acc += t
+                dst(tensors).copy_(acc)
+            return reduce
+        if isinstance(cmd, Record):
+            event = self.events[cmd.event]
+            return lambda tensors, epoch, streams: event.record(streams[side])
+        if isinstance(cmd, WaitEvent):
+            event = self.events[cmd.event]
+            return lambda tensors, epoch, streams: streams[side].wait_event(event)
+        raise TypeError(f"no CUDA lowering for {cmd!r}")
+
+    def _row_bytes(self, cmd: Copy) -> Callable[[dict], int]:
+        """Bytes per row of a copy: every buffer involved is contiguous with the same width."""
+        for region in (cmd.src, cmd.dst):
+            fixed = self._fixed(region, 0)
+            if fixed is not None:
+                n = fixed.stride(0) * fixed.element_size()
+                return lambda tensors: n
+        buf, index = cmd.src.buf, cmd.src.index
+        return lambda tensors: tensors[buf][index].stride(0) * tensors[buf][index].element_size()
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, tensors: dict[str, list[torch.Tensor]]) -> None:
+        self.dog.check_failed()
+        for name in ("A", "OUT", "GATHERED"):
+            for t in tensors.get(name, ()):
+                if not t.is_contiguous():
+                    raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
+        self.epoch += 1
+        streams = {MAIN: torch.cuda.current_stream(), COMM: self.comm}
+        for step in self.steps[self.epoch % 2]:
+            step(tensors, self.epoch, streams)
+        done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
+        done.record(self.comm)
+        self.dog.add(self.watched, self.epoch, done)
+
+    def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
+        """Which flag the call of ``epoch`` still waits for, and a way to release it."""
+        side = torch.cuda.Stream(device=self.flags.device)
+        with torch.cuda.stream(side):
+            seen = {p: f.cpu().tolist() for p, f in self.peer_flags.items()}
+        stuck = [c for c in self.plan.commands if isinstance(c, WaitFlag)
+                 and seen[c.peer][c.slot] < epoch + c.delta]
+        if not stuck:
+            what = "its own streams (every flag it waits for is set)"
+        else:
+            c = stuck[0]
+            what = (f"rank {c.peer}'s {self.plan.slot_names[c.slot]} (flag {c.slot} reads "
+                    f"{seen[c.peer][c.slot]}, needs {epoch + c.delta})")
+        message = (f"compass::{self.plan.op}: rank {self.rank} waits in call {epoch} for {what}; that rank "
+                   f"is late, has died, or calls the fused operators in another order. Every later call "
+                   f"of a compass fused operator on this rank raises this error.")
+
+        def release() -> None:
+            for c in stuck:
+                addr = self.peer_flags[c.peer].data_ptr() + 4 * c.slot
+                driver.write(addr, epoch + c.delta, side.cuda_stream)
+            side.synchronize()
+
+        return message, release
 
 
-def _workspace(key: tuple, group_name: str, group, shapes, device) -> _Workspace:
+def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols: int,
+               dtype: torch.dtype, device: torch.device) -> _Workspace:
+    watchdog.for_device(device.index if device.index is not None else torch.cuda.current_device()).check_failed()
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[key] = _Workspace(group_name, group, shapes, device)
+        ws = _workspaces[key] = _Workspace(make_plan(), group_name, cols, dtype, device)
     return ws
 
 
-def _run(ws: _Workspace, rank: int, world: int, counters: Sequence[str], device: torch.device, body) -> None:
-    """Zero counters + barrier, then ``body(RankBuffers)`` with a stream per ring direction.
+def _rank(group_name: str, group_size: int) -> int:
+    from .cpu_impl import resolve_group
 
-    On a non-CUDA device (the Triton interpreter, for dry runs) everything runs in order."""
-    from .pipeline import RankBuffers
-
-    if device.type != "cuda":
-        for name in counters:
-            ws.local[name].zero_()
-        body(RankBuffers(rank, world, ws.local, ws.peer, gemm_programs=4))
-        return
-    main = torch.cuda.current_stream(device)
-    comm = [_stream(device, 0), _stream(device, 1)]
-    for s in comm:
-        s.wait_stream(main)
-    ws.start_call(counters, comm[0])
-    main.wait_stream(comm[0])
-    comm[1].wait_stream(comm[0])
-
-    def stream(i: int):
-        return torch.cuda.stream(main if i < 0 else comm[i])
-
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    buf = RankBuffers(rank, world, ws.local, ws.peer, stream,
-                      gemm_programs=sms - COMM_SMS if world > 1 else sms)
-    body(buf)
-    for s in comm:
-        main.wait_stream(s)
+    return resolve_group(group_name, group_size)[1]
 
 
-def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], schedule: str, group_name: str,
+def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: str, group_name: str,
                       group_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """See ``compass::all_gather_matmul``; the gathered rows are assembled in symmetric memory."""
-    from . import pipeline
-    from .schedules import parts_of
-
-    group, rank = resolve_group(group_name, group_size)
+    """See ``compass::all_gather_matmul``."""
     m, k = a_shard.shape
+    if group_size == 1:
+        return a_shard.clone(), [a_shard @ b for b in bs]
+    rank = _rank(group_name, group_size)
+    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device)
+    ws = _workspace(key, lambda: all_gather_plan(schedule, group_size, rank, m, len(bs)), group_name, k,
+                    a_shard.dtype, a_shard.device)
     rows = m * group_size
-    n_pieces = group_size * parts_of(schedule)
-    key = ("ag", group_name, group_size, rows, k, a_shard.dtype, a_shard.device, n_pieces)
-    ws = _workspace(key, group_name, group, {"G": ((rows, k), a_shard.dtype),
-                                             "F": ((n_pieces,), torch.int32)}, a_shard.device)
-    outs = [torch.empty((rows, b.shape[1]), dtype=a_shard.dtype, device=a_shard.device) for b in bs]
-    _run(ws, rank, group_size, ["F"], a_shard.device,
-         lambda buf: pipeline.all_gather_matmul(a_shard, bs, outs, schedule, buf))
-    return ws.local["G"].clone(), outs
+    gathered = a_shard.new_empty((rows, k))
+    outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
+    ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]})
+    return gathered, outs
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
                           group_size: int) -> torch.Tensor:
-    """See ``compass::matmul_reduce_scatter``; partial products and running sums in symmetric memory."""
-    from . import pipeline
-    from .schedules import parts_of
-
-    group, rank = resolve_group(group_name, group_size)
+    """See ``compass::matmul_reduce_scatter``."""
     rows, n = a.shape[0], b.shape[1]
-    n_pieces = group_size * parts_of(schedule)
-    key = ("rs", group_name, group_size, rows, n, a.dtype, a.device, n_pieces)
-    ws = _workspace(key, group_name, group, {"P": ((rows, n), a.dtype), "ACC": ((rows, n), a.dtype),
-                                             "PF": ((n_pieces,), torch.int32),
-                                             "AF": ((n_pieces,), torch.int32)}, a.device)
-    out = torch.empty((rows // group_size, n), dtype=a.dtype, device=a.device)
-    _run(ws, rank, group_size, ["PF", "AF"], a.device,
-         lambda buf: pipeline.matmul_reduce_scatter(a, b, out, schedule, buf))
+    if group_size == 1:
+        return a @ b
+    rank = _rank(group_name, group_size)
+    a = a.contiguous()
+    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device)
+    ws = _workspace(key, lambda: reduce_scatter_plan(schedule, group_size, rank, rows // group_size),
+                    group_name, n, a.dtype, a.device)
+    out = a.new_empty((rows // group_size, n))
+    ws.run({"A": [a], "W": [b], "OUT": [out]})
     return out
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
                       group_size: int) -> torch.Tensor:
-    """See ``compass::matmul_all_reduce``: the fused reduce-scatter, then a gather on the same rings."""
-    scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
-    gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)
-    return gathered
+    """See ``compass::matmul_all_reduce``: direct pulls pipelined over row chunks; the ring
+    schedules run the fused reduce-scatter, then the gather, on the same ring."""
+    rows, n = a.shape[0], b.shape[1]
+    if group_size == 1:
+        return a @ b
+    chunks = all_reduce_chunks(rows, group_size)
+    if schedule != "direct" or not chunks:
+        scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+        gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)
+        return gathered
+    rank = _rank(group_name, group_size)
+    a = a.contiguous()
+    key = ("ar", group_name, group_size, rows, n, chunks, a.dtype, a.device)
+    ws = _workspace(key, lambda: all_reduce_plan(group_size, rank, rows, chunks), group_name, n, a.dtype,
+                    a.device)
+    out = a.new_empty((rows, n))
+    ws.run({"A": [a], "W": [b], "OUT": [out]})
+    return out

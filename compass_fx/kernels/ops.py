@@ -2,9 +2,9 @@
 
 Registered once when ``compass_fx.kernels`` is imported.  Each op has a fake (meta) kernel so it
 survives tracing as one node, an any-backend kernel (the schedule over point-to-point messages,
-:mod:`.cpu_impl`), a CUDA kernel (symmetric memory + Triton, :mod:`.cuda_impl`, which falls back
-to the any-backend kernel where it has no implementation), and autograd whose backward is
-expressed through the other ops, so eager training works too.
+:mod:`.cpu_impl`), a CUDA kernel (peer-to-peer copies out of symmetric memory on the copy engines,
+epoch flags, cuBLAS per piece: :mod:`.cuda_impl` running :mod:`.protocol`'s plans), and autograd
+whose backward is expressed through the other ops, so eager training works too.
 
 Layout: every matrix is 2-D and rows are rank-major blocks, exactly as
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on dim 0 lay them out.
@@ -200,9 +200,9 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 def fused_schedules_available(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
     """Schedules with a real fused implementation for ``device_type``/``dtype``.
 
-    CPU: the point-to-point implementation, for floating dtypes.  CUDA: the symmetric-memory +
-    Triton implementation, where Triton is importable and the dtype is one its GEMM supports
-    (or the point-to-point one over NCCL when ``COMPASS_CUDA_FUSED=p2p``).
+    CPU: the point-to-point implementation, for floating dtypes.  CUDA: the copy-engine
+    implementation for bf16 / fp16 / fp32 (or the point-to-point one over NCCL when
+    ``COMPASS_CUDA_FUSED=p2p``).
     Anything else: none (the cost model then offers no fusion)."""
     if device_type == "cpu":
         return SCHEDULES if dtype in _FLOAT_DTYPES else ()

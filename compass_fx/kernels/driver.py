@@ -1,0 +1,62 @@
+"""The few CUDA driver calls the fused operators' data movement needs, through ctypes.
+
+Copies between device buffers (a peer's symmetric buffer included: its address is mapped into
+this process) are ``cuMemcpyAsync``, which the copy engines carry; arrival flags are stream
+memory operations (``cuStreamWriteValue32`` fences the stream's earlier writes, then stores;
+``cuStreamWaitValue32`` holds the stream until a 32-bit value reaches a bound).  None of them
+runs on a multiprocessor, so none can be starved by a GEMM that fills the GPU, and each costs the
+host a few microseconds instead of a kernel launch through Python.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
+_u64, _u32, _ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+@lru_cache(maxsize=1)
+def _lib() -> dict:
+    lib = ctypes.CDLL("libcuda.so.1")
+
+    def fn(names: tuple[str, ...], argtypes):
+        for name in names:
+            f = getattr(lib, name, None)
+            if f is not None:
+                f.argtypes, f.restype = argtypes, ctypes.c_int
+                return f
+        raise DriverError(f"libcuda has none of {names}")
+
+    return {
+        "memcpy": fn(("cuMemcpyAsync",), [_u64, _u64, ctypes.c_size_t, _ptr]),
+        "wait": fn(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
+        "write": fn(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
+        "error_name": fn(("cuGetErrorName",), [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+    }
+
+
+def _check(result: int, what: str) -> None:
+    if result:
+        name = ctypes.c_char_p()
+        _lib()["error_name"](result, ctypes.byref(name))
+        raise DriverError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (copy engine)."""
+    _check(_lib()["memcpy"](dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def wait_at_least(addr: int, value: int, stream: int) -> None:
+    """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (wrap-around safe)."""
+    _check(_lib()["wait"](stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+
+
+def write(addr: int, value: int, stream: int) -> None:
+    """Once ``stream``'s earlier work is done and visible: store ``value`` at ``addr``."""
+    _check(_lib()["write"](stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")

@@ -1,0 +1,335 @@
+"""The fused operators' cross-GPU protocol as data: per-rank plans of stream commands.
+
+A plan is the list of commands one rank issues for one call of a fused operator, in issue order,
+each bound to one of two streams (``MAIN``: the GEMMs and reductions, the caller's stream;
+``COMM``: copies and flag waits, a high-priority side stream).  The CUDA implementation
+(:mod:`.cuda_impl`) executes plans with peer-to-peer copies (the copy engines), cuBLAS and one
+small flag-waiting kernel; the simulator (:mod:`.simulate`) executes the very same plans for
+several ranks on the CPU under random interleavings.  So the protocol that the tests check is
+the protocol the GPUs run.
+
+Data moves by *pulls*: a rank copies what it needs out of a peer's symmetric buffer into its own
+memory.  No rank ever writes into a peer's memory, so the only cross-rank questions are "has the
+peer published this piece for this call?" and "have the peers finished reading my buffer?".
+
+Flags.  Every rank owns an int32 array of ``ready`` flags in symmetric memory, written only by
+that rank and only by ``SetFlag``, which stores the call's *epoch* (1, 2, 3, ... per workspace,
+the same on every rank because every rank calls the same operators in the same order).
+``ready[slot] >= e`` means: the rank holds, in its symmetric buffer of call ``e`` (or later), the
+piece (all-gather) or the running sum of the piece (reduce-scatter) that the slot names.  Flags
+are never zeroed, only raised, so a late reader can never miss a value.
+
+Buffers.  Symmetric buffers are double-buffered by the epoch's parity, and that is the whole
+fence before reuse: (1) a rank completes call ``e + 1`` only with data that *every* rank published
+in call ``e + 1`` (each result depends on every rank's input), and (2) a rank publishes for call
+``e + 1`` only after its own pulls of call ``e`` (they precede the publication on its side stream,
+or the caller's stream waits for them at the end of call ``e``).  So when a rank starts writing
+call ``e + 2`` into the buffer that call ``e`` used, every peer has finished reading it.  One
+buffer would not do (a rank writes call ``e + 1`` while a slow peer may still read call ``e``),
+and the simulator catches that (``tests/test_protocol.py``).
+
+Why a plan cannot deadlock.  Every wait is a ``WaitFlag`` on a flag that only its owner writes,
+with the epoch that the owner writes unconditionally in that call, or a ``WaitEvent`` on an event
+recorded earlier in the same rank's issue order.  Order the commands of all ranks by (epoch,
+number of hops the awaited piece travels).  The ``SetFlag`` a ``WaitFlag`` of epoch ``e`` needs
+comes after only earlier epochs' work (stream order) and waits on pieces of fewer hops (rings):
+by induction every wait ends.  Nothing spins on a kernel of another stream that might not be
+resident (the waiting kernel is one small program; copies run on the copy engines; cuBLAS never
+waits), and every wait on the GPU is bounded by a timeout that names the operator, rank, slot and
+peer.  The old protocol (flags zeroed at the start of a call, before a barrier) broke the "never
+zeroed" rule: a fast rank could zero a flag a slow peer had not read yet; the simulator shows
+that it hangs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal, Union
+
+from .schedules import Piece, all_gather_schedule, reduce_scatter_schedule, split_rows
+
+MAIN, COMM = "main", "comm"
+Stream = Literal["main", "comm"]
+SELF = -1
+
+# Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity): G, P.
+# Call tensors: A (left operand), OUT (j-th output for a matmul, else the result), GATHERED.
+# Local scratch: STAGE (received partial sums).
+SYMMETRIC = ("G", "P")
+
+
+@dataclass(frozen=True)
+class Region:
+    """Rows ``[start, stop)`` of buffer ``buf`` owned by ``owner`` (``SELF`` or a peer rank)."""
+
+    buf: str
+    start: int
+    stop: int
+    owner: int = SELF
+    index: int = 0  # which output (OUT) or which staging slot (STAGE)
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class WaitFlag:
+    """Wait until ``peer``'s flag ``slot`` reaches ``epoch + delta`` (skipped when that is < 1)."""
+
+    stream: Stream
+    peer: int
+    slot: int
+    delta: int = 0
+
+
+@dataclass(frozen=True)
+class SetFlag:
+    """Store the call's epoch into this rank's flag ``slot`` once the stream's prior work is done."""
+
+    stream: Stream
+    slot: int
+
+
+@dataclass(frozen=True)
+class Copy:
+    stream: Stream
+    dst: Region
+    src: Region
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """``dst = src @ weight[index]`` (``dst`` is an OUT or P region, ``src`` an A/G/GATHERED one)."""
+
+    stream: Stream
+    dst: Region
+    src: Region
+    weight: int = 0
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """``dst = sum(srcs)``, accumulated in float32 when there are more than two terms."""
+
+    stream: Stream
+    dst: Region
+    srcs: tuple[Region, ...]
+
+
+@dataclass(frozen=True)
+class Record:
+    stream: Stream
+    event: str
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    stream: Stream
+    event: str
+
+
+Command = Union[WaitFlag, SetFlag, Copy, Matmul, Reduce, Record, WaitEvent]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's commands for one call, plus the sizes of what they address."""
+
+    op: str
+    rank: int
+    world_size: int
+    commands: tuple[Command, ...]
+    n_flags: int
+    symmetric_rows: dict[str, int] = field(default_factory=dict)  # rows of G / P
+    stage_slots: int = 0
+    stage_rows: int = 0
+    n_weights: int = 0
+    slot_names: tuple[str, ...] = ()  # what each flag announces, for error messages
+
+
+def _piece_rows(block_rows: int, parts: int, p: Piece) -> tuple[int, int]:
+    a, b = split_rows(block_rows, parts)[p.part]
+    return p.block * block_rows + a, p.block * block_rows + b
+
+
+def _piece_names(slot: dict[Piece, int], what: str) -> tuple[str, ...]:
+    return tuple(f"{what} of block {p.block} part {p.part}" for p, _ in sorted(slot.items(), key=lambda kv: kv[1]))
+
+
+def _framed(cmds: list[Command]) -> tuple[Command, ...]:
+    """The side stream starts after the caller's prior work (the inputs) and the caller's stream
+    goes on only after the side stream's work (the outputs, and its reads of scratch buffers)."""
+    return (Record(MAIN, "start"), WaitEvent(COMM, "start"), *cmds, Record(COMM, "end"), WaitEvent(MAIN, "end"))
+
+
+@lru_cache(maxsize=256)
+def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_weights: int) -> Plan:
+    """``GATHERED = all_gather(A)``; ``OUT[j] = GATHERED @ W[j]``, own rows first.
+
+    The own block is copied into ``G`` (symmetric) and published; each received piece is pulled
+    from the peer the schedule names, once that peer has published it.  A piece that some other
+    rank pulls from this one (a ring relay) lands in ``G`` and is published again; others land
+    straight in ``GATHERED``."""
+    sched = all_gather_schedule(schedule, world, rank)
+    parts = sched.parts
+    slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
+    relayed = {t.piece for other in range(world) if other != rank
+               for s in all_gather_schedule(schedule, world, other).steps
+               for t in s.recvs if t.peer == rank and t.piece.block != rank}
+    own_lo, own_hi = rank * block_rows, (rank + 1) * block_rows
+    own = Region("A", 0, block_rows)
+    # Host issue order: publish the own block first (the peers wait for it), start the own rows'
+    # GEMM next (it needs nothing), then the pulls; the own rows' copy into GATHERED goes last.
+    cmds: list[Command] = [Copy(COMM, Region("G", own_lo, own_hi), own)]
+    cmds += [SetFlag(COMM, slot[Piece(rank, p)]) for p in range(parts)]
+    cmds += [Matmul(MAIN, Region("OUT", own_lo, own_hi, index=j), own, j) for j in range(n_weights)]
+    for step in sched.steps:
+        for t in step.recvs:
+            lo, hi = _piece_rows(block_rows, parts, t.piece)
+            cmds.append(WaitFlag(COMM, t.peer, slot[t.piece]))
+            if t.piece in relayed:
+                cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
+                         SetFlag(COMM, slot[t.piece]),
+                         Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi))]
+            else:
+                cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
+            cmds.append(Record(COMM, f"got{slot[t.piece]}"))
+    cmds.append(Copy(COMM, Region("GATHERED", own_lo, own_hi), own))
+    for piece in sched.order[parts:]:
+        lo, hi = _piece_rows(block_rows, parts, piece)
+        cmds.append(WaitEvent(MAIN, f"got{slot[piece]}"))
+        cmds += [Matmul(MAIN, Region("OUT", lo, hi, index=j), Region("GATHERED", lo, hi), j)
+                 for j in range(n_weights)]
+    return Plan("all_gather_matmul", rank, world, _framed(cmds), len(slot),
+                {"G": world * block_rows}, n_weights=n_weights, slot_names=_piece_names(slot, "rows"))
+
+
+@lru_cache(maxsize=256)
+def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -> Plan:
+    """``OUT = reduce_scatter(A @ W)`` for this rank's block.
+
+    ``P`` (symmetric) holds this rank's partial products, produced in the schedule's order (the
+    pieces sent first are computed first), and then its running sums.  A rank publishes a piece
+    when the schedule sends it; the receiver pulls it into ``STAGE`` (side stream) and adds it to
+    its own partial (caller's stream, after the next piece's GEMM has been issued, so that the
+    ring's chain of additions overlaps the GEMMs); its own block's sum goes to ``OUT``."""
+    sched = reduce_scatter_schedule(schedule, world, rank)
+    parts = sched.parts
+    slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
+    recvs = [(i, t) for i, s in enumerate(sched.steps) for t in s.recvs]
+    sent = {t.piece for s in sched.steps for t in s.sends}
+    received = {t.piece for _, t in recvs}
+    own_lo = rank * block_rows
+    pulls: list[Command] = []
+    stages: dict[Piece, list[Region]] = {}
+    for n, (_, t) in enumerate(recvs):
+        lo, hi = _piece_rows(block_rows, parts, t.piece)
+        stage = Region("STAGE", 0, hi - lo, index=n)
+        pulls += [WaitFlag(COMM, t.peer, slot[t.piece]), Copy(COMM, stage, Region("P", lo, hi, owner=t.peer)),
+                  Record(COMM, f"pulled{n}")]
+        stages.setdefault(t.piece, []).append(stage)
+    last_pull = {t.piece: n for n, (_, t) in enumerate(recvs)}
+
+    def reduce(piece: Piece) -> list[Command]:
+        lo, hi = _piece_rows(block_rows, parts, piece)
+        terms = (Region("P", lo, hi), *stages[piece])
+        if piece.block == rank:
+            return [WaitEvent(MAIN, f"pulled{last_pull[piece]}"),
+                    Reduce(MAIN, Region("OUT", lo - own_lo, hi - own_lo), terms)]
+        return [WaitEvent(MAIN, f"pulled{last_pull[piece]}"), Reduce(MAIN, Region("P", lo, hi), terms),
+                SetFlag(MAIN, slot[piece])]
+
+    cmds: list[Command] = []
+    done: set[Piece] = set()
+    for k, piece in enumerate(sched.order):
+        lo, hi = _piece_rows(block_rows, parts, piece)
+        cmds.append(Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)))
+        if piece in sent and piece not in received:  # a bare partial product: publish at once
+            cmds.append(SetFlag(MAIN, slot[piece]))
+        if k == 0:
+            cmds += pulls
+        # a relayed sum is issued one step of GEMMs after its own partial, so that the caller's
+        # stream has a GEMM to run while the pull it needs is on its way
+        for q in sched.order[:max(0, k + 1 - parts)]:
+            if q in received and q not in done and q.block != rank:
+                cmds += reduce(q)
+                done.add(q)
+    for q in sched.order:
+        if q in received and q not in done and q.block != rank:
+            cmds += reduce(q)
+    for p in range(parts):
+        if Piece(rank, p) in received:
+            cmds += reduce(Piece(rank, p))
+        else:  # a group of one
+            lo, hi = _piece_rows(block_rows, parts, Piece(rank, p))
+            cmds.append(Copy(MAIN, Region("OUT", lo - own_lo, hi - own_lo), Region("P", lo, hi)))
+    stage_rows = max((hi - lo for lo, hi in (_piece_rows(block_rows, parts, t.piece) for _, t in recvs)),
+                     default=0)
+    return Plan("matmul_reduce_scatter", rank, world, _framed(cmds), len(slot), {"P": world * block_rows},
+                stage_slots=len(recvs), stage_rows=stage_rows, n_weights=1,
+                slot_names=_piece_names(slot, "partial sum"))
+
+
+@lru_cache(maxsize=256)
+def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
+    """``OUT = all_reduce(A @ W)`` by direct pulls, pipelined over ``chunks`` row chunks.
+
+    Chunk ``c`` is cut into ``world`` blocks; rank ``b`` reduces block ``b`` of every chunk (pulls
+    the peers' partials of it, sums them into its ``P``) and publishes the sum; every rank then
+    pulls the reduced blocks into ``OUT``.  The GEMM of chunk ``c + 1`` runs while chunk ``c``
+    travels, and chunk ``c`` is summed after it.  Flags: ``world * chunks`` partial slots, then
+    ``chunks`` reduced slots."""
+    if rows % (world * chunks):
+        raise ValueError(f"{rows} rows do not split into {chunks} chunks of {world} blocks")
+    block = rows // (world * chunks)
+    peers = [(rank + s) % world for s in range(1, world)]
+
+    def span(c: int, b: int) -> tuple[int, int]:
+        lo = (c * world + b) * block
+        return lo, lo + block
+
+    def gemm_and_pull(c: int) -> list[Command]:
+        cmds: list[Command] = []
+        for b in peers + [rank]:  # the peers' blocks first: they are the ones that travel
+            lo, hi = span(c, b)
+            cmds.append(Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)))
+            if b != rank:
+                cmds.append(SetFlag(MAIN, c * world + b))
+        lo, hi = span(c, rank)
+        for n, peer in enumerate(peers):
+            cmds += [WaitFlag(COMM, peer, c * world + rank),
+                     Copy(COMM, Region("STAGE", 0, block, index=c * len(peers) + n), Region("P", lo, hi, owner=peer))]
+        return cmds + [Record(COMM, f"pulled{c}")]
+
+    def reduce_and_gather(c: int) -> list[Command]:
+        lo, hi = span(c, rank)
+        stages = tuple(Region("STAGE", 0, block, index=c * len(peers) + n) for n in range(len(peers)))
+        cmds: list[Command] = [WaitEvent(MAIN, f"pulled{c}"),
+                               Reduce(MAIN, Region("P", lo, hi), (Region("P", lo, hi), *stages)),
+                               SetFlag(MAIN, world * chunks + c), Record(MAIN, f"reduced{c}"),
+                               WaitEvent(COMM, f"reduced{c}"), Copy(COMM, Region("OUT", lo, hi), Region("P", lo, hi))]
+        for peer in peers:
+            plo, phi = span(c, peer)
+            cmds += [WaitFlag(COMM, peer, world * chunks + c),
+                     Copy(COMM, Region("OUT", plo, phi), Region("P", plo, phi, owner=peer))]
+        return cmds
+
+    cmds: list[Command] = []
+    for c in range(chunks):
+        cmds += gemm_and_pull(c)
+        if c:
+            cmds += reduce_and_gather(c - 1)
+    cmds += reduce_and_gather(chunks - 1)
+    return Plan("matmul_all_reduce", rank, world, _framed(cmds), world * chunks + chunks, {"P": rows},
+                stage_slots=chunks * len(peers), stage_rows=block, n_weights=1,
+                slot_names=tuple([f"partial product of chunk {c} block {b}" for c in range(chunks)
+                                  for b in range(world)] + [f"reduced block of chunk {c}" for c in range(chunks)]))
+
+
+def all_reduce_chunks(rows: int, world: int, wanted: int = 4) -> int:
+    """The largest chunk count <= ``wanted`` that splits ``rows`` into equal blocks per rank."""
+    for c in range(wanted, 0, -1):
+        if rows % (world * c) == 0:
+            return c
+    return 0

@@ -1,0 +1,178 @@
+"""Run the fused operators' plans for several ranks on the CPU, under random interleavings.
+
+A model of the GPUs that is strict where the hardware is loose: every stream of every rank is a
+queue of commands, and at each step one runnable command (or one rank's host issuing its next
+call) is picked at random, so a rank's host, or one of its streams, can fall arbitrarily far
+behind the others.  Every row of a symmetric buffer carries the epoch of the call that wrote it,
+and every read checks it: a read of stale data, or of data a fast peer already overwrote for a
+later call, raises :class:`ProtocolViolation` at once.  A state in which work remains and nothing
+can run raises :class:`Deadlock`.  The results are compared with plain matmuls and sums.
+
+The plans are :mod:`.protocol`'s, the same objects the CUDA implementation executes.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .protocol import (COMM, MAIN, SELF, SYMMETRIC, Copy, Matmul, Plan, Record, Reduce, Region,
+                       SetFlag, WaitEvent, WaitFlag)
+
+
+class Deadlock(RuntimeError):
+    """Work remains and no command of any rank can run."""
+
+
+class ProtocolViolation(RuntimeError):
+    """A rank read data written for another call."""
+
+
+@dataclass
+class _Call:
+    epoch: int
+    tensors: dict[str, list[torch.Tensor]]
+
+
+@dataclass
+class RankState:
+    """One simulated GPU: flags, double-buffered symmetric buffers (with per-row epoch tags),
+    scratch, stream queues and recorded events."""
+
+    rank: int
+    flags: list[int]
+    symmetric: dict[str, list[torch.Tensor]]
+    tags: dict[str, list[torch.Tensor]]
+    stage: list[torch.Tensor]
+    queues: dict[str, list[tuple[_Call, object]]] = field(default_factory=lambda: {MAIN: [], COMM: []})
+    events: dict[str, int] = field(default_factory=dict)
+    scratch: dict = field(default_factory=dict)  # free for extra command handlers
+
+
+Handler = Callable[["Simulator", RankState, object, _Call], bool]
+
+
+class Simulator:
+    """Several ranks running ``plans`` (one per rank) call after call."""
+
+    def __init__(self, plans: list[Plan], cols: int, seed: int = 0,
+                 handlers: dict[type, Handler] | None = None, buffers: int = 2) -> None:
+        self.plans = plans
+        self.buffers = buffers  # 2: double-buffered by the epoch's parity, as on the GPU
+        self.world = len(plans)
+        self.rng = random.Random(seed)
+        self.handlers = {WaitFlag: _wait_flag, SetFlag: _set_flag, Copy: _copy, Matmul: _matmul,
+                         Reduce: _reduce, Record: _record, WaitEvent: _wait_event, **(handlers or {})}
+        p = plans[0]
+        self.ranks = [RankState(
+            r, [0] * p.n_flags,
+            {b: [torch.zeros(n, cols, dtype=torch.float64) for _ in range(2)] for b, n in p.symmetric_rows.items()},
+            {b: [torch.zeros(n, dtype=torch.long) for _ in range(2)] for b, n in p.symmetric_rows.items()},
+            [torch.zeros(p.stage_rows, cols, dtype=torch.float64) for _ in range(p.stage_slots)])
+            for r in range(self.world)]
+
+    # -- driving ---------------------------------------------------------------------------
+    def run(self, calls: list[list[dict[str, list[torch.Tensor]]]], lateness: float = 0.5) -> None:
+        """``calls[e][rank]`` holds that rank's tensors for call ``e + 1`` (A, W, OUT, GATHERED).
+
+        Each step runs one runnable stream command or lets one host issue its next call; a host
+        that could issue passes its turn with probability ``lateness`` while other work can run."""
+        issued = [0] * self.world
+        n = len(calls)
+        while True:
+            hosts = [st for st in self.ranks if issued[st.rank] < n]
+            actions = [(s, st) for st in self.ranks for s in (MAIN, COMM) if st.queues[s]]
+            actions += [("issue", st) for st in hosts if self.rng.random() > lateness]
+            self.rng.shuffle(actions)
+            if not any(self._step(what, st, issued, calls) for what, st in actions):
+                if hosts:
+                    self._step("issue", self.rng.choice(hosts), issued, calls)
+                elif self._busy():
+                    raise Deadlock(self._describe())
+                else:
+                    return
+
+    def _step(self, what: str, st: RankState, issued: list[int], calls) -> bool:
+        if what == "issue":
+            e = issued[st.rank]
+            call = _Call(e + 1, calls[e][st.rank])
+            for cmd in self.plans[st.rank].commands:
+                st.queues[cmd.stream].append((call, cmd))
+            issued[st.rank] += 1
+            return True
+        call, cmd = st.queues[what][0]
+        if self.handlers[type(cmd)](self, st, cmd, call):
+            st.queues[what].pop(0)
+            return True
+        return False
+
+    def _busy(self) -> bool:
+        return any(st.queues[s] for st in self.ranks for s in (MAIN, COMM))
+
+    def _describe(self) -> str:
+        heads = [f"rank {st.rank} {s}: call {st.queues[s][0][0].epoch} {st.queues[s][0][1]}"
+                 for st in self.ranks for s in (MAIN, COMM) if st.queues[s]]
+        flags = [f"rank {st.rank} flags {st.flags}" for st in self.ranks]
+        return "no command can run:\n  " + "\n  ".join(heads + flags)
+
+    # -- addressing ------------------------------------------------------------------------
+    def view(self, st: RankState, region: Region, call: _Call, *, reading: bool) -> torch.Tensor:
+        owner = self.ranks[st.rank if region.owner == SELF else region.owner]
+        if region.buf in SYMMETRIC:
+            parity = call.epoch % self.buffers
+            tags = owner.tags[region.buf][parity][region.start:region.stop]
+            if reading and bool((tags != call.epoch).any()):
+                raise ProtocolViolation(
+                    f"rank {st.rank}, call {call.epoch}: {region} holds data of calls {sorted(set(tags.tolist()))}")
+            if not reading:
+                tags.fill_(call.epoch)
+            return owner.symmetric[region.buf][parity][region.start:region.stop]
+        if region.owner != SELF:
+            raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
+        if region.buf == "STAGE":
+            return st.stage[region.index][:region.rows]
+        tensor = call.tensors[region.buf][region.index]
+        return tensor[region.start:region.stop]
+
+
+def _wait_flag(sim: Simulator, st: RankState, cmd: WaitFlag, call: _Call) -> bool:
+    target = call.epoch + cmd.delta
+    return target < 1 or sim.ranks[cmd.peer].flags[cmd.slot] >= target
+
+
+def _set_flag(sim: Simulator, st: RankState, cmd: SetFlag, call: _Call) -> bool:
+    if st.flags[cmd.slot] > call.epoch:
+        raise ProtocolViolation(f"rank {st.rank} flag {cmd.slot} would go back from {st.flags[cmd.slot]} "
+                                f"to {call.epoch}")
+    st.flags[cmd.slot] = call.epoch
+    return True
+
+
+def _copy(sim: Simulator, st: RankState, cmd: Copy, call: _Call) -> bool:
+    src = sim.view(st, cmd.src, call, reading=True).clone()
+    sim.view(st, cmd.dst, call, reading=False).copy_(src)
+    return True
+
+
+def _matmul(sim: Simulator, st: RankState, cmd: Matmul, call: _Call) -> bool:
+    src = sim.view(st, cmd.src, call, reading=True)
+    w = call.tensors["W"][cmd.weight]
+    sim.view(st, cmd.dst, call, reading=False).copy_(src @ w)
+    return True
+
+
+def _reduce(sim: Simulator, st: RankState, cmd: Reduce, call: _Call) -> bool:
+    total = sum(sim.view(st, s, call, reading=True).clone() for s in cmd.srcs)
+    sim.view(st, cmd.dst, call, reading=False).copy_(total)
+    return True
+
+
+def _record(sim: Simulator, st: RankState, cmd: Record, call: _Call) -> bool:
+    st.events[cmd.event] = call.epoch
+    return True
+
+
+def _wait_event(sim: Simulator, st: RankState, cmd: WaitEvent, call: _Call) -> bool:
+    return st.events.get(cmd.event, 0) >= call.epoch

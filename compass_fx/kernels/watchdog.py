@@ -1,0 +1,102 @@
+"""Bounded waits for the fused operators: a watchdog thread instead of a spinning kernel.
+
+A stream memory wait cannot time out by itself.  Every call of a fused operator registers an
+event recorded after its last wait (an event of its own, from a pool: an event re-recorded by a
+later call would hide whether an earlier one finished); a daemon thread checks, about once a second, whether the oldest
+unfinished call has been waiting longer than ``COMPASS_FUSED_TIMEOUT_S`` (default 300 s, like a
+collective timeout: a peer whose host is busy for minutes, e.g. saving a checkpoint, is not an
+error).  When one has, it reads the flags the call waits for, logs which rank and which piece it
+waits on, releases the wait (so that nothing stays frozen), and marks the process failed: every
+later call of a fused operator raises a ``RuntimeError`` with that message.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("compass_fx")
+
+
+def timeout_s() -> float:
+    """``COMPASS_FUSED_TIMEOUT_S`` (default 300)."""
+    value = float(os.environ.get("COMPASS_FUSED_TIMEOUT_S", "300"))
+    if value <= 0:
+        raise ValueError(f"COMPASS_FUSED_TIMEOUT_S must be > 0, got {value}")
+    return value
+
+
+@dataclass
+class _Pending:
+    epoch: int
+    event: object  # anything with query() -> bool (a torch.cuda.Event)
+    since: float
+
+
+@dataclass
+class Watched:
+    """What the watchdog needs of one workspace: its pending calls, how to diagnose one, and the
+    events of finished calls, ready for reuse."""
+
+    diagnose: Callable[[int], tuple[str, Callable[[], None]]]  # epoch -> (message, release)
+    pending: list[_Pending] = field(default_factory=list)
+    pool: list = field(default_factory=list)
+
+
+class Watchdog:
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self.timeout = timeout_s()
+        self.watched: list[Watched] = []
+        self.failure: str | None = None
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def check_failed(self) -> None:
+        if self.failure:
+            raise RuntimeError(self.failure)
+
+    def add(self, w: Watched, epoch: int, event) -> None:
+        with self.lock:
+            w.pending.append(_Pending(epoch, event, time.monotonic()))
+            if w not in self.watched:
+                self.watched.append(w)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="compass-fused-watchdog", daemon=True)
+            self.thread.start()
+
+    def _loop(self) -> None:
+        import torch
+
+        torch.cuda.set_device(self.device_index)  # the driver calls below need this thread's context
+        while self.failure is None:
+            time.sleep(min(1.0, self.timeout / 10))
+            self.scan()
+
+    def scan(self) -> None:
+        """Drop finished calls; diagnose and release the oldest one past the timeout."""
+        now = time.monotonic()
+        with self.lock:
+            for w in self.watched:
+                while w.pending and w.pending[0].event.query():
+                    w.pool.append(w.pending.pop(0).event)
+                late = [p for p in w.pending if now - p.since > self.timeout]
+                if late:
+                    message, release = w.diagnose(late[0].epoch)
+                    self.failure = (f"{message} (no progress for {now - late[0].since:.0f} s, "
+                                    f"COMPASS_FUSED_TIMEOUT_S={self.timeout:g})")
+                    log.error(self.failure)
+                    release()
+                    return
+
+
+_dogs: dict[int, Watchdog] = {}
+
+
+def for_device(index: int) -> Watchdog:
+    if index not in _dogs:
+        _dogs[index] = Watchdog(index)
+    return _dogs[index]
