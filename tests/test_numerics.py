@@ -99,3 +99,11 @@ def test_fused_operators_match_eager(ranks, world, model_name, schedule):
 def test_fused_operators_under_inductor(ranks):
     res = ranks(2).run(run_and_compare, 2, "sp1_llama", {"strategy": "fuse", "schedule": "double_ring"})[0]
     assert res["rewritten"] == res["pairs"] > 0
+
+
+@pytest.mark.parametrize("options", [{"chunks": 2}, {"strategy": "fuse", "schedule": "direct"}])
+def test_batch_one_sequence_parallel_gathers_are_rewritten(ranks, options):
+    """Batch 1 (as in the end-to-end benchmark): the gather's dim before the sequence is size 1,
+    which once made every gather pair 'infeasible' for InterDecom (extent 1) on the GPUs."""
+    res = ranks(2).run(run_and_compare, 2, "sp1_llama_b1", dict(options, inner="eager"))[0]
+    assert res["rewritten"] == res["pairs"] > 0, res["not_rewritten"]

@@ -39,9 +39,9 @@ def build(name: str, mesh) -> nn.Module:
             "w1": ColwiseParallel(input_layouts=Shard(0)),
             "w2": RowwiseParallel(output_layouts=Shard(0)),
         })
-    if name in ("sp1_llama", "tp_llama"):
+    if name in ("sp1_llama", "tp_llama", "sp1_llama_b1"):
         args = ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=64, ffn_hidden=64)
-        return parallelize(Transformer(args), mesh, sequence_parallel=name == "sp1_llama")
+        return parallelize(Transformer(args), mesh, sequence_parallel=name.startswith("sp1"))
     raise ValueError(name)
 
 
@@ -49,6 +49,8 @@ def example_input(name: str, rank: int, world: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(99)
     if name.endswith("llama"):
         return torch.randint(0, 64, (2, 16), generator=g)
+    if name.endswith("llama_b1"):  # batch 1: each rank's gathered slab is one run of rows
+        return torch.randint(0, 64, (1, 16), generator=g)
     full = torch.randn(TOKENS, DIM, generator=g)
     if name == "tp_mlp":
         return full

@@ -91,14 +91,17 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
 
 def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
-    shard_shape = shape_of(pair.shard)
+    shard, shard_shape = pair.shard, shape_of(pair.shard)
+    if len(shard_shape) != len(layout.shape):  # the layout took each rank's slab as rows
+        shard_shape = [layout.local_extent, layout.shape[-1]]
+        shard = b.view(b.contiguous(shard), shard_shape)
     c = shard_shape[g] // parts
     flat = [layout.rows // parts, layout.shape[-1]]
     weights = [batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
 
     shard_parts = []
     for i in range(parts):
-        piece = b.slice(pair.shard, g, i * c, (i + 1) * c)
+        piece = b.slice(shard, g, i * c, (i + 1) * c)
         shard_parts.append(b.contiguous(piece) if g > 0 else piece)
     gathers: list[fx.Node] = []
 
@@ -138,7 +141,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
     for cc, total in zip(pair.contraction_consumers, sums):
         cc.mm.replace_all_uses_with(total)
     if pair.other_users:
-        full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(layout.shape))
+        full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
         pair.logical.replace_all_uses_with(full)
 
 

@@ -103,7 +103,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
         gathered = b.call(operator.getitem, fused, 0)
         if pair.layout.dim > 0:
             gathered = _rank_major_to_logical(b, gathered, pair)
-        replacements.append((pair.logical, b.view(gathered, list(pair.layout.shape))))
+        replacements.append((pair.logical, b.view(gathered, list(shape_of(pair.logical)))))
     return replacements
 
 

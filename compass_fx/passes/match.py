@@ -261,6 +261,18 @@ def _row_broadcast_bias(bias: object) -> bool:
     return shape is not None and (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1))
 
 
+def _merged_slab(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, ...], int]:
+    """The layout with each rank's slab as one run of rows, where it is one.
+
+    With nothing but size-1 dims before ``dim`` (batch 1), a rank's part of the gathered tensor
+    is a contiguous block of rows of the 2-D matmul operand, e.g. ``[1, S, D]`` gathered on S, or
+    ``[W, S/W, D]`` on dim 0: then the rows themselves are the dim to split, and a part can be any
+    divisor of the rank's rows instead of a divisor of a size-1 dim."""
+    if math.prod(shape[:dim]) != 1 or dim >= len(shape) - 2:
+        return shape, dim
+    return (math.prod(shape[dim:-1]), shape[-1]), 0
+
+
 def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
     shard, world = ag.args[0], int(ag.args[1])
     wait = _single_wait(ag)
@@ -286,7 +298,7 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
             raise NoMatch(f"weight-gradient operand {c.other.name} does not have the gathered rows")
     if not rows and not contractions:
         raise NoMatch("gathered tensor feeds no matmul as its row operand")
-    return Pair("all_gather_matmul", graph_kind, ag, wait, RowLayout(shape, dim, world),
+    return Pair("all_gather_matmul", graph_kind, ag, wait, RowLayout(*_merged_slab(shape, dim), world),
                 str(ag.args[2]), world, _dtype(logical), shard=shard, logical=logical,
                 row_consumers=rows, contraction_consumers=contractions, other_users=others)
 
