@@ -1,13 +1,14 @@
 """compass_fx: a torch.compile backend that hides tensor-parallel communication behind computation.
 
-    model = torch.compile(model, backend="compass")
+    compass_fx.check_options(chunks=4)            # a bad option fails here, not at the first call
+    model = torch.compile(model, backend="compass", options={"chunks": 4})
     report = compass_fx.explain(model, *example_inputs)
 """
 from .cost.hooks import clear_cost_hooks, register_cost_hook, unregister_cost_hook
 from .explain import explain, last_report
-from .options import CompassOptions, parse_options
+from .options import CompassOptions, check_options, parse_options
 from .report import Report
 
-__all__ = ["CompassOptions", "Report", "clear_cost_hooks", "explain", "last_report", "parse_options",
-           "register_cost_hook", "unregister_cost_hook"]
+__all__ = ["CompassOptions", "Report", "check_options", "clear_cost_hooks", "explain", "last_report",
+           "parse_options", "register_cost_hook", "unregister_cost_hook"]
 __version__ = "0.1.0"

@@ -2,13 +2,15 @@
 
     compass-fx explain --world 4 --chunks 2      # what the backend does to the demo TP model
     compass-fx plan --model llama3-70b --tp 8 --tokens 8192 --topology a6000-nvlink-pairs-pcie-8
-    compass-fx sweep --out sweep.csv             # the 288-configuration planning grid
+    compass-fx sweep --out-dir compass-sweep     # the 288-configuration planning grid
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from typing import Sequence
+
+from .cli_args import positive_int, require_multiple
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -26,9 +28,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         options["chunks"] = args.chunks
     if args.schedule is not None:
         options["schedule"] = args.schedule
-    compass_fx.parse_options(options)  # a bad value fails here, before any tracing
-    if args.seq % args.world:
-        raise SystemExit(f"compass-fx explain: --seq {args.seq} must divide by --world {args.world}")
+    compass_fx.check_options(options)  # a bad value fails here, before any tracing
+    check_demo_shape(args)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:
         mesh = init_device_mesh("cpu", (args.world,))
@@ -44,22 +45,33 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_demo_shape(args: argparse.Namespace) -> None:
+    """The demo model's sizes must shard evenly over --world; say which flag, not a Dynamo traceback."""
+    if not args.no_sequence_parallel:
+        require_multiple("--seq", args.seq, "--world", args.world, " with sequence parallelism")
+    require_multiple("--heads", args.heads, "--world", args.world)
+    require_multiple("--dim", args.dim, "--heads", args.heads)
+    require_multiple("--ffn-hidden", args.ffn_hidden, "--world", args.world)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compass-fx", description=__doc__,
+    # allow_abbrev=False everywhere: "sweep --out x" must be an error, not a silent "--out-dir x".
+    parser = argparse.ArgumentParser(prog="compass-fx", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("explain", help="show which matmul<->collective pairs the backend rewrites in the demo model")
-    ex.add_argument("--world", type=int, default=4, help="tensor-parallel group size (fake ranks)")
-    ex.add_argument("--layers", type=int, default=2)
-    ex.add_argument("--dim", type=int, default=256)
-    ex.add_argument("--heads", type=int, default=8)
-    ex.add_argument("--ffn-hidden", type=int, default=512)
-    ex.add_argument("--vocab", type=int, default=1024)
-    ex.add_argument("--batch", type=int, default=2)
-    ex.add_argument("--seq", type=int, default=64)
+    ex = sub.add_parser("explain", help="show which matmul<->collective pairs the backend rewrites in the demo model",
+                        allow_abbrev=False)
+    ex.add_argument("--world", type=positive_int, default=4, help="tensor-parallel group size (fake ranks)")
+    ex.add_argument("--layers", type=positive_int, default=2)
+    ex.add_argument("--dim", type=positive_int, default=256)
+    ex.add_argument("--heads", type=positive_int, default=8)
+    ex.add_argument("--ffn-hidden", type=positive_int, default=512)
+    ex.add_argument("--vocab", type=positive_int, default=1024)
+    ex.add_argument("--batch", type=positive_int, default=2)
+    ex.add_argument("--seq", type=positive_int, default=64)
     ex.add_argument("--no-sequence-parallel", action="store_true", help="plain TP (all_reduce pairs)")
     ex.add_argument("--strategy", default="auto", help="auto, off, decompose or fuse")
-    ex.add_argument("--chunks", type=int, default=None, help="force the InterDecom part count")
+    ex.add_argument("--chunks", type=positive_int, default=None, help="force the InterDecom part count")
     ex.add_argument("--schedule", default=None, help="fused schedule: ring, double_ring, direct")
     ex.add_argument("--topology", default=None, help="topology preset name or file for the cost model")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -67,17 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
     from .cost.commands import add_subcommands
 
     add_subcommands(sub)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)  # main reports a late ValueError through it
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; a bad input exits with status 2 and argparse's message style."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"compass-fx {args.command}: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # found after parsing (values that must agree, bad options): same as argparse's
+        args.command_parser.error(str(e))
 
 
 if __name__ == "__main__":

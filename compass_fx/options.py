@@ -6,6 +6,7 @@ instead of a silently ignored setting.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ class CompassOptions:
     auto_fuse: let "auto" choose the fused operators on GPUs.  Off by default until their
         cross-GPU symmetric-memory path has been validated on multi-GPU hardware; "fuse" forces
         them regardless.
+    mode: Inductor's ``torch.compile`` mode ("max-autotune", "reduce-overhead", ...) for the inner
+        Inductor compile; ``torch.compile(..., mode=...)`` sets it too (torch.compile takes either
+        ``mode`` or ``options``, not both).  None: Inductor's defaults.
     """
 
     strategy: str = "auto"
@@ -66,6 +70,26 @@ def _group_name(value: Any) -> str | None:
     raise ValueError(f"option 'group' must be a group name, a ProcessGroup or a 1-D DeviceMesh, got {value!r}")
 
 
+def _check_names(raw: Mapping[str, Any]) -> None:
+    """One line naming each unknown option, its likely meaning, and every valid option."""
+    known = sorted(f.name for f in dataclasses.fields(CompassOptions))
+    unknown = sorted(set(raw) - set(known))
+    if not unknown:
+        return
+    guesses = [g for name in unknown for g in difflib.get_close_matches(name, known, n=1)]
+    hint = f" (did you mean {', '.join(map(repr, guesses))}?)" if guesses else ""
+    raise ValueError(f"unknown compass option(s) {unknown}{hint}; valid options: {', '.join(known)}")
+
+
+def _check_mode(mode: Any) -> None:
+    """``mode`` picks Inductor's config preset; an unknown one would otherwise fail mid-compile."""
+    import torch._inductor
+
+    modes = tuple(torch._inductor.list_mode_options())
+    if mode not in modes:
+        raise ValueError(f"option 'mode' must be one of {modes}, got {mode!r}")
+
+
 def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **extra: Any) -> CompassOptions:
     """Validate user options (a dict, keywords, or both) into ``CompassOptions``."""
     if isinstance(options, CompassOptions):
@@ -77,10 +101,7 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
     else:
         raise ValueError(f"options must be a dict, got {type(options).__name__}")
     raw.update(extra)
-    known = {f.name for f in dataclasses.fields(CompassOptions)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown compass option(s) {unknown}; known options: {sorted(known)}")
+    _check_names(raw)
 
     strategy = raw.get("strategy", "auto")
     if strategy not in STRATEGY_CHOICES:
@@ -115,8 +136,17 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
     if not isinstance(auto_fuse, bool):
         raise ValueError(f"option 'auto_fuse' must be True or False, got {auto_fuse!r}")
     mode = raw.get("mode")
-    if mode is not None and not isinstance(mode, str):
-        raise ValueError(f"option 'mode' must be a string, got {mode!r}")
+    if mode is not None:
+        _check_mode(mode)
     return CompassOptions(strategy=strategy, chunks=chunks, inner=inner, dump_dir=dump_dir,
                           group=_group_name(raw.get("group")), topology=topology,
                           schedule=schedule, auto_fuse=auto_fuse, mode=mode)
+
+
+def check_options(options: Mapping[str, Any] | None = None, /, **extra: Any) -> CompassOptions:
+    """Validate options before ``torch.compile``, as ``check_options(chunks=4)`` or ``check_options({...})``.
+
+    The backend runs this same check, but only at the model's first call, where the ``ValueError``
+    arrives wrapped in Dynamo's ``BackendCompilerFailed``; here it is raised as it is, at once.
+    """
+    return parse_options(options, **extra)

@@ -121,7 +121,19 @@ def format_report(report: Report) -> str:
             cands = ", ".join(f"{c['label']}={_fmt_seconds(c.get('seconds'))}" for c in p.candidates)
             d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
             lines.append(f"candidates {p.graph}/{p.collective}{d_star}: {cands}")
-    return "\n".join(lines)
+    return "\n".join(lines + _legend(report))
+
+
+def _legend(report: Report) -> list[str]:
+    """The columns and numbers a first-time reader cannot guess, explained under the table."""
+    if not report.pairs:
+        return []
+    lines = ["legend: group = the collective's process group as name/ranks (0/2: group '0' of 2 ranks)",
+             "        dim = the tensor dim the collective gathers or scatters"]
+    if any(p.d_star for p in report.pairs):
+        lines += ["        d* = the decomposition model's continuous optimum sqrt(C/A) of T(d) = A*d + B + C/d,",
+                  "             before rounding to a feasible part count d (d* <= 1: splitting does not pay)"]
+    return lines
 
 
 def _decision_label(p: PairRecord) -> str:

@@ -68,7 +68,7 @@ def _gather(x: torch.Tensor, g: dict, world: int, group: str) -> torch.Tensor:
     if g["style"] == "fc" or g["dim"] == 0:
         import torch.distributed._functional_collectives as fc
 
-        return fc.all_gather_tensor(x, g["dim"], group)
+        return fc.all_gather_single(x, g["dim"], group)
     w = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group))
     n = x.shape[0]
     return torch.cat([w[i * n:(i + 1) * n] for i in range(world)], dim=g["dim"])
@@ -106,7 +106,7 @@ def _reduce(y: torch.Tensor, r: dict, world: int, group: str) -> torch.Tensor:
         perm = [1, 0, 2]
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(y.permute(perm).contiguous(), "sum", world, group))
         return out.permute(perm)
-    return fc.reduce_scatter_tensor(y, "sum", r["dim"], group)
+    return fc.reduce_scatter_single(y, "sum", r["dim"], group)
 
 
 def program(spec: dict, group: str):

@@ -1,6 +1,7 @@
 """The backend's contract: options, caches, entry point, dumps."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+import compass_fx
 from compass_fx import parse_options
 
 
@@ -35,6 +37,41 @@ def test_bad_option_through_torch_compile():
     model = torch.compile(torch.nn.Linear(4, 4), backend=compass_backend, options={"stratgy": "off"})
     with pytest.raises(Exception, match="unknown compass option"):
         model(torch.randn(2, 4))
+
+
+def test_check_options_raises_what_torch_compile_wraps():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    with pytest.raises(ValueError) as early:
+        compass_fx.check_options({"chunk": 4})
+    model = torch.compile(torch.nn.Linear(4, 4), backend="compass", options={"chunk": 4})
+    with pytest.raises(BackendCompilerFailed) as late:  # what a user of torch.compile really meets
+        model(torch.randn(2, 4))
+    assert isinstance(late.value.inner_exception, ValueError)
+    assert str(late.value.inner_exception) == str(early.value)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"chunk": 4}, "unknown compass option(s) ['chunk'] (did you mean 'chunks'?)"),
+    ({"mode": "fastest"}, "option 'mode' must be one of"),
+    ({"mode": 3}, "option 'mode' must be one of"),
+    ({"strategy": "fastest"}, "option 'strategy' must be one of"),
+    ({"topology": "dgx-imaginary"}, "option 'topology'"),
+])
+def test_check_options_is_one_line_naming_the_option(bad, needle):
+    with pytest.raises(ValueError) as e:
+        compass_fx.check_options(**bad)
+    message = str(e.value)
+    assert needle in message and "\n" not in message
+    if "unknown" in message:  # and it lists every valid option
+        assert all(f.name in message.split("valid options: ")[1]
+                   for f in dataclasses.fields(compass_fx.CompassOptions))
+
+
+def test_check_options_returns_the_validated_options():
+    assert compass_fx.check_options(chunks=4) == compass_fx.check_options({"chunks": 4}) == parse_options({"chunks": 4})
+    assert compass_fx.check_options(mode="max-autotune").mode == "max-autotune"
+    assert "check_options" in compass_fx.__all__
 
 
 def test_cache_key_changes_with_options():

@@ -1,9 +1,16 @@
 """The ``compass-fx`` console script, run as a user would."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compass_fx.cli import build_parser, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -17,6 +24,7 @@ def test_explain_prints_the_table():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decompose(d=2)" in out.stdout and "rewritten" in out.stdout
     assert "left alone:" in out.stdout  # the embedding's collective, with its reason
+    assert "legend: group = " in out.stdout  # what "0/2" in the group column means
 
 
 def test_explain_json_and_topology():
@@ -33,3 +41,76 @@ def test_explain_bad_option_is_a_clear_error():
     out = run_cli("explain", "--strategy", "fastest")
     assert out.returncode == 2
     assert "'strategy'" in out.stderr
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """``compass-fx argv`` in this process: (exit status, stdout, stderr)."""
+    try:
+        status = main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def all_parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from all_parsers(sub)
+
+
+def test_no_parser_accepts_abbreviations(capsys):
+    parsers = list(all_parsers(build_parser()))
+    assert len(parsers) == 5 and not any(p.allow_abbrev for p in parsers)
+    status, _, err = run_main(capsys, "sweep", "--out", "sweep.csv")  # not a silent --out-dir
+    assert status == 2 and "unrecognized arguments: --out sweep.csv" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--tokens", "-5", "--no-png"],
+     "compass-fx plan: error: argument --tokens: must be a positive integer, got -5"),
+    (["plan", "--tokens", "0", "--no-png"],
+     "compass-fx plan: error: argument --tokens: must be a positive integer, got 0"),
+    (["plan", "--tp", "two"], "compass-fx plan: error: argument --tp: must be a positive integer, got 'two'"),
+    (["plan", "--tp", "3", "--no-png"], "compass-fx plan: error: tokens=8192 must be divisible by tp=3"),
+    (["sweep", "--group-sizes", "8,0"], "compass-fx sweep: error: argument --group-sizes: must be comma-separated "
+                                        "positive integers, got '8,0'"),
+    (["explain", "--world", "0"], "compass-fx explain: error: argument --world: must be a positive integer, got 0"),
+    (["explain", "--seq", "63"], "compass-fx explain: error: argument --seq: must be a multiple of --world (4) "
+                                 "with sequence parallelism, got 63"),
+    (["explain", "--heads", "6", "--dim", "192"], "compass-fx explain: error: argument --heads: must be a multiple "
+                                                  "of --world (4), got 6"),
+    (["explain", "--chunks", "0"], "compass-fx explain: error: argument --chunks: must be a positive integer, got 0"),
+    (["explain", "--strategy", "fastest"], "compass-fx explain: error: option 'strategy' must be one of"),
+])
+def test_bad_numbers_are_argparse_errors(capsys, argv, message):
+    status, out, err = run_main(capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("usage: compass-fx " + argv[0]) and message in err
+    assert "Workload" not in err and "Traceback" not in err
+
+
+def test_bad_number_exit_status_of_the_console_script():
+    out = run_cli("plan", "--tokens", "-5", "--no-png")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "compass-fx plan: error: argument --tokens: must be a positive integer, got -5" in out.stderr
+
+
+def test_plan_without_matplotlib_is_a_note(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what "import matplotlib" meets when it is not installed
+    png = tmp_path / "plan.png"
+    status, out, err = run_main(capsys, "plan", "--tp", "4", "--tokens", "4096", "--png", str(png))
+    assert status == 0 and "layer: sequential" in out and not png.exists()
+    assert err.count("\n") == 1 and err.startswith("compass-fx plan: note: ") and "matplotlib" in err
+
+
+def test_commands_import_without_warnings():
+    # -W error: an import-time warning (numpy's "Failed to initialize NumPy" from torch) fails it.
+    out = subprocess.run([sys.executable, "-W", "error", "-c", "import compass_fx.cli"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert any(d.startswith("numpy") for d in pyproject["project"]["dependencies"])  # torch does not declare it

@@ -27,10 +27,10 @@ class EinsumBmm(nn.Module):
         self.group, self.w1, self.w2 = group, _param(D, H), _param(H, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [B, S/W, D]
-        g = fc.all_gather_tensor(x, 1, self.group)            # [B, S, D]
+        g = fc.all_gather_single(x, 1, self.group)            # [B, S, D]
         h = torch.relu(torch.einsum("bsd,dh->bsh", g, self.w1))
         y = torch.bmm(h, self.w2.expand(h.shape[0], H, D))
-        return fc.reduce_scatter_tensor(y, "sum", 1, self.group)
+        return fc.reduce_scatter_single(y, "sum", 1, self.group)
 
 
 class ReshapeChain(nn.Module):
@@ -41,11 +41,11 @@ class ReshapeChain(nn.Module):
         self.group, self.w1, self.w2 = group, _param(H, D), _param(D, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [B, S/W, D]
-        g = fc.all_gather_tensor(x, 1, self.group)
+        g = fc.all_gather_single(x, 1, self.group)
         h = torch.mm(g.reshape(-1, D), self.w1.t())
         h = torch.relu(h.view(x.shape[0], -1, H)).reshape(-1, H).unsqueeze(0).flatten(0, 1)
         y = torch.matmul(h, self.w2.t()).reshape(x.shape[0], -1, D)
-        return fc.reduce_scatter_tensor(y, "sum", 1, self.group)
+        return fc.reduce_scatter_single(y, "sum", 1, self.group)
 
 
 class DtypeCasts(nn.Module):
@@ -57,9 +57,9 @@ class DtypeCasts(nn.Module):
         self.w1, self.w2 = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
-        g = fc.all_gather_tensor(x.to(torch.bfloat16), 0, self.group)
+        g = fc.all_gather_single(x.to(torch.bfloat16), 0, self.group)
         y = self.w2(torch.relu(self.w1(g.float())))
-        return fc.reduce_scatter_tensor(y.to(torch.bfloat16), "sum", 0, self.group).float()
+        return fc.reduce_scatter_single(y.to(torch.bfloat16), "sum", 0, self.group).float()
 
 
 class SharedUses(nn.Module):
@@ -72,7 +72,7 @@ class SharedUses(nn.Module):
         self.w2 = nn.Linear(H, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
-        g = fc.all_gather_tensor(x, 0, self.group)
+        g = fc.all_gather_single(x, 0, self.group)
         h = torch.relu(self.w1(g)) * self.w3(g) + g.norm(dim=-1, keepdim=True)
         y = self.w2(h)
         r = fc.all_reduce(y, "sum", self.group)
@@ -88,9 +88,9 @@ class Checkpointed(nn.Module):
         self.w1, self.w2 = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
-        g = fc.all_gather_tensor(x, 0, self.group)
+        g = fc.all_gather_single(x, 0, self.group)
         y = self.w2(torch.relu(self.w1(g)))
-        return fc.reduce_scatter_tensor(y, "sum", 0, self.group)
+        return fc.reduce_scatter_single(y, "sum", 0, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
         return x + checkpoint(self.block, x, use_reentrant=False)
@@ -105,9 +105,9 @@ class Unmatched(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
         m = fc.all_reduce((x @ self.w).detach(), "max", self.group)  # no backward for max
-        c = fc.all_gather_tensor(x, 1, self.group)            # [T/W, W*D]: last dim
+        c = fc.all_gather_single(x, 1, self.group)            # [T/W, W*D]: last dim
         s = torch.addmm(x, x, self.w, beta=0.5)
-        return m.sum() + c.sum() + fc.reduce_scatter_tensor(s, "sum", 0, self.group).sum()
+        return m.sum() + c.sum() + fc.reduce_scatter_single(s, "sum", 0, self.group).sum()
 
 
 WILD: dict[str, tuple[Callable, tuple[int, ...]]] = {

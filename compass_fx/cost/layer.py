@@ -53,6 +53,8 @@ def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", s
     s = model_shape(model)
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
+    if not isinstance(tokens, int) or tokens < 1:  # before the divisibility check: the sign is the problem
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     if sequence_parallel and tokens % tp:
         raise ValueError(f"tokens={tokens} must be divisible by tp={tp} with sequence parallelism")
     q = _split(s.heads * s.head_dim, tp, "query width")
