@@ -53,6 +53,7 @@ class GraphReport:
     skipped: list[SkipRecord] = field(default_factory=list)
     collectives_before: int = 0
     collectives_after: int = 0
+    notes: list[str] = field(default_factory=list)  # what the backend changed around the pass
 
 
 @dataclass
@@ -108,6 +109,7 @@ def format_report(report: Report) -> str:
     for g in report.graphs:
         for s in g.skipped:
             lines.append(f"left alone: {s.graph} {s.kind} {s.collective}: {s.reason}")
+        lines += [f"note ({g.graph}): {note}" for note in g.notes]
     summary = ", ".join(f"{g.graph}: {sum(p.status == 'rewritten' for p in g.pairs)}/{len(g.pairs)} pairs "
                         f"rewritten, collectives {g.collectives_before}->{g.collectives_after}"
                         for g in report.graphs)

@@ -1,0 +1,213 @@
+"""Where the time of one pair goes, as the project lowers it: a one-pair module compiled with
+``backend="compass"`` (sequential, InterDecom(d), fused) and plain Inductor, run under
+``torch.profiler``, its GPU kernels sorted into collectives (NCCL), GEMMs and the rest, per stream.
+
+For each variant: the step time (CUDA events, back-to-back calls), the busy time of collectives
+and of GEMMs, how much of the collectives' time ran beside a GEMM (overlap), the number of
+kernels, and the gaps.  Also the NCCL collectives alone over message sizes (bus bandwidth), which
+is what a topology of the machine at hand needs.  Run it in both regimes (``NCCL_P2P_DISABLE=1``
+for host-staged communication).
+
+    python benchmarks/profile_pair.py                           # 2 GPUs
+    NCCL_P2P_DISABLE=1 python benchmarks/profile_pair.py --tag h200x2-hoststaged
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import multigpu_common as mc  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+NAME = "profile_pair"
+
+
+class GatherMatmul(nn.Module):
+    """Sequence parallel w1: gather the tokens, multiply by the column shard of the weight."""
+
+    def __init__(self, k: int, n: int, world: int, group: str) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+        self.world, self.group = world, group
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        x = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.world, self.group)
+        return torch.ops._c10d_functional.wait_tensor(x) @ self.w
+
+
+class MatmulReduceScatter(nn.Module):
+    """Sequence parallel w2: multiply by the row shard of the weight, reduce-scatter the tokens."""
+
+    def __init__(self, k: int, n: int, world: int, group: str) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(k, n) / k ** 0.5)
+        self.world, self.group = world, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops._c10d_functional.reduce_scatter_tensor(x @ self.w, "sum", self.world, self.group)
+        return torch.ops._c10d_functional.wait_tensor(y)
+
+
+def kernel_summary(prof, calls: int) -> dict:
+    """Per call: busy time of collectives / GEMMs, their overlap, kernel counts, streams."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+
+    def kind(name: str) -> str:
+        low = name.lower()
+        if "nccl" in low:
+            return "comm"
+        if any(t in low for t in ("gemm", "sm90", "cutlass", "xmma", "nvjet", "matmul")):
+            return "gemm"
+        return "other"
+
+    spans = {"comm": [], "gemm": [], "other": []}
+    streams: dict[str, set] = {"comm": set(), "gemm": set(), "other": set()}
+    for e in events:
+        k = kind(e.name)
+        spans[k].append((e.time_range.start, e.time_range.end))
+        streams[k].add(getattr(e, "device_resource_id", None))
+
+    def busy(iv):
+        iv = sorted(iv)
+        total, cur = 0.0, None
+        for s, t in iv:
+            if cur is None or s > cur[1]:
+                if cur:
+                    total += cur[1] - cur[0]
+                cur = [s, t]
+            else:
+                cur[1] = max(cur[1], t)
+        return total + (cur[1] - cur[0] if cur else 0.0), iv
+
+    comm_busy, _ = busy(spans["comm"])
+    gemm_busy, _ = busy(spans["gemm"])
+    both_busy, _ = busy(spans["comm"] + spans["gemm"])
+    overlap = comm_busy + gemm_busy - both_busy
+    return {"comm_us": comm_busy / calls, "gemm_us": gemm_busy / calls, "overlap_us": overlap / calls,
+            "comm_hidden_fraction": overlap / comm_busy if comm_busy else None,
+            "kernels_per_call": {k: len(v) / calls for k, v in spans.items()},
+            "streams": {k: len(v) for k, v in streams.items()}}
+
+
+def variant(ctx, module_cls, k, n, rows, label, options):
+    import compass_fx
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    mod = module_cls(k, n, ctx.world, ctx.group_name).to(ctx.device, dtype)
+    x = torch.randn(rows, k, device=ctx.device, dtype=dtype)
+    fn = torch.compile(mod, backend="inductor") if options is None else \
+        torch.compile(mod, backend="compass", options=options)
+    before = len(compass_fx.backend.history)
+    with torch.no_grad():
+        fn(x)
+    pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
+    done = [f"{p.status} {p.strategy}({p.parts or p.schedule or ''})" for p in pairs] if options is not None else None
+    if not ctx.is_cuda:  # dry run: the rewrite only
+        return {"variant": label, "rewritten": done}
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)
+        mc.synchronize(ctx)
+        times = []
+        for _ in range(5):
+            mc.barrier(ctx)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn(x)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 10)
+        mc.barrier(ctx)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn(x)
+            mc.synchronize(ctx)
+    out = {"variant": label, "ms": mc.max_over_ranks(ctx, statistics.median(times)), "rewritten": done}
+    out.update(kernel_summary(prof, 5))
+    return out
+
+
+def nccl_bandwidth(ctx) -> list[dict]:
+    rows = []
+    for mib in ((4, 16, 64, 256) if ctx.is_cuda else (1,)):
+        numel = mib * 2 ** 20 // 2
+        dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+        shard = torch.randn(numel // ctx.world, device=ctx.device, dtype=dtype)
+        full = torch.empty(numel, device=ctx.device, dtype=dtype)
+        ag = mc.time_fn(ctx, lambda: dist.all_gather_into_tensor(full, shard), 3, 10)
+        rs = mc.time_fn(ctx, lambda: dist.reduce_scatter_tensor(shard, full), 3, 10)
+        factor = (ctx.world - 1) / ctx.world
+        rows.append({"mib": mib, "all_gather_ms": ag * 1e3, "reduce_scatter_ms": rs * 1e3,
+                     "all_gather_busbw_gbps": numel * 2 * factor / ag / 1e9,
+                     "reduce_scatter_busbw_gbps": numel * 2 * factor / rs / 1e9})
+    return rows
+
+
+def worker(ctx: mc.Ctx, args) -> dict:
+    if args.sm_carveout:  # cuBLAS leaves this many SMs free, so NCCL's kernels can run beside a GEMM
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
+    out = {"nccl": nccl_bandwidth(ctx) if not args.skip_nccl else [], "pairs": []}
+    ctx.log(f"NCCL: {out['nccl']}")
+    div = 1 if ctx.is_cuda else 64
+    shapes = [("all_gather_matmul", GatherMatmul, 4096 // div, 7168 // div, args.tokens // ctx.world // div),
+              ("matmul_reduce_scatter", MatmulReduceScatter, 7168 // div, 4096 // div, args.tokens // div)]
+    variants = [("inductor", None), ("compass off", {"strategy": "off"})]
+    variants += [(f"decompose d={d}", {"strategy": "decompose", "chunks": d}) for d in (2, 4, 8)]
+    if not args.decompose_only:
+        variants += [("fuse direct", {"strategy": "fuse", "schedule": "direct"}), ("auto", {})]
+    for kind, cls, k, n, rows in shapes:
+        for label, options in variants:
+            res = variant(ctx, cls, k, n, rows, label, options)
+            res["kind"] = kind
+            out["pairs"].append(res)
+            if "ms" in res:
+                ctx.log(f"{kind} {label}: {res['ms']:.3f} ms, comm {res['comm_us']:.0f} us, gemm {res['gemm_us']:.0f} us, "
+                        f"overlap {res['overlap_us']:.0f} us, kernels {res['kernels_per_call']}, streams {res['streams']}")
+            else:
+                ctx.log(f"{kind} {label}: {res}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mc.add_launch_args(p, default_worlds="2")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--sm-carveout", type=int, default=0, help="SMs cuBLAS leaves free (0: none)")
+    p.add_argument("--decompose-only", action="store_true")
+    p.add_argument("--skip-nccl", action="store_true")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    results = mc.run_worlds(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    if not mc.is_writer():
+        return 0
+    res = results[0][1]
+    tag = args.tag or mc.device_tag(args.dry_run, results[0][0])
+    regime = "host-staged (NCCL_P2P_DISABLE=1)" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "peer-to-peer"
+    payload = {"benchmark": NAME, "environment": mc.environment(args.dry_run), "regime": regime,
+               "sm_carveout": args.sm_carveout, "nccl_high_priority": os.environ.get("TORCH_NCCL_HIGH_PRIORITY"),
+               "tokens": args.tokens, "seconds": round(time.time() - t0, 1), **res}
+    lines = [f"# One pair under the profiler ({tag}, {regime}; cuBLAS SM carveout {args.sm_carveout}, "
+             f"TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY')})", "", "## NCCL alone", "",
+             mc.markdown_table(res["nccl"], ["mib", "all_gather_ms", "reduce_scatter_ms", "all_gather_busbw_gbps",
+                                             "reduce_scatter_busbw_gbps"]),
+             "", f"## Pairs ({args.tokens} tokens, Llama-3-8B w1/w2 at TP={results[0][0]}, bf16; per call)", "",
+             mc.markdown_table(res["pairs"], ["kind", "variant", "ms", "comm_us", "gemm_us", "overlap_us",
+                                              "comm_hidden_fraction", "kernels_per_call", "streams", "rewritten"])]
+    text = "\n".join(lines)
+    print(text)
+    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
