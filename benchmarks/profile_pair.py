@@ -164,7 +164,8 @@ def worker(ctx: mc.Ctx, args) -> dict:
     variants = [("inductor", None), ("compass off", {"strategy": "off"})]
     variants += [(f"decompose d={d}", {"strategy": "decompose", "chunks": d}) for d in (2, 4, 8)]
     if not args.decompose_only:
-        variants += [("fuse direct", {"strategy": "fuse", "schedule": "direct"}), ("auto", {})]
+        variants += [("fuse direct", {"strategy": "fuse", "schedule": "direct"})]
+    variants += [("auto", {})]
     for kind, cls, k, n, rows in shapes:
         for label, options in variants:
             res = variant(ctx, cls, k, n, rows, label, options)

@@ -165,3 +165,25 @@ def test_replicated_machines_talk_over_infiniband():
     assert one.replicated(1) is one
     with pytest.raises(ValueError, match="nodes"):
         one.replicated(0)
+
+
+def test_host_staged_regime_is_detected_and_offers_no_fused_operators(monkeypatch):
+    """NCCL_P2P_DISABLE=1 (PCIe cards without peer access, or told so): the detected topology
+    routes through host memory at the measured rate, and the cost model prices no fused operator
+    there (they move data peer to peer)."""
+    from compass_fx.cost import Topology, Workload, plan
+    from compass_fx.cost import detect
+
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert detect.host_staged()
+    topo = detect.host_staged_topology(2, "H200")
+    assert not topo.peer_access(2)
+    assert Topology.preset("h200-host-staged-8").to_dict()["gpu"] == "H200"
+    assert Topology.preset("h200-nvswitch-8").peer_access(8)
+    w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
+    staged = plan(w, topo)
+    assert not any(c.strategy == "fuse" for c in staged.candidates)
+    assert staged.strategy == "decompose", staged.reason  # communication ~ GEMM: pipelining pays
+    assert any(c.strategy == "fuse" for c in plan(w, "h200-nvswitch-8").candidates)
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    assert not detect.host_staged()

@@ -9,6 +9,7 @@ hence :func:`agree_across_ranks`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -196,7 +197,28 @@ def detect_local() -> dict:
     if gpu is None:
         warnings.warn(f"unknown GPU {device_name!r}: using H100 constants; calibrate for better predictions")
         gpu = "H100"
+    if host_staged():
+        return host_staged_topology(len(matrix), gpu).to_dict()
     return topology_from_matrix(matrix, gpu).to_dict()
+
+
+def host_staged() -> bool:
+    """NCCL told not to use peer-to-peer (``NCCL_P2P_DISABLE``): its collectives, and so the
+    pairs' communication, go through host memory whatever links the GPUs have."""
+    return os.environ.get("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes")
+
+
+def host_staged_topology(gpus: int, gpu: str) -> Topology:
+    """Every GPU on its own PCIe link to the host, copies staged through host memory."""
+    link = "pcie5-staged" if gpu in ("H100", "H200") else "pcie4-staged"
+    bw, lat = LINK_DEFAULTS[link]
+    g = nx.DiGraph()
+    g.add_node("cpu0", kind="cpu")
+    for i in range(gpus):
+        g.add_node(f"gpu{i}", kind="gpu")
+        for u, v in ((f"gpu{i}", "cpu0"), ("cpu0", f"gpu{i}")):
+            g.add_edge(u, v, bw=bw * GB, lat=lat * US, kind=link)
+    return Topology("detected-host-staged", gpu, g)
 
 
 def agree_across_ranks(local: dict, key: str = "compass_fx/topology") -> dict:

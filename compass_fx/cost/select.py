@@ -47,7 +47,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
     most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
     for the schedules in ``fused_schedules`` — the fused operators the caller has for this device
-    and dtype.  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
+    and dtype — and only where the GPUs reach each other's memory (the fused operators move data
+    by peer-to-peer copies; a host-staged machine has none).  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
     decompose candidate's model.
     """
     if workload is None or not isinstance(workload, Workload):
@@ -67,7 +68,7 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     coefficients = d_star = None
     models = decomposition_models(workload, topo) if workload.group_size > 1 else {}
     candidates += [Candidate("decompose", d, None, model.seconds(d)) for d, model in models.items()]
-    if workload.group_size > 1:
+    if workload.group_size > 1 and topo.peer_access(workload.group_size):
         candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s)) for s in schedules]
 
     candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]

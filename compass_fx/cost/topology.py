@@ -31,6 +31,9 @@ LINK_DEFAULTS: dict[str, tuple[float, float]] = {
     "pcie4": (24.0, 1.2),             # x16 Gen4: 32 GB/s on paper, 20-25 measured
     "pcie5": (48.0, 1.2),             # x16 Gen5
     "pcie4-staged": (13.0, 4.0),      # no peer-to-peer: copies bounce through host memory
+    # no peer-to-peer on PCIe Gen5 (or NCCL_P2P_DISABLE=1): measured between two H200s, NCCL bus
+    # bandwidth 25 GB/s at 64-256 MiB, about 30 us fixed (benchmarks/results/profile_pair-h200x2-hoststaged)
+    "pcie5-staged": (25.0, 30.0),
     "upi": (40.0, 1.0),               # two-three UPI links between the sockets, per direction
     "ib-ndr": (45.0, 2.5),            # 400 Gb/s InfiniBand NIC per GPU
 }
@@ -196,6 +199,13 @@ class Topology:
     def latency(self, path: Iterable[tuple[str, str]]) -> float:
         return sum(self.graph.edges[e]["lat"] for e in path)
 
+    def peer_access(self, size: int | None = None) -> bool:
+        """True when every GPU pair of the group can copy from each other's memory directly: no
+        route crosses a host-staged link (GeForce PCIe cards, or ``NCCL_P2P_DISABLE=1``)."""
+        gpus = self.group(size or self.num_gpus)
+        return not any(self.graph.edges[e].get("kind", "").endswith("-staged")
+                       for a in gpus for b in gpus if a != b for e in self.route(a, b))
+
     def is_switched(self, size: int | None = None) -> bool:
         """True when every GPU pair of the group talks through one switch at full per-GPU rate."""
         gpus = self.group(size or self.num_gpus)
@@ -303,6 +313,8 @@ _PRESET_SPECS: dict[str, tuple[str, Callable[[], nx.DiGraph]]] = {
     "l40s-pcie-8": ("L40S", pcie_node(per_switch=2)),
     # GeForce cards have no peer-to-peer: every copy is staged through host memory.
     "rtx4090-pcie-8": ("RTX4090", pcie_node(per_switch=1, link="pcie4-staged")),
+    # H200s without peer access (PCIe only, or NCCL_P2P_DISABLE=1): copies staged through host memory.
+    "h200-host-staged-8": ("H200", pcie_node(per_switch=1, link="pcie5-staged")),
     "2x-h100-nvswitch-8-ib": ("H100", nvswitch_node("H100", nodes=2)),
 }
 
