@@ -7,9 +7,11 @@ compiled with ``backend="compass"``, and check every step's loss against eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -48,6 +50,25 @@ def log(rank: int, msg: str) -> None:
         print(msg, flush=True)
 
 
+@contextlib.contextmanager
+def heartbeat(rank: int, what: str, every_s: float = 10.0):
+    """Say every ``every_s`` seconds that ``what`` is still going, so a long compile is not silence."""
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log(rank, f"  ... still {what} ({time.perf_counter() - t0:.0f}s)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    if rank == 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     mesh = init_device_mesh("cpu", (world,))
@@ -71,10 +92,15 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         losses = []
         for net, fn, opt in ((eager, eager, opts[0]), (model, compiled, opts[1])):
+            first_compile = step == 0 and fn is compiled
+            if first_compile:
+                log(rank, "compiling the forward and backward graphs with backend='compass' (Dynamo, "
+                          "AOTAutograd, the compass pass, Inductor): about a minute on 2 CPU cores ...")
             t0 = time.perf_counter()
-            logits = fn(inputs)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
+            with heartbeat(rank, "compiling") if first_compile else contextlib.nullcontext():
+                logits = fn(inputs)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+                loss.backward()
             opt.step()
             opt.zero_grad()
             losses.append((loss.item(), time.perf_counter() - t0))
@@ -110,6 +136,8 @@ def main(argv=None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    print(f"starting {args.world} CPU ranks (gloo); each imports torch and builds the model: about 10 s ...",
+          flush=True)
     mp.spawn(_spawned, args=(args.world, port, args), nprocs=args.world, join=True)
 
 

@@ -71,3 +71,17 @@ def test_bad_arguments_are_named(capsys):
         run("sweep", "--tokens", "two")
     with pytest.raises(SystemExit):
         run("plan", "--fused", "zigzag")
+
+
+def test_plan_says_where_its_numbers_come_from_and_prices_what_auto_uses(capsys, monkeypatch):
+    monkeypatch.delenv("COMPASS_FX_CALIBRATION", raising=False)
+    assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--json", "--no-png") == 0
+    out, err = capsys.readouterr()
+    assert "datasheets, not measured" in err and "fused operators not priced" in err
+    labels = {label for pair in json.loads(out)["pairs"] for label in pair["candidates"]}
+    assert not any(label.startswith("fuse") for label in labels)
+    assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--json", "--no-png",
+               "--fused", "all") == 0
+    out, err = capsys.readouterr()
+    assert "auto_fuse=True" in err
+    assert any(label.startswith("fuse") for pair in json.loads(out)["pairs"] for label in pair["candidates"])

@@ -197,3 +197,6 @@ def test_plans_are_deterministic_and_every_flag_is_published():
     with pytest.raises(ValueError, match="do not split"):
         pr.all_reduce_plan(2, 0, 6, 2)
     assert pr.all_reduce_chunks(4096, 2) == 4 and pr.all_reduce_chunks(6, 2) == 3
+    assert pr.all_reduce_chunks(4096, 2, out_bytes=16 << 20) == 1  # small outputs: one chunk
+    assert pr.all_reduce_chunks(4096, 2, out_bytes=64 << 20) == 2
+    assert pr.all_reduce_chunks(4096, 2, out_bytes=1 << 30) == 4

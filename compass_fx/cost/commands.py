@@ -30,7 +30,23 @@ def _names(choices: tuple[str, ...] | None = None):
 def _schedules(text: str) -> tuple[str, ...]:
     if text in ("none", ""):
         return ()
+    if text == "all":
+        return SCHEDULES
     return _names(SCHEDULES)(text)
+
+
+def provenance(fused: tuple[str, ...]) -> str:
+    """Where the predictions come from, and what was priced: one line for the output."""
+    from .gpus import CALIBRATION_ENV, _calibration_path
+
+    path = _calibration_path()
+    constants = (f"GPU constants from the calibration file {path}" if path is not None else
+                 f"GPU constants from datasheets, not measured on this machine (run compass-fx calibrate "
+                 f"on a GPU and set {CALIBRATION_ENV} to the file it writes)")
+    priced = (f"fused operators priced ({', '.join(fused)}): strategy='auto' uses them only with "
+              f"auto_fuse=True" if fused else "fused operators not priced (as strategy='auto' by default; "
+              "--fused all to include them)")
+    return f"note: {constants}; {priced}"
 
 
 def _topology(text: str) -> Topology:
@@ -58,6 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
+    print(provenance(args.fused), file=sys.stderr)
     if args.no_png:
         return 0
     views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
@@ -99,6 +116,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     text = format_summary(summary)
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
+    print(provenance(args.fused), file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
     return 0
 
@@ -148,8 +166,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--topology", type=_topology, default="h200-nvswitch-8",
                    help=f"a preset ({', '.join(Topology.presets())}) or a JSON/YAML file")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--fused", type=_schedules, default=SCHEDULES,
-                   help="fused schedules to consider, comma-separated, or 'none' (default: all)")
+    p.add_argument("--fused", type=_schedules, default=(),
+                   help="fused schedules to price, comma-separated, 'all' or 'none' (default: none, as "
+                        "strategy='auto' without auto_fuse)")
     p.add_argument("--backward", action="store_true", help="also plan the backward pass's pairs")
     p.add_argument("--no-sequence-parallel", action="store_true", help="plain TP: all-reduce after row-parallel GEMMs")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -169,7 +188,8 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     s.add_argument("--kinds", type=_names(PAIR_KINDS), default=PAIR_KINDS)
     s.add_argument("--tokens", type=positive_ints, default=DEFAULT_TOKENS)
     s.add_argument("--group-sizes", type=positive_ints, default=DEFAULT_GROUPS)
-    s.add_argument("--fused", type=_schedules, default=SCHEDULES)
+    s.add_argument("--fused", type=_schedules, default=(),
+                   help="fused schedules to price: comma-separated, 'all' or 'none' (default: none, as 'auto')")
     s.add_argument("--out-dir", default="compass-sweep", help="where sweep.csv and the summary go")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_sweep)

@@ -23,8 +23,12 @@ from .overlap import overlapped_gemm_time
 from .topology import Topology
 from .workload import Workload
 
-FUSED_GEMM_EFFICIENCY = 0.95
-FUSED_SETUP_S = 3e-6          # the fused operator's barrier / flag reset before the first step
+# The fused operators multiply each piece with cuBLAS (no slower than the unsplit GEMM per flop
+# on the shapes measured) and pay a fixed device-side cost per call: the own block's copy into
+# symmetric memory and the first flag round trip, +16 us (all-gather) and +3 us (reduce-scatter)
+# over NCCL + cuBLAS on a 512-row pair on 2 H200s (benchmarks/results/fused_ops-h200x2-small.json).
+FUSED_GEMM_EFFICIENCY = 1.0
+FUSED_SETUP_S = 15e-6
 MAX_PARTS = 64                # decomposition beyond this many parts is not considered
 
 _OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",

@@ -259,7 +259,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
-    chunks = all_reduce_chunks(rows, group_size)
+    chunks = all_reduce_chunks(rows, group_size, out_bytes=rows * n * a.element_size())
     if schedule != "direct" or not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)

@@ -327,8 +327,17 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
                                   for b in range(world)] + [f"reduced block of chunk {c}" for c in range(chunks)]))
 
 
-def all_reduce_chunks(rows: int, world: int, wanted: int = 4) -> int:
-    """The largest chunk count <= ``wanted`` that splits ``rows`` into equal blocks per rank."""
+CHUNK_BYTES = 32 << 20  # about one chunk per 32 MiB of output, at most 4 (see all_reduce_chunks)
+
+
+def all_reduce_chunks(rows: int, world: int, wanted: int = 4, out_bytes: int | None = None) -> int:
+    """The largest chunk count <= ``wanted`` that splits ``rows`` into equal blocks per rank.
+
+    With ``out_bytes``, fewer chunks for small outputs: every chunk adds a few flag round trips
+    (on 2 H200s four chunks lost to one at 16 MiB, 0.37 against 0.24 ms, and won at 128 MiB,
+    1.65 against 1.71 ms)."""
+    if out_bytes is not None:
+        wanted = max(1, min(wanted, out_bytes // CHUNK_BYTES))
     for c in range(wanted, 0, -1):
         if rows % (world * c) == 0:
             return c
