@@ -66,13 +66,22 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     topology = _topology(opts)
+    if opts.calibration is not None and topology is None:  # the default topology: check it now
+        from .cost import Topology
+        from .cost.gpus import calibrated_gpus
+        from .options import check_calibration_matches
+
+        check_calibration_matches(opts.calibration, calibrated_gpus(opts.calibration), Topology.default())
     if finish is None:
         finish = compile_fx_inner if opts.inner == "inductor" else _eager_inner
 
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         kind = "backward" if kwargs.get("is_backward") else ("forward" if kwargs.get("is_inference") is False
                                                              else "inference")
-        report = compass_pass(graph, kind, opts, topology)
+        from .cost.gpus import use_calibration
+
+        with use_calibration(opts.calibration):
+            report = compass_pass(graph, kind, opts, topology)
         _record(report)
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)

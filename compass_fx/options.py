@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,6 +38,10 @@ class CompassOptions:
     mode: Inductor's ``torch.compile`` mode ("max-autotune", "reduce-overhead", ...) for the inner
         Inductor compile; ``torch.compile(..., mode=...)`` sets it too (torch.compile takes either
         ``mode`` or ``options``, not both).  None: Inductor's defaults.
+    calibration: a file written by ``compass-fx calibrate`` on this machine; the cost model prices
+        with its measured constants (None: ``$COMPASS_FX_CALIBRATION`` if set, else datasheet
+        constants).  A file from another version, or measured on another GPU than the topology's,
+        is an error.
     """
 
     strategy: str = "auto"
@@ -48,6 +53,7 @@ class CompassOptions:
     schedule: str = "double_ring"
     auto_fuse: bool = False
     mode: str | None = None
+    calibration: str | None = None
 
     def cache_key(self) -> str:
         """A stable digest of everything that changes what the pass produces."""
@@ -138,9 +144,38 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
     mode = raw.get("mode")
     if mode is not None:
         _check_mode(mode)
+    calibration = raw.get("calibration")
+    if calibration is not None:
+        calibration = _check_calibration(calibration, topology)
     return CompassOptions(strategy=strategy, chunks=chunks, inner=inner, dump_dir=dump_dir,
                           group=_group_name(raw.get("group")), topology=topology,
-                          schedule=schedule, auto_fuse=auto_fuse, mode=mode)
+                          schedule=schedule, auto_fuse=auto_fuse, mode=mode, calibration=calibration)
+
+
+def _check_calibration(path: Any, topology: Any) -> str:
+    """The file must load, and hold constants for the GPU of the topology when one is named."""
+    from .cost.gpus import calibrated_gpus
+
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"option 'calibration' must be a file path, got {path!r}")
+    try:
+        gpus = calibrated_gpus(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"option 'calibration': {e}") from None
+    if topology is not None:
+        check_calibration_matches(str(path), gpus, topology)
+    return str(path)
+
+
+def check_calibration_matches(path: str, gpus: tuple[str, ...], topology: Any) -> None:
+    """A calibration measured on other GPUs than the topology's would price the wrong machine."""
+    from .cost import Topology
+
+    topo = Topology.resolve(topology) if isinstance(topology, str) else topology
+    if topo.gpu not in gpus:
+        raise ValueError(f"option 'calibration': {path} was measured on {', '.join(gpus) or 'no GPU'}, but the "
+                         f"topology {topo.name} has {topo.gpu} GPUs: calibrate on this machine or drop the file")
+
 
 
 def check_options(options: Mapping[str, Any] | None = None, /, **extra: Any) -> CompassOptions:

@@ -30,6 +30,7 @@ class PairRecord:
     predicted_s: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
     topology: str | None = None
+    calibration: str | None = None         # the calibration file that priced the decision, if any
     d_star: float | None = None            # the decomposition model's continuous optimum sqrt(C/A)
     coefficients: list[float] | None = None  # A, B, C of T(d) = A*d + B + C/d
 
@@ -118,6 +119,9 @@ def format_report(report: Report) -> str:
     topologies = sorted({p.topology for p in report.pairs if p.topology})
     if topologies:
         lines.append(f"cost model topology: {', '.join(topologies)}")
+    calibrations = sorted({p.calibration for p in report.pairs if p.calibration})
+    if calibrations:
+        lines.append(f"cost model constants: {', '.join(calibrations)}")
     for p in report.pairs:
         if len(p.candidates) > 1 and any(c.get("seconds") is not None for c in p.candidates):
             cands = ", ".join(f"{c['label']}={_fmt_seconds(c.get('seconds'))}" for c in p.candidates)

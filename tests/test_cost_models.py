@@ -197,3 +197,63 @@ def test_calibration_file_refines_the_constants(tmp_path, monkeypatch):
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="'gpus'"):
         load_calibration(bad)
+
+
+def test_calibration_files_are_versioned_and_checked_against_the_machine(tmp_path):
+    """A file of another format version, or measured on another GPU than the topology's, is a
+    clear error; a matching one prices the compile and the report names it."""
+    import json
+
+    import compass_fx
+    from compass_fx.cost.calibrate import write_calibration
+    from compass_fx.cost.gpus import calibration_in_use, use_calibration
+
+    h200 = tmp_path / "h200.json"
+    write_calibration(h200, [with_overrides(gpu_spec("H200"), efficiency=0.5)], {"device": "NVIDIA H200"})
+    data = json.loads(h200.read_text())
+    assert data["format"] == "compass-fx-calibration" and data["version"] == 1 and data["device"] == "NVIDIA H200"
+
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"gpus": {"H200": {"efficiency": 0.5}}}))
+    with pytest.raises(ValueError, match="unversioned file.*run compass-fx calibrate again"):
+        compass_fx.check_options(calibration=str(old))
+    with pytest.raises(ValueError, match="measured on H200, but the topology a100-nvswitch-8 has A100"):
+        compass_fx.check_options(calibration=str(h200), topology="a100-nvswitch-8")
+    with pytest.raises(ValueError, match="option 'calibration'"):
+        compass_fx.check_options(calibration=str(tmp_path / "missing.json"))
+    assert compass_fx.check_options(calibration=str(h200), topology="h200-nvswitch-8").calibration == str(h200)
+
+    before = gemm_seconds(4096, 4096, 4096, "bfloat16", "H200")
+    with use_calibration(h200):
+        assert gpu_spec("H200").efficiency == 0.5
+        assert gemm_seconds(4096, 4096, 4096, "bfloat16", "H200") > before
+        assert calibration_in_use() == f"calibration file {h200}"
+    assert gpu_spec("H200") == GPUS["H200"] and calibration_in_use() == "datasheet (no calibration)"
+
+
+def test_cost_hooks_compose_on_top_of_a_calibration(tmp_path):
+    """A hook sees the calibrated prediction as ``candidate.seconds`` and may still replace it."""
+    import compass_fx
+    from compass_fx.cost import Workload, select
+    from compass_fx.cost.calibrate import write_calibration
+    from compass_fx.cost.gpus import use_calibration
+
+    path = tmp_path / "h200.json"
+    write_calibration(path, [with_overrides(gpu_spec("H200"), efficiency=0.4)], {"device": "NVIDIA H200"})
+    w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
+    plain = select(w, "h200-nvswitch-8").candidate("sequential").seconds
+    seen = []
+
+    def hook(workload, topology, candidate):
+        seen.append(candidate.seconds)
+        return 1e-9 if candidate.label == "decompose(d=2)" else None
+
+    compass_fx.register_cost_hook(hook)
+    try:
+        with use_calibration(path):
+            d = select(w, "h200-nvswitch-8")
+    finally:
+        compass_fx.unregister_cost_hook(hook)
+    assert d.candidate("sequential").seconds > plain  # the calibration (a slower GEMM) priced it
+    assert d.candidate("sequential").seconds in seen  # what the hook saw was the calibrated price
+    assert d.label == "decompose(d=2)"                # and the hook still has the last word

@@ -168,8 +168,12 @@ def fit_gpu_spec(measurements: Sequence[GemmMeasurement], base: GpuSpec, dtype: 
 
 
 def write_calibration(path: "str | Path", specs: Sequence[GpuSpec], extra: dict | None = None) -> None:
-    """A calibration file gpus.load_calibration reads: {"gpus": {name: constants}, ...}."""
+    """A calibration file gpus.load_calibration reads: format, version, {"gpus": {name: constants}}, and
+    ``extra`` (the device it was measured on, how many measurements, ...)."""
+    from .gpus import CALIBRATION_FORMAT, CALIBRATION_VERSION
+
     keep = ("efficiency", "kernel_overhead_s", "wave_overhead_s", "tiles", "max_split_k", "source")
-    data = {"gpus": {s.name: {k: v for k, v in s.to_dict().items() if k in keep} for s in specs}}
+    data = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
+            "gpus": {s.name: {k: v for k, v in s.to_dict().items() if k in keep} for s in specs}}
     data.update(extra or {})
     Path(path).write_text(json.dumps(data, indent=2) + "\n")

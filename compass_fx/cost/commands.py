@@ -149,7 +149,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"{device_name}: median error before {before['median_abs_error']:.3f} (ratios "
           f"{before['median_ratio_error']:.3f}), after {after['median_abs_error']:.3f} "
           f"(ratios {after['median_ratio_error']:.3f})")
-    print(f"wrote {args.out}; use it with COMPASS_FX_CALIBRATION={args.out}")
+    print(f"wrote {args.out}; use it with options={{'calibration': '{args.out}'}} or COMPASS_FX_CALIBRATION={args.out}")
     return 0
 
 

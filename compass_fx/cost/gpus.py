@@ -7,16 +7,24 @@ every rank computes the same predictions.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
 
 CALIBRATION_ENV = "COMPASS_FX_CALIBRATION"
+CALIBRATION_FORMAT = "compass-fx-calibration"
+CALIBRATION_VERSION = 1
+# The calibration the backend's ``calibration=`` option names, for the compile in progress.
+_option_calibration: contextvars.ContextVar[Path | None] = contextvars.ContextVar("compass_calibration",
+                                                                                 default=None)
 
 
 def canonical_dtype(dtype: object) -> str:
@@ -120,8 +128,36 @@ def gpu_name_from_device(device_name: str) -> str | None:
 
 
 def _calibration_path() -> Path | None:
+    """The calibration in force: the backend option's (during its compile), else $COMPASS_FX_CALIBRATION."""
+    chosen = _option_calibration.get()
+    if chosen is not None:
+        return chosen
     value = os.environ.get(CALIBRATION_ENV)
     return Path(value) if value else None
+
+
+def calibration_in_use() -> str:
+    """For reports: which calibration priced a decision."""
+    path = _calibration_path()
+    return f"calibration file {path}" if path is not None else "datasheet (no calibration)"
+
+
+@contextlib.contextmanager
+def use_calibration(path: "str | os.PathLike | None") -> Iterator[None]:
+    """Price with the calibration file ``path`` inside the block (None: leave things as they are)."""
+    if path is None:
+        yield
+        return
+    token = _option_calibration.set(Path(path))
+    try:
+        yield
+    finally:
+        _option_calibration.reset(token)
+
+
+def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
+    """The GPU models a calibration file holds constants for."""
+    return tuple(load_calibration(path))
 
 
 _loaded: dict[str, dict[str, GpuSpec]] = {}
@@ -136,6 +172,10 @@ def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         raise ValueError(f"calibration file {path}: expected an object with a 'gpus' mapping")
+    if data.get("format") != CALIBRATION_FORMAT or data.get("version") != CALIBRATION_VERSION:
+        raise ValueError(f"calibration file {path} is {data.get('format') or 'an unversioned file'} version "
+                         f"{data.get('version')!r}; this compass-fx reads {CALIBRATION_FORMAT} version "
+                         f"{CALIBRATION_VERSION}: run compass-fx calibrate again on this machine")
     out = {}
     for name, fields in data["gpus"].items():
         base = GPUS.get(name)

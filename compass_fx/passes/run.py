@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from ..cost import Decision
+from ..cost.gpus import calibration_in_use
 from ..lowering.decompose import RewriteFailed, decompose
 from ..options import CompassOptions
 from ..report import GraphReport, PairRecord
@@ -105,7 +106,7 @@ def _record(pair: Pair, decision: Decision) -> PairRecord:
         schedule=decision.schedule, predicted_s=decision.predicted_s,
         candidates=[{"label": c.label, "strategy": c.strategy, "parts": c.parts, "schedule": c.schedule,
                      "seconds": c.seconds} for c in decision.candidates],
-        topology=decision.topology, d_star=decision.d_star,
+        topology=decision.topology, calibration=calibration_in_use(), d_star=decision.d_star,
         coefficients=list(decision.coefficients) if decision.coefficients else None)
 
 
