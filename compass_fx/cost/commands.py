@@ -74,7 +74,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
-    print(provenance(args.fused), file=sys.stderr)
+    print(f"compass-fx plan: {provenance(args.fused)}", file=sys.stderr)
     if args.no_png:
         return 0
     views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
@@ -116,7 +116,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     text = format_summary(summary)
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
-    print(provenance(args.fused), file=sys.stderr)
+    print(f"compass-fx sweep: {provenance(args.fused)}", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
     return 0
 
