@@ -59,6 +59,8 @@ CASES = [
 @pytest.mark.parametrize("model_name", [c[0] for c in CASES])
 @pytest.mark.parametrize("strategy", ["off", "k2", "kworld", "auto"])
 def test_eager_inner_matches_eager(ranks, world, model_name, strategy):
+    if strategy == "kworld" and world == 2:
+        pytest.skip("the same graph as k2 at world 2 (d = group size = 2)")
     options = {"inner": "eager"}
     if strategy == "off":
         options["strategy"] = "off"
@@ -88,6 +90,8 @@ def test_inductor_inner_matches_eager(ranks, model_name):
 @pytest.mark.parametrize("model_name", [c[0] for c in CASES])
 @pytest.mark.parametrize("schedule", ["ring", "double_ring", "direct"])
 def test_fused_operators_match_eager(ranks, world, model_name, schedule):
+    if schedule == "ring" and world == 2:
+        pytest.skip("the same transfers as direct at world 2 (test_schedules checks it for every world)")
     options = {"inner": "eager", "strategy": "fuse", "schedule": schedule}
     res = ranks(world).run(run_and_compare, world, model_name, options)[0]
     assert res["pairs"] > 0

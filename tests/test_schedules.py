@@ -133,3 +133,14 @@ def test_neighbours_agree_random_rank(w, data):
             for t in step.sends:
                 theirs = make(name, w, t.peer).steps[i].recvs
                 assert any(x.peer == r and x.piece == t.piece for x in theirs)
+
+
+def test_ring_and_direct_are_the_same_at_world_two():
+    """At W = 2 the ring and the direct schedule move the same pieces between the same ranks in the
+    same order (test_numerics runs the fused operators' ring only at W = 4 for that reason)."""
+    from compass_fx.kernels.schedules import all_gather_schedule, reduce_scatter_schedule
+
+    for make in (all_gather_schedule, reduce_scatter_schedule):
+        for rank in (0, 1):
+            ring, direct = make("ring", 2, rank), make("direct", 2, rank)
+            assert ring.steps == direct.steps and ring.order == direct.order
