@@ -177,3 +177,60 @@ def write_calibration(path: "str | Path", specs: Sequence[GpuSpec], extra: dict 
             "gpus": {s.name: {k: v for k, v in s.to_dict().items() if k in keep} for s in specs}}
     data.update(extra or {})
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ---- collectives over the group at hand ---------------------------------------------------------
+COLLECTIVE_MIB = (1, 4, 16, 64, 256)
+
+
+def measure_collectives(group=None, sizes_mib: Sequence[int] = COLLECTIVE_MIB, dtype=None,
+                        repeats: int = 10) -> list[dict]:
+    """Time NCCL's (or gloo's) all-gather, reduce-scatter and all-reduce over the whole tensor sizes
+    ``sizes_mib`` on every rank of ``group``; every rank returns the same numbers (the slowest
+    rank's median, agreed by an all-reduce), so every rank prices the same."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    element = torch.empty((), dtype=dtype).element_size()
+    points: dict[str, list[list[float]]] = {op: [] for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    for mib in sizes_mib:
+        numel = max(world, (mib << 20) // element // world * world)
+        full = torch.ones(numel, dtype=dtype, device=device)
+        shard = torch.ones(numel // world, dtype=dtype, device=device)
+        calls = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+                 "all_reduce": lambda: dist.all_reduce(full, group=group)}
+        for op, fn in calls.items():
+            fn()
+            times = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                times.append(seconds_of_one_call(fn, cuda))
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            points[op].append([numel * element, float(t.item())])
+    return [{"op": op, "group_size": world, "points": pts} for op, pts in points.items()]
+
+
+def fit_latency_bandwidth(points: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(seconds fixed, seconds per byte) of ``seconds = a + b * bytes`` fitted to measured points in
+    relative error (small messages count as much as large ones); a >= 0, b > 0."""
+    if len(points) < 2:
+        raise ValueError("a collective's table needs at least two message sizes")
+    w = [1.0 / max(s, 1e-12) for _, s in points]
+    sw = sum(wi * wi for wi in w)
+    sx = sum(wi * wi * x for wi, (x, _) in zip(w, points))
+    sy = sum(wi * wi * y for wi, (_, y) in zip(w, points))
+    sxx = sum(wi * wi * x * x for wi, (x, _) in zip(w, points))
+    sxy = sum(wi * wi * x * y for wi, (x, y) in zip(w, points))
+    det = sw * sxx - sx * sx
+    b = (sw * sxy - sx * sy) / det if det else 0.0
+    a = (sy - b * sx) / sw
+    if a < 0 or b <= 0:  # a line through the origin then (or a flat one): never a negative part
+        b = max(sum(y / x for x, y in points) / len(points), 1e-18)
+        a = 0.0
+    return a, b

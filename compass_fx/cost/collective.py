@@ -99,11 +99,30 @@ def collective_time(op: str, total_bytes: float, topo: Topology, group_size: int
     if op not in COLLECTIVES:
         raise ValueError(f"op must be one of {COLLECTIVES}, got {op!r}")
     steps = schedule_steps(topo, group_size, total_bytes / group_size, schedule)
+    measured = _measured(op, total_bytes, topo, group_size) if schedule == "ring" else None
+    if measured is not None:
+        return CollectiveTime(measured[0], measured[1], 2 * len(steps) if op == "all_reduce" else len(steps))
     if op == "all_reduce":
         steps = steps + steps
     latency = launch_s + sum(l for l, _ in steps) if steps else 0.0
     transfer = sum(t for _, t in steps)
     return CollectiveTime(latency, transfer, len(steps))
+
+
+def _measured(op: str, total_bytes: float, topo: Topology, group_size: int) -> tuple[float, float] | None:
+    """(latency, transfer) from the calibration's NCCL measurements of this op, group size and
+    regime, fitted as latency + bytes / bandwidth; None without such a measurement."""
+    from .calibrate import fit_latency_bandwidth
+    from .gpus import _calibration_path, calibrated_collectives
+
+    if _calibration_path() is None:
+        return None
+    regime = "peer-to-peer" if topo.peer_access(group_size) else "host-staged"
+    points = calibrated_collectives(regime, op, group_size)
+    if not points:
+        return None
+    a, b = fit_latency_bandwidth(points)
+    return a, b * total_bytes
 
 
 def collective_seconds(op: str, total_bytes: float, topo: Topology, group_size: int,

@@ -139,18 +139,54 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if gpu is None:
         print(f"unknown GPU {device_name!r}: pass --gpu with one of the known names", file=sys.stderr)
         return 2
+    collectives = _measure_collectives_if_launched(args)
+    if collectives is False:
+        return 2
     base = gpu_spec(gpu)
     shapes = grid_shapes(tokens=(4096, 16384) if args.quick else (2048, 4096, 8192, 16384))
     meas = measure_gemms(shapes, (1, 2, 4, 8, 16, 32), device="cuda", progress=not args.quiet)
     before = model_errors(meas, base)
     fitted = fit_gpu_spec(meas, base)
     after = model_errors(meas, fitted)
-    write_calibration(args.out, [fitted], {"device": device_name, "measurements": len(meas)})
+    extra = {"device": device_name, "measurements": len(meas)}
+    if collectives:
+        extra["collectives"] = collectives
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return 0  # every rank measured the same (agreed); rank 0 writes
+    write_calibration(args.out, [fitted], extra)
     print(f"{device_name}: median error before {before['median_abs_error']:.3f} (ratios "
           f"{before['median_ratio_error']:.3f}), after {after['median_abs_error']:.3f} "
           f"(ratios {after['median_ratio_error']:.3f})")
     print(f"wrote {args.out}; use it with options={{'calibration': '{args.out}'}} or COMPASS_FX_CALIBRATION={args.out}")
     return 0
+
+
+def _measure_collectives_if_launched(args: argparse.Namespace):
+    """With --collectives under torchrun: NCCL over this machine's GPUs, tagged with the regime;
+    None without --collectives; False (after a message) when there is no group to measure."""
+    if not args.collectives:
+        return None
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .calibrate import measure_collectives
+    from .detect import host_staged
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("compass-fx calibrate --collectives runs one process per GPU: "
+              "torchrun --nproc-per-node <GPUs> -m compass_fx.cli calibrate --collectives", file=sys.stderr)
+        return False
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    regime = "host-staged" if host_staged() else "peer-to-peer"
+    tables = measure_collectives()
+    for t in tables:
+        t["regime"] = regime
+    return tables
 
 
 def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
@@ -202,4 +238,8 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     c.add_argument("--gpu", default=None, help="constants to start from (default: from the device name)")
     c.add_argument("--quick", action="store_true", help="fewer shapes (about a quarter of the time)")
     c.add_argument("--quiet", action="store_true")
+    c.add_argument("--collectives", action="store_true",
+                   help="also time NCCL all-gather / reduce-scatter / all-reduce over message sizes on every "
+                        "GPU of this machine (run under torchrun, one process per GPU; NCCL_P2P_DISABLE=1 "
+                        "measures the host-staged regime)")
     c.set_defaults(func=cmd_calibrate)

@@ -155,6 +155,23 @@ def use_calibration(path: "str | os.PathLike | None") -> Iterator[None]:
         _option_calibration.reset(token)
 
 
+def calibrated_collectives(regime: str, op: str, group_size: int) -> list[list[float]] | None:
+    """The measured (bytes, seconds) points of ``op`` over ``group_size`` ranks in ``regime``
+    ("peer-to-peer" or "host-staged") from the calibration in force, if it has them."""
+    path = _calibration_path()
+    if path is None:
+        return None
+    key = ("collectives", str(path))
+    if key not in _tables:
+        data = json.loads(Path(path).read_text())
+        _tables[key] = {(t.get("regime", "peer-to-peer"), t["op"], int(t["group_size"])): t["points"]
+                        for t in data.get("collectives", [])}
+    return _tables[key].get((regime, op, group_size))
+
+
+_tables: dict[tuple, dict] = {}
+
+
 def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
     """The GPU models a calibration file holds constants for."""
     return tuple(load_calibration(path))

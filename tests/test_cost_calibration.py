@@ -1,0 +1,53 @@
+"""Measured collectives in a calibration file: taken on real gloo ranks (every rank gets the same
+numbers), written and read back, and reproduced by the cost model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compass_fx.cost import Topology, Workload, select
+from compass_fx.cost.calibrate import fit_latency_bandwidth, write_calibration
+from compass_fx.cost.collective import collective_time
+from compass_fx.cost.gpus import gpu_spec, use_calibration, with_overrides
+
+
+def _measure(rank: int) -> list[dict]:
+    from compass_fx.cost.calibrate import measure_collectives
+
+    return measure_collectives(sizes_mib=(1, 2), repeats=2)
+
+
+def test_collectives_are_measured_and_agreed_across_ranks(ranks):
+    results = ranks(2).run(_measure)
+    assert results[0] == results[1], "ranks would price differently"
+    ops = {t["op"] for t in results[0]}
+    assert ops == {"all_gather", "reduce_scatter", "all_reduce"}
+    for table in results[0]:
+        assert table["group_size"] == 2 and len(table["points"]) == 2
+        assert all(b > 0 and s > 0 for b, s in table["points"])
+
+
+def test_the_model_reproduces_a_synthetic_calibration(tmp_path):
+    """Points on a line latency + bytes / bandwidth come back exactly, for the regime they were
+    measured in only; a real file round-trips through write_calibration."""
+    lat, per_byte = 30e-6, 1 / 25e9
+    points = [[b, lat + b * per_byte] for b in (4 << 20, 16 << 20, 64 << 20)]
+    a, b = fit_latency_bandwidth(points)
+    assert a == pytest.approx(lat, rel=1e-6) and b == pytest.approx(per_byte, rel=1e-6)
+
+    path = tmp_path / "cal.json"
+    tables = [{"op": op, "group_size": 2, "regime": "host-staged", "points": points}
+              for op in ("all_gather", "reduce_scatter")]
+    write_calibration(path, [with_overrides(gpu_spec("H200"), efficiency=0.7)],
+                      {"device": "NVIDIA H200", "collectives": tables})
+    assert json.loads(path.read_text())["collectives"] == tables
+    staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
+    before = collective_time("all_gather", 64 << 20, nvlink, 2).seconds
+    with use_calibration(path):
+        got = collective_time("all_gather", 64 << 20, staged, 2)
+        assert got.seconds == pytest.approx(lat + (64 << 20) * per_byte, rel=1e-6)
+        assert got.latency_s == pytest.approx(lat, rel=1e-6)
+        assert collective_time("all_gather", 64 << 20, nvlink, 2).seconds == before  # other regime: the model
+        w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
+        assert select(w, staged).candidate("sequential").seconds > got.seconds
