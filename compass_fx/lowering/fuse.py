@@ -44,7 +44,8 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> tuple[bool, str
 
 def _unsupported(pair: Pair) -> str:
     if not pair.plain:  # bmm-form matmuls, dtype casts, escapes, permuted scatter: decompose only
-        return "the pair has wild-graph details (bmm form, casts, extra uses or a permuted scatter)"
+        return ("the pair has wild-graph details (bmm form, casts, float8 _scaled_mm, extra uses or a permuted "
+                "scatter); the fused operators are not offered for it")
     if pair.kind != "all_gather_matmul":
         if pair.reduce_op != "sum":
             return f"the fused operators reduce with 'sum', this pair with {pair.reduce_op!r}"

@@ -37,7 +37,25 @@ VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # reshapes, and copies (``clone``/``alias``, e.g. from ``.contiguous()``).
 RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
                           aten.flatten.using_ints, aten.clone.default, aten.alias.default)
-MM_OPS = (aten.mm.default, aten.addmm.default)
+MM_OPS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
+
+
+def _scaled_mm_ok(node: fx.Node) -> bool:
+    return _scaled_mm_reason(node) is None
+
+
+def _scaled_mm_reason(node: fx.Node) -> str | None:
+    """Why a float8 ``_scaled_mm`` cannot have its rows split, or None: it can when A has one
+    scale (tensorwise) and there is no bias and no output scale.  Row-wise or block-wise scales
+    would have to travel and be split with the rows; such pairs are left alone with this reason."""
+    scale_a = node.args[2] if len(node.args) > 2 else node.kwargs.get("scale_a")
+    shape = shape_of(scale_a) if isinstance(scale_a, fx.Node) else None
+    if shape is None or math.prod(shape) != 1:
+        return f"{node.name} is a float8 _scaled_mm with row-wise or block-wise scales of A (not split yet)"
+    extra = list(node.args[4:6]) + [node.kwargs.get("bias"), node.kwargs.get("scale_result")]
+    if any(isinstance(x, fx.Node) for x in extra):
+        return f"{node.name} is a float8 _scaled_mm with a bias or an output scale (not split yet)"
+    return None
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
@@ -225,6 +243,10 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tu
             continue  # followed by the walk in _row_views
         if two_d and user.target is aten.mm.default and user.args[0] is view and user.args[1] is not view:
             rows.append(RowConsumer(user, view, casts))
+        elif two_d and user.target is aten._scaled_mm.default and user.args[0] is view and user.args[1] is not view:
+            if not _scaled_mm_ok(user):
+                raise NoMatch(_scaled_mm_reason(user))
+            rows.append(RowConsumer(user, view, casts))
         elif two_d and user.target is aten.addmm.default and user.args[1] is view and user.args[2] is not view \
                 and _row_broadcast_bias(user.args[0]) and _unscaled(user):
             rows.append(RowConsumer(user, view, casts))
@@ -366,6 +388,8 @@ def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
                 raise NoMatch(f"{node.name} adds a bias that is not a row broadcast")
             if not _unscaled(node):
                 raise NoMatch(f"{node.name} scales its terms (alpha/beta)")
+        if node.target is aten._scaled_mm.default and _scaled_mm_reason(node):
+            raise NoMatch(_scaled_mm_reason(node))
         a = mm_operands(node)[0]
         if shape_of(a) is None or len(shape_of(a)) != 2:
             raise NoMatch(f"{node.name}'s row operand has no static 2-D shape")

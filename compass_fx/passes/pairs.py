@@ -110,7 +110,8 @@ class Pair:
 
     @property
     def plain(self) -> bool:
-        """True when every matmul is a plain mm/addmm fed (or feeding) without casts or extra uses.
+        """True when every matmul is a plain mm/addmm (not a float8 _scaled_mm) fed (or feeding)
+        without casts or extra uses.
 
         Lowerings that only know the plain DTensor shapes must check this and leave the pair
         alone when it is False.
@@ -118,7 +119,8 @@ class Pair:
         consumers = list(self.row_consumers) + list(self.contraction_consumers)
         return (not self.reduce_casts and not self.forms and not self.escapes and self.scatter_perm is None
                 and all(not c.casts for c in consumers)
-                and all(c.weight is None for c in self.row_consumers))
+                and all(c.weight is None for c in self.row_consumers)
+                and not any(mm.target is torch.ops.aten._scaled_mm.default for mm in self.matmuls))
 
     @property
     def matmuls(self) -> list[fx.Node]:
