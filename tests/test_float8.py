@@ -34,17 +34,22 @@ class GatherScaled(torch.nn.Module):
 class ScaledReduceScatter(torch.nn.Module):
     """Sequence parallel w2 in float8: scaled matmul, reduce-scatter the bf16 output."""
 
-    def __init__(self, k: int, n: int, world: int, group: str) -> None:
+    def __init__(self, k: int, n: int, world: int, group: str, rowwise: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(4)
         self.register_buffer("w", torch.randn(n, k, generator=g).to(F8))
         self.register_buffer("sa", torch.tensor(0.75))
         self.register_buffer("sb", torch.tensor(1.25))
-        self.world, self.group = world, group
+        self.world, self.group, self.rowwise = world, group, rowwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c10d = torch.ops._c10d_functional
-        y = torch._scaled_mm(x.to(F8), self.w.t(), self.sa, self.sb, out_dtype=torch.bfloat16)
+        if self.rowwise:  # torchao's row-wise recipe: one scale per row of A, one per column of B
+            sa = x.abs().amax(dim=1, keepdim=True).float().clamp_min(1e-6) / 448.0
+            sb = self.sb.expand(1, self.w.shape[0]).contiguous()
+            y = torch._scaled_mm((x / sa).to(F8), self.w.t(), sa, sb, out_dtype=torch.bfloat16)
+        else:
+            y = torch._scaled_mm(x.to(F8), self.w.t(), self.sa, self.sb, out_dtype=torch.bfloat16)
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", self.world, self.group))
 
 
@@ -59,7 +64,8 @@ def _run(rank: int, world: int, kind: str, rowwise: bool, options: dict | None =
     if kind == "all_gather":
         mod, x = GatherScaled(32, 48, world, group, rowwise), torch.randn(16, 32, generator=g).to(torch.bfloat16)
     else:
-        mod, x = ScaledReduceScatter(32, 48, world, group), torch.randn(32, 32, generator=g).to(torch.bfloat16)
+        mod = ScaledReduceScatter(32, 48, world, group, rowwise)
+        x = torch.randn(32, 32, generator=g).to(torch.bfloat16)
     before = len(compass_fx.backend.history)
     compiled = torch.compile(mod, backend="compass", options=options or {"inner": "eager", "chunks": 2},
                              fullgraph=True)
@@ -79,7 +85,13 @@ def test_tensorwise_float8_pairs_are_decomposed_and_equal_eager(ranks, kind):
                              "rewritten", "decompose", 2)], res
 
 
-def test_rowwise_float8_scales_are_left_alone_with_the_reason(ranks):
+def test_rowwise_float8_scales_of_a_local_operand_split_with_its_rows(ranks):
+    """Reduce-scatter side: A is local, so its per-row scales are cut into parts with its rows."""
+    res = ranks(2).run(_run, 2, "reduce_scatter", True)[0]
+    assert res["pairs"] == [("matmul_reduce_scatter", "rewritten", "decompose", 2)], res
+
+
+def test_rowwise_float8_scales_of_gathered_rows_are_left_alone_with_the_reason(ranks):
     res = ranks(2).run(_run, 2, "all_gather", True)[0]
     assert res["pairs"] == [], res
     assert any("row-wise or block-wise scales" in why for why in res["skipped"]), res

@@ -8,6 +8,7 @@ while the matmul of part i+1 runs; the waits sit where the result is first neede
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.fx as fx
@@ -147,6 +148,12 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         pair.logical.replace_all_uses_with(full)
 
 
+def _row_scales(mm: fx.Node) -> bool:
+    """A float8 _scaled_mm with one scale per row of A: the scales split with the rows."""
+    shape = shape_of(mm.args[2])
+    return shape is not None and math.prod(shape) > 1
+
+
 class _PartValues:
     """Per-part values, as 2-D row blocks, of every node of a reduced sum of matmuls."""
 
@@ -174,6 +181,10 @@ class _PartValues:
     def _compute(self, node: fx.Node, i: int) -> fx.Node:
         if node in self.pair.terms:
             a, _ = mm_operands(node)
+            if node.target is aten._scaled_mm.default and _row_scales(node):  # float8, one scale per row
+                scales = self.rows_of(node.args[2], i)
+                return self.b.call(aten._scaled_mm.default, self.rows_of(a, i), node.args[1], scales,
+                                   *node.args[3:], **node.kwargs)
             return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
         if node.target is aten.add.Tensor:  # a sum of terms, or a term plus a column bias
             a, c = (self.value(x, i) if shape_of(x) == shape_of(node) else self._bias(x) for x in node.args)

@@ -44,13 +44,17 @@ def _scaled_mm_ok(node: fx.Node) -> bool:
     return _scaled_mm_reason(node) is None
 
 
-def _scaled_mm_reason(node: fx.Node) -> str | None:
+def _scaled_mm_reason(node: fx.Node, row_scales_ok: bool = False) -> str | None:
     """Why a float8 ``_scaled_mm`` cannot have its rows split, or None: it can when A has one
-    scale (tensorwise) and there is no bias and no output scale.  Row-wise or block-wise scales
-    would have to travel and be split with the rows; such pairs are left alone with this reason."""
+    scale (tensorwise), or one per row where A is local (``row_scales_ok``: a reduce-scatter's
+    or all-reduce's producer), and there is no bias and no output scale.  Row-wise scales of a
+    gathered A would have to travel with the rows; such pairs are left alone with this reason."""
     scale_a = node.args[2] if len(node.args) > 2 else node.kwargs.get("scale_a")
     shape = shape_of(scale_a) if isinstance(scale_a, fx.Node) else None
-    if shape is None or math.prod(shape) != 1:
+    rows = shape_of(node.args[0])
+    row_scales = (row_scales_ok and shape is not None and rows is not None and len(shape) == 2
+                  and shape == (rows[0], 1))  # local rows (a reduced sum): they split with A's rows
+    if shape is None or (math.prod(shape) != 1 and not row_scales):
         return f"{node.name} is a float8 _scaled_mm with row-wise or block-wise scales of A (not split yet)"
     extra = list(node.args[4:6]) + [node.kwargs.get("bias"), node.kwargs.get("scale_result")]
     if any(isinstance(x, fx.Node) for x in extra):
@@ -388,8 +392,8 @@ def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
                 raise NoMatch(f"{node.name} adds a bias that is not a row broadcast")
             if not _unscaled(node):
                 raise NoMatch(f"{node.name} scales its terms (alpha/beta)")
-        if node.target is aten._scaled_mm.default and _scaled_mm_reason(node):
-            raise NoMatch(_scaled_mm_reason(node))
+        if node.target is aten._scaled_mm.default and _scaled_mm_reason(node, row_scales_ok=True):
+            raise NoMatch(_scaled_mm_reason(node, row_scales_ok=True))
         a = mm_operands(node)[0]
         if shape_of(a) is None or len(shape_of(a)) != 2:
             raise NoMatch(f"{node.name}'s row operand has no static 2-D shape")
