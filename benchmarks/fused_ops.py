@@ -312,17 +312,15 @@ def markdown(tag: str, args, summary: dict, stress: list[dict], speed: list[dict
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = mc.parse_worlds(args.worlds, args.dry_run)
-    t0 = time.time()
-    results = mc.run_worlds(worker, args, worlds)
-    if not mc.is_writer():
+    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    if launched is None:
         return 0
+    results, tag, t0 = launched
     stress = [r for _, res in results for r in res["stress"]]
     speed = [r for _, res in results for r in res["speed"]]
     summary = summarize(stress, speed)
-    tag = args.tag or mc.device_tag(args.dry_run, max(w for w, _ in results))
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": mc.environment(args.dry_run), "summary": summary,
+               "environment": mc.environment(args.dry_run), "worlds": [w for w, _ in results], "summary": summary,
                "seconds": round(time.time() - t0, 1), "stress": stress, "speed": speed,
                "timeout_check": {w: res.get("timeout_check") for w, res in results}}
     text = markdown(tag, args, summary, stress, speed)

@@ -204,6 +204,16 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     return out
 
 
+def launch(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> tuple[list[tuple[int, Any]], str, float] | None:
+    """``run_worlds`` plus what every script's writer needs next: (results, device tag, start
+    time); None in a process that does not write the files."""
+    t0 = time.time()
+    results = run_worlds(fn, args, worlds)
+    if not is_writer():
+        return None
+    return results, args.tag or device_tag(args.dry_run, max(w for w, _ in results)), t0
+
+
 def is_writer() -> bool:
     """The process that writes the files: rank 0 under torchrun, the parent otherwise."""
     return not under_torchrun() or int(os.environ["RANK"]) == 0

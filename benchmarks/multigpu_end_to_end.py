@@ -372,16 +372,14 @@ COLUMNS = ["world", ("sequence_parallel", "SP"), "mode", "status", ("step_ms", "
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = mc.parse_worlds(args.worlds, args.dry_run)
-    t0 = time.time()
-    results = mc.run_worlds(worker, args, worlds)
-    if not mc.is_writer():
+    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    if launched is None:
         return 0
+    results, tag, t0 = launched
     rows = [r for _, res in results for r in res["rows"]]
     for r in rows:
         if r.get("step_s"):
             r["step_ms"] = r["step_s"] * 1e3
-    tag = args.tag or mc.device_tag(args.dry_run, max(w for w, _ in results))
     goals = {}
     for r in rows:
         if r["mode"].startswith("compass") and r.get("step_s"):

@@ -29,26 +29,23 @@ from torch import nn  # noqa: E402
 NAME = "profile_pair"
 
 
-class GatherMatmul(nn.Module):
-    """Sequence parallel w1: gather the tokens, multiply by the column shard of the weight."""
-
+class _OnePair(nn.Module):
     def __init__(self, k: int, n: int, world: int, group: str) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(k, n) / k ** 0.5)
         self.world, self.group = world, group
+
+
+class GatherMatmul(_OnePair):
+    """Sequence parallel w1: gather the tokens, multiply by the column shard of the weight."""
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
         x = torch.ops._c10d_functional.all_gather_into_tensor(shard, self.world, self.group)
         return torch.ops._c10d_functional.wait_tensor(x) @ self.w
 
 
-class MatmulReduceScatter(nn.Module):
+class MatmulReduceScatter(_OnePair):
     """Sequence parallel w2: multiply by the row shard of the weight, reduce-scatter the tokens."""
-
-    def __init__(self, k: int, n: int, world: int, group: str) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(k, n) / k ** 0.5)
-        self.world, self.group = world, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops._c10d_functional.reduce_scatter_tensor(x @ self.w, "sum", self.world, self.group)
@@ -187,14 +184,14 @@ def main(argv=None) -> int:
     p.add_argument("--decompose-only", action="store_true")
     p.add_argument("--skip-nccl", action="store_true")
     args = p.parse_args(argv)
-    t0 = time.time()
-    results = mc.run_worlds(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
-    if not mc.is_writer():
+    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    if launched is None:
         return 0
+    results, tag, t0 = launched
     res = results[0][1]
-    tag = args.tag or mc.device_tag(args.dry_run, results[0][0])
     regime = "host-staged (NCCL_P2P_DISABLE=1)" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "peer-to-peer"
-    payload = {"benchmark": NAME, "environment": mc.environment(args.dry_run), "regime": regime,
+    payload = {"benchmark": NAME, "environment": mc.environment(args.dry_run), "worlds": [w for w, _ in results],
+               "regime": regime,
                "sm_carveout": args.sm_carveout, "nccl_high_priority": os.environ.get("TORCH_NCCL_HIGH_PRIORITY"),
                "tokens": args.tokens, "seconds": round(time.time() - t0, 1), **res}
     lines = [f"# One pair under the profiler ({tag}, {regime}; cuBLAS SM carveout {args.sm_carveout}, "

@@ -87,3 +87,19 @@ def test_end_to_end_dry_run(tmp_path):
         import megatron.core  # noqa: F401
     except ImportError:
         assert rows["megatron"]["status"] == "skipped" and "not installed" in rows["megatron"]["note"]
+
+
+def test_fused_ops_dry_run(tmp_path):
+    data = _run("fused_ops.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--calls", "4",
+                "--schedules", "ring,direct")
+    assert data["summary"]["stress_failures"] == [] and len(data["stress"]) == 12  # 3 kinds x 2 shapes x 2
+    assert all(r["ok"] and r["elements_differing_between_calls"] == 0 for r in data["stress"])
+    assert {r["kind"] for r in data["speed"]} == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"}
+    assert all(set(r["times_s"]) >= {"gemm", "comm", "sequential", "fuse(ring)", "fuse(direct)"} for r in data["speed"])
+
+
+def test_profile_pair_dry_run(tmp_path):
+    data = _run("profile_pair.py", tmp_path, "--skip-nccl", "--decompose-only")
+    decomposed = [r for r in data["pairs"] if r["variant"].startswith("decompose")]
+    assert len(decomposed) == 6 and all(r["rewritten"] == [f"rewritten decompose({r['variant'][-1]})"]
+                                        for r in decomposed), decomposed
