@@ -183,3 +183,17 @@ def test_schedules_available_cuda_p2p_valve(monkeypatch):
     monkeypatch.setenv("COMPASS_CUDA_FUSED", "p2p")
     assert fused_schedules_available("cuda", torch.bfloat16) == SCHEDULES
     assert fused_schedules_available("cuda", torch.int32) == ()
+
+
+def test_fused_ops_are_kept_out_of_cuda_graphs():
+    """Their CUDA implementation is not capturable (a per-call epoch), so Inductor must not put
+    them in a CUDA graph: every op carries the cudagraph_unsafe tag where torch has it."""
+    import torch
+
+    import compass_fx.kernels  # noqa: F401
+
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        assert tag in getattr(torch.ops.compass, name).default.tags, name

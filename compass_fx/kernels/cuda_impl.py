@@ -166,6 +166,9 @@ class _Workspace:
     # -- running ----------------------------------------------------------------------------
     def run(self, tensors: dict[str, list[torch.Tensor]]) -> None:
         self.dog.check_failed()
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"compass::{self.plan.op} cannot be captured in a CUDA graph (each call has its "
+                               "own epoch): run it outside the graph, or use strategy='decompose'")
         for name in ("A", "OUT", "GATHERED"):
             for t in tensors.get(name, ()):
                 if not t.is_contiguous():

@@ -21,6 +21,9 @@ from . import cpu_impl
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The CUDA implementation passes each call's epoch as an argument, so a CUDA graph that captured one
+# call would replay a stale epoch: Inductor must keep these ops out of its CUDA graphs.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 def _check_common(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: int) -> None:
@@ -44,7 +47,7 @@ def _check_divisible(rows: int, group_size: int) -> None:
 # --------------------------------------------------------------------------------------------
 # compass::all_gather_matmul
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::all_gather_matmul", mutates_args=(),
+@torch.library.custom_op("compass::all_gather_matmul", mutates_args=(), tags=_TAGS,
                          schema="(Tensor a_shard, Tensor[] bs, str schedule, str group_name, "
                                 "int group_size) -> (Tensor, Tensor[])")
 def all_gather_matmul(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str,
@@ -108,7 +111,7 @@ all_gather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
 # --------------------------------------------------------------------------------------------
 # compass::matmul_reduce_scatter
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::matmul_reduce_scatter", mutates_args=(),
+@torch.library.custom_op("compass::matmul_reduce_scatter", mutates_args=(), tags=_TAGS,
                          schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
 def matmul_reduce_scatter(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
     """reduce_scatter(a @ b, "sum") on dim 0, pieces produced in the order the ring sends them."""
@@ -155,7 +158,7 @@ matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
 # --------------------------------------------------------------------------------------------
 # compass::matmul_all_reduce
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::matmul_all_reduce", mutates_args=(),
+@torch.library.custom_op("compass::matmul_all_reduce", mutates_args=(), tags=_TAGS,
                          schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
 def matmul_all_reduce(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
     """all_reduce(a @ b, "sum"): reduce-scatter then all-gather on the same rings."""
