@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .schedules import Piece, all_gather_schedule, reduce_scatter_schedule, split_rows
+from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule, split_rows
 
 Spans = Sequence[tuple[int, int]]
 
@@ -40,13 +40,6 @@ def equal_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
         raise ValueError(f"{rows} rows cannot be split into {world_size} equal blocks")
     m = rows // world_size
     return [(b * m, (b + 1) * m) for b in range(world_size)]
-
-
-def piece_rows(blocks: Spans, parts: int, piece: Piece) -> tuple[int, int]:
-    """Global row span of ``piece`` given the blocks' spans."""
-    start, stop = blocks[piece.block]
-    a, b = split_rows(stop - start, parts)[piece.part]
-    return start + a, start + b
 
 
 def _post(ops: list[dist.P2POp]) -> list:

@@ -40,6 +40,10 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype in _SUPPORTED and torch.cuda.is_available()
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _comm_stream(index: int) -> torch.cuda.Stream:
     if index not in _comm_streams:
         _comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
@@ -56,8 +60,8 @@ class _Workspace:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             symm_mem.enable_symm_mem_for_group(group_name)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.plan, self.rank, self.epoch, self.elem = plan, plan.rank, 0, torch.empty((), dtype=dtype).element_size()
+        index = _device_index(device)
+        self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.comm = _comm_stream(index)
         self.dog = watchdog.for_device(index)
         self.flags = symm_mem.empty((plan.n_flags,), dtype=torch.int32, device=device)
@@ -209,9 +213,9 @@ class _Workspace:
 
 def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols: int,
                dtype: torch.dtype, device: torch.device) -> _Workspace:
-    watchdog.for_device(device.index if device.index is not None else torch.cuda.current_device()).check_failed()
     ws = _workspaces.get(key)
-    if ws is None:
+    if ws is None:  # a collective rendezvous: not after a failure (every call checks in run())
+        watchdog.for_device(_device_index(device)).check_failed()
         ws = _workspaces[key] = _Workspace(make_plan(), group_name, cols, dtype, device)
     return ws
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, Union
 
-from .schedules import Piece, all_gather_schedule, reduce_scatter_schedule, split_rows
+from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule
 
 MAIN, COMM = "main", "comm"
 Stream = Literal["main", "comm"]
@@ -148,9 +148,8 @@ class Plan:
     slot_names: tuple[str, ...] = ()  # what each flag announces, for error messages
 
 
-def _piece_rows(block_rows: int, parts: int, p: Piece) -> tuple[int, int]:
-    a, b = split_rows(block_rows, parts)[p.part]
-    return p.block * block_rows + a, p.block * block_rows + b
+def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
+    return tuple((b * block_rows, (b + 1) * block_rows) for b in range(world))
 
 
 def _piece_names(slot: dict[Piece, int], what: str) -> tuple[str, ...]:
@@ -177,7 +176,8 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     relayed = {t.piece for other in range(world) if other != rank
                for s in all_gather_schedule(schedule, world, other).steps
                for t in s.recvs if t.peer == rank and t.piece.block != rank}
-    own_lo, own_hi = rank * block_rows, (rank + 1) * block_rows
+    blocks = _equal_blocks(world, block_rows)
+    own_lo, own_hi = blocks[rank]
     own = Region("A", 0, block_rows)
     # Host issue order: publish the own block first (the peers wait for it), start the own rows'
     # GEMM next (it needs nothing), then the pulls; the own rows' copy into GATHERED goes last.
@@ -186,7 +186,7 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     cmds += [Matmul(MAIN, Region("OUT", own_lo, own_hi, index=j), own, j) for j in range(n_weights)]
     for step in sched.steps:
         for t in step.recvs:
-            lo, hi = _piece_rows(block_rows, parts, t.piece)
+            lo, hi = piece_rows(blocks, parts, t.piece)
             cmds.append(WaitFlag(COMM, t.peer, slot[t.piece]))
             if t.piece in relayed:
                 cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
@@ -197,7 +197,7 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
             cmds.append(Record(COMM, f"got{slot[t.piece]}"))
     cmds.append(Copy(COMM, Region("GATHERED", own_lo, own_hi), own))
     for piece in sched.order[parts:]:
-        lo, hi = _piece_rows(block_rows, parts, piece)
+        lo, hi = piece_rows(blocks, parts, piece)
         cmds.append(WaitEvent(MAIN, f"got{slot[piece]}"))
         cmds += [Matmul(MAIN, Region("OUT", lo, hi, index=j), Region("GATHERED", lo, hi), j)
                  for j in range(n_weights)]
@@ -220,11 +220,14 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
     recvs = [(i, t) for i, s in enumerate(sched.steps) for t in s.recvs]
     sent = {t.piece for s in sched.steps for t in s.sends}
     received = {t.piece for _, t in recvs}
-    own_lo = rank * block_rows
+    blocks = _equal_blocks(world, block_rows)
+    own_lo = blocks[rank][0]
     pulls: list[Command] = []
     stages: dict[Piece, list[Region]] = {}
+    stage_rows = 0
     for n, (_, t) in enumerate(recvs):
-        lo, hi = _piece_rows(block_rows, parts, t.piece)
+        lo, hi = piece_rows(blocks, parts, t.piece)
+        stage_rows = max(stage_rows, hi - lo)
         stage = Region("STAGE", 0, hi - lo, index=n)
         pulls += [WaitFlag(COMM, t.peer, slot[t.piece]), Copy(COMM, stage, Region("P", lo, hi, owner=t.peer)),
                   Record(COMM, f"pulled{n}")]
@@ -232,7 +235,7 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
     last_pull = {t.piece: n for n, (_, t) in enumerate(recvs)}
 
     def reduce(piece: Piece) -> list[Command]:
-        lo, hi = _piece_rows(block_rows, parts, piece)
+        lo, hi = piece_rows(blocks, parts, piece)
         terms = (Region("P", lo, hi), *stages[piece])
         if piece.block == rank:
             return [WaitEvent(MAIN, f"pulled{last_pull[piece]}"),
@@ -241,9 +244,14 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
                 SetFlag(MAIN, slot[piece])]
 
     cmds: list[Command] = []
-    done: set[Piece] = set()
+    relays = [q for q in sched.order if q in received and q.block != rank]  # sums this rank passes on
+
+    def reduce_relays(upto: int) -> None:
+        while relays and sched.order.index(relays[0]) < upto:
+            cmds.extend(reduce(relays.pop(0)))
+
     for k, piece in enumerate(sched.order):
-        lo, hi = _piece_rows(block_rows, parts, piece)
+        lo, hi = piece_rows(blocks, parts, piece)
         cmds.append(Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)))
         if piece in sent and piece not in received:  # a bare partial product: publish at once
             cmds.append(SetFlag(MAIN, slot[piece]))
@@ -251,21 +259,14 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
             cmds += pulls
         # a relayed sum is issued one step of GEMMs after its own partial, so that the caller's
         # stream has a GEMM to run while the pull it needs is on its way
-        for q in sched.order[:max(0, k + 1 - parts)]:
-            if q in received and q not in done and q.block != rank:
-                cmds += reduce(q)
-                done.add(q)
-    for q in sched.order:
-        if q in received and q not in done and q.block != rank:
-            cmds += reduce(q)
+        reduce_relays(k + 1 - parts)
+    reduce_relays(len(sched.order))
     for p in range(parts):
         if Piece(rank, p) in received:
             cmds += reduce(Piece(rank, p))
         else:  # a group of one
-            lo, hi = _piece_rows(block_rows, parts, Piece(rank, p))
+            lo, hi = piece_rows(blocks, parts, Piece(rank, p))
             cmds.append(Copy(MAIN, Region("OUT", lo - own_lo, hi - own_lo), Region("P", lo, hi)))
-    stage_rows = max((hi - lo for lo, hi in (_piece_rows(block_rows, parts, t.piece) for _, t in recvs)),
-                     default=0)
     return Plan("matmul_reduce_scatter", rank, world, _framed(cmds), len(slot), {"P": world * block_rows},
                 stage_slots=len(recvs), stage_rows=stage_rows, n_weights=1,
                 slot_names=_piece_names(slot, "partial sum"))

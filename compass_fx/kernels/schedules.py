@@ -92,6 +92,13 @@ def split_rows(rows: int, parts: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def piece_rows(blocks, parts: int, piece: Piece) -> tuple[int, int]:
+    """Global row span of ``piece`` given the (start, stop) spans of the blocks."""
+    start, stop = blocks[piece.block]
+    a, b = split_rows(stop - start, parts)[piece.part]
+    return start + a, start + b
+
+
 def _check(world_size: int, rank: int) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
