@@ -112,17 +112,13 @@ def collective_time(op: str, total_bytes: float, topo: Topology, group_size: int
 def _measured(op: str, total_bytes: float, topo: Topology, group_size: int) -> tuple[float, float] | None:
     """(latency, transfer) from the calibration's NCCL measurements of this op, group size and
     regime, fitted as latency + bytes / bandwidth; None without such a measurement."""
-    from .calibrate import fit_latency_bandwidth
-    from .gpus import _calibration_path, calibrated_collectives
+    from .gpus import _calibration_path, calibrated_collective
 
-    if _calibration_path() is None:
+    if _calibration_path() is None:  # the common case: no file, and no route walk for the regime
         return None
     regime = "peer-to-peer" if topo.peer_access(group_size) else "host-staged"
-    points = calibrated_collectives(regime, op, group_size)
-    if not points:
-        return None
-    a, b = fit_latency_bandwidth(points)
-    return a, b * total_bytes
+    line = calibrated_collective(regime, op, group_size)
+    return None if line is None else (line[0], line[1] * total_bytes)
 
 
 def collective_seconds(op: str, total_bytes: float, topo: Topology, group_size: int,

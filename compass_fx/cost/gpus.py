@@ -155,21 +155,23 @@ def use_calibration(path: "str | os.PathLike | None") -> Iterator[None]:
         _option_calibration.reset(token)
 
 
-def calibrated_collectives(regime: str, op: str, group_size: int) -> list[list[float]] | None:
-    """The measured (bytes, seconds) points of ``op`` over ``group_size`` ranks in ``regime``
-    ("peer-to-peer" or "host-staged") from the calibration in force, if it has them."""
+def calibrated_collective(regime: str, op: str, group_size: int) -> tuple[float, float] | None:
+    """(seconds fixed, seconds per byte) of ``op`` over ``group_size`` ranks in ``regime``
+    ("peer-to-peer" or "host-staged"), fitted once per file to the calibration's measurements;
+    None when the calibration in force (if any) did not measure it."""
     path = _calibration_path()
     if path is None:
         return None
-    key = ("collectives", str(path))
-    if key not in _tables:
-        data = json.loads(Path(path).read_text())
-        _tables[key] = {(t.get("regime", "peer-to-peer"), t["op"], int(t["group_size"])): t["points"]
-                        for t in data.get("collectives", [])}
-    return _tables[key].get((regime, op, group_size))
+    if str(path) not in _collective_lines:
+        from .calibrate import fit_latency_bandwidth
+
+        _collective_lines[str(path)] = {
+            (t.get("regime", "peer-to-peer"), t["op"], int(t["group_size"])): fit_latency_bandwidth(t["points"])
+            for t in _read_calibration(path).get("collectives", [])}
+    return _collective_lines[str(path)].get((regime, op, group_size))
 
 
-_tables: dict[tuple, dict] = {}
+_collective_lines: dict[str, dict[tuple[str, str, int], tuple[float, float]]] = {}
 
 
 def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
@@ -180,12 +182,8 @@ def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
 _loaded: dict[str, dict[str, GpuSpec]] = {}
 
 
-def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
-    """Read a calibration file written by ``compass-fx calibrate``: {"gpus": {name: fields}}.
-
-    Only the fields present override the built-in spec, so a file may refine just the
-    efficiency and overheads.
-    """
+def _read_calibration(path: "str | os.PathLike") -> dict:
+    """The file's contents once its shape, format and version are checked."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
         raise ValueError(f"calibration file {path}: expected an object with a 'gpus' mapping")
@@ -193,8 +191,17 @@ def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
         raise ValueError(f"calibration file {path} is {data.get('format') or 'an unversioned file'} version "
                          f"{data.get('version')!r}; this compass-fx reads {CALIBRATION_FORMAT} version "
                          f"{CALIBRATION_VERSION}: run compass-fx calibrate again on this machine")
+    return data
+
+
+def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
+    """Read a calibration file written by ``compass-fx calibrate``: {"gpus": {name: fields}}.
+
+    Only the fields present override the built-in spec, so a file may refine just the
+    efficiency and overheads.
+    """
     out = {}
-    for name, fields in data["gpus"].items():
+    for name, fields in _read_calibration(path)["gpus"].items():
         base = GPUS.get(name)
         if base is None:
             out[name] = GpuSpec.from_dict({"name": name, **fields})

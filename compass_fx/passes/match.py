@@ -40,10 +40,6 @@ RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze
 MM_OPS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
 
 
-def _scaled_mm_ok(node: fx.Node) -> bool:
-    return _scaled_mm_reason(node) is None
-
-
 def _scaled_mm_reason(node: fx.Node, row_scales_ok: bool = False) -> str | None:
     """Why a float8 ``_scaled_mm`` cannot have its rows split, or None: it can when A has one
     scale (tensorwise), or one per row where A is local (``row_scales_ok``: a reduce-scatter's
@@ -248,8 +244,9 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tu
         if two_d and user.target is aten.mm.default and user.args[0] is view and user.args[1] is not view:
             rows.append(RowConsumer(user, view, casts))
         elif two_d and user.target is aten._scaled_mm.default and user.args[0] is view and user.args[1] is not view:
-            if not _scaled_mm_ok(user):
-                raise NoMatch(_scaled_mm_reason(user))
+            why = _scaled_mm_reason(user)
+            if why:
+                raise NoMatch(why)
             rows.append(RowConsumer(user, view, casts))
         elif two_d and user.target is aten.addmm.default and user.args[1] is view and user.args[2] is not view \
                 and _row_broadcast_bias(user.args[0]) and _unscaled(user):
@@ -392,8 +389,9 @@ def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
                 raise NoMatch(f"{node.name} adds a bias that is not a row broadcast")
             if not _unscaled(node):
                 raise NoMatch(f"{node.name} scales its terms (alpha/beta)")
-        if node.target is aten._scaled_mm.default and _scaled_mm_reason(node, row_scales_ok=True):
-            raise NoMatch(_scaled_mm_reason(node, row_scales_ok=True))
+        why = _scaled_mm_reason(node, row_scales_ok=True) if node.target is aten._scaled_mm.default else None
+        if why:
+            raise NoMatch(why)
         a = mm_operands(node)[0]
         if shape_of(a) is None or len(shape_of(a)) != 2:
             raise NoMatch(f"{node.name}'s row operand has no static 2-D shape")
