@@ -88,33 +88,6 @@ def fused(kind: str, schedule: str, world: int, group: str):
     return lambda a, b: op(a, b, schedule, group, world)
 
 
-def time_back_to_back(ctx: mc.Ctx, fn, batch: int, batches: int, device_only: bool = False) -> float:
-    """Median over ``batches`` of the mean seconds per call of ``batch`` back-to-back calls; the
-    slowest rank's figure.  ``device_only``: the GPU first sleeps 20 ms so that the host has queued
-    every call before the first starts: the device's time alone, without the host's launch cost."""
-    for _ in range(3):
-        fn()
-    per_call = []
-    for _ in range(batches):
-        mc.barrier(ctx)
-        if ctx.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if device_only:
-                torch.cuda._sleep(int(20e-3 * 1.98e9))
-            start.record()
-            for _ in range(batch):
-                fn()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / 1e3 / batch)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            per_call.append((time.perf_counter() - t0) / batch)
-    return mc.max_over_ranks(ctx, statistics.median(per_call))
-
-
 def stress_case(ctx: mc.Ctx, args, s: dict, schedule: str, dtype) -> dict:
     kind, m, n, k = s["kind"], s["m"], s["n"], s["k"]
     rng = random.Random(1234 + ctx.rank)
@@ -147,21 +120,21 @@ def speed_case(ctx: mc.Ctx, args, s: dict, dtype) -> dict:
     a, b = mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=0)
     t = {}
     with torch.no_grad():
-        t["gemm"] = time_back_to_back(ctx, mc.gemm_only_fn(kind, a, b, ctx.world), args.batch, args.batches)
-        t["comm"] = time_back_to_back(ctx, mc.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.batch,
+        t["gemm"] = mc.time_back_to_back(ctx, mc.gemm_only_fn(kind, a, b, ctx.world), args.batch, args.batches)
+        t["comm"] = mc.time_back_to_back(ctx, mc.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.batch,
                                       args.batches)
         seq = mc.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
-        t["sequential"] = time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches)
+        t["sequential"] = mc.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches)
         for schedule in args.schedules.split(","):
             op = fused(kind, schedule, ctx.world, ctx.group_name)
-            t[f"fuse({schedule})"] = time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
+            t[f"fuse({schedule})"] = mc.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
         if kind != "matmul_all_reduce" and ctx.is_cuda:
             sm = mc.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
-            t["symm_mem"] = time_back_to_back(ctx, lambda: sm(a, b), args.batch, args.batches)
+            t["symm_mem"] = mc.time_back_to_back(ctx, lambda: sm(a, b), args.batch, args.batches)
         if s["model"] == "small" and ctx.is_cuda:  # the fixed overhead, without the host's launch cost
-            t["sequential, device only"] = time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches, True)
+            t["sequential, device only"] = mc.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches, True)
             op = fused(kind, "direct", ctx.world, ctx.group_name)
-            t["fuse(direct), device only"] = time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches, True)
+            t["fuse(direct), device only"] = mc.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches, True)
     fused_times = {lbl: v for lbl, v in t.items() if lbl.startswith("fuse(") and "only" not in lbl}
     best = min(fused_times, key=fused_times.get)
     row = dict(s, times_s=t, best_fused=best, best_fused_s=fused_times[best],

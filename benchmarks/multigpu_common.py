@@ -345,6 +345,33 @@ def time_fn(ctx: Ctx, fn: Callable[[], Any], warmup: int, repeats: int) -> float
     return float(t.item())
 
 
+def time_back_to_back(ctx: Ctx, fn, batch: int, batches: int, device_only: bool = False) -> float:
+    """Median over ``batches`` of the mean seconds per call of ``batch`` back-to-back calls; the
+    slowest rank's figure.  ``device_only``: the GPU first sleeps 20 ms so that the host has queued
+    every call before the first starts: the device's time alone, without the host's launch cost."""
+    for _ in range(3):
+        fn()
+    per_call = []
+    for _ in range(batches):
+        barrier(ctx)
+        if ctx.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if device_only:
+                torch.cuda._sleep(int(20e-3 * 1.98e9))
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / 1e3 / batch)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            per_call.append((time.perf_counter() - t0) / batch)
+    return max_over_ranks(ctx, statistics.median(per_call))
+
+
 def all_ok(ctx: Ctx, ok: bool) -> bool:
     """True when ``ok`` holds on every rank."""
     t = torch.tensor([0.0 if ok else 1.0], device=ctx.device)

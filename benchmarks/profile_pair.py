@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -111,25 +110,13 @@ def variant(ctx, module_cls, k, n, rows, label, options):
     if not ctx.is_cuda:  # dry run: the rewrite only
         return {"variant": label, "rewritten": done}
     with torch.no_grad():
-        for _ in range(3):
-            fn(x)
-        mc.synchronize(ctx)
-        times = []
-        for _ in range(5):
-            mc.barrier(ctx)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                fn(x)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 10)
+        seconds = mc.time_back_to_back(ctx, lambda: fn(x), batch=10, batches=5)
         mc.barrier(ctx)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fn(x)
             mc.synchronize(ctx)
-    out = {"variant": label, "ms": mc.max_over_ranks(ctx, statistics.median(times)), "rewritten": done}
+    out = {"variant": label, "ms": seconds * 1e3, "rewritten": done}
     out.update(kernel_summary(prof, 5))
     return out
 
