@@ -79,6 +79,12 @@ def shapes(args, world: int) -> list[dict]:
     return out
 
 
+def transport() -> str:
+    from compass_fx.kernels.cuda_impl import transport as chosen
+
+    return chosen()
+
+
 def fused(kind: str, schedule: str, world: int, group: str):
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
@@ -128,7 +134,7 @@ def speed_case(ctx: mc.Ctx, args, s: dict, dtype) -> dict:
         for schedule in args.schedules.split(","):
             op = fused(kind, schedule, ctx.world, ctx.group_name)
             t[f"fuse({schedule})"] = mc.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
-        if kind != "matmul_all_reduce" and ctx.is_cuda:
+        if kind != "matmul_all_reduce" and ctx.is_cuda and transport() == "peer":  # symm_mem needs peer access
             sm = mc.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
             t["symm_mem"] = mc.time_back_to_back(ctx, lambda: sm(a, b), args.batch, args.batches)
         if s["model"] == "small" and ctx.is_cuda:  # the fixed overhead, without the host's launch cost
@@ -257,6 +263,8 @@ def _ge(x, bound):
 
 def markdown(tag: str, args, summary: dict, stress: list[dict], speed: list[dict]) -> str:
     lines = [f"# Fused operators ({tag}{', dry run on CPU: times are meaningless' if args.dry_run else ''})", "",
+             f"Transport of the fused operators: {transport()} ('host': through pinned host memory, as on GPUs "
+             "without peer access; PyTorch's symm_mem ops need peer access and are then not measured).", "",
              "Timing: back-to-back calls between CUDA events, per-call mean of a batch of "
              f"{args.batch}, median of {args.batches} batches, slowest rank.", "", "## Summary", ""]
     for key, value in summary.items():

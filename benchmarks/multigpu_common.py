@@ -244,7 +244,7 @@ def environment(dry_run: bool) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
         "commit": git_commit(), "dry_run": dry_run,
-        "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+        "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT")},
         "teardown_warnings": list(TEARDOWN_WARNINGS),
     }
     if not dry_run and torch.cuda.is_available():

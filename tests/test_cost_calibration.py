@@ -51,3 +51,20 @@ def test_the_model_reproduces_a_synthetic_calibration(tmp_path):
         assert collective_time("all_gather", 64 << 20, nvlink, 2).seconds == before  # other regime: the model
         w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
         assert select(w, staged).candidate("sequential").seconds > got.seconds
+
+
+def test_a_second_regime_is_added_to_the_same_file(tmp_path):
+    """calibrate --collectives in the host-staged regime keeps the peer-to-peer tables already in
+    the file (same GPU), and replaces only what it measured again."""
+    import json
+
+    from compass_fx.cost.commands import _other_regimes_kept
+
+    path = tmp_path / "cal.json"
+    p2p = [{"op": "all_gather", "group_size": 2, "regime": "peer-to-peer", "points": [[1, 1e-5], [2, 2e-5]]}]
+    staged = [{"op": "all_gather", "group_size": 2, "regime": "host-staged", "points": [[1, 1e-4], [2, 2e-4]]}]
+    path.write_text(json.dumps({"device": "NVIDIA H200", "collectives": p2p}))
+    assert _other_regimes_kept(str(path), "NVIDIA H200", staged) == p2p
+    assert _other_regimes_kept(str(path), "NVIDIA H200", p2p) == []  # measured again: replaced
+    assert _other_regimes_kept(str(path), "NVIDIA H100", staged) == []  # another GPU: not mixed
+    assert _other_regimes_kept(str(tmp_path / "missing.json"), "NVIDIA H200", staged) == []

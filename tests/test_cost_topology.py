@@ -167,23 +167,33 @@ def test_replicated_machines_talk_over_infiniband():
         one.replicated(0)
 
 
-def test_host_staged_regime_is_detected_and_offers_no_fused_operators(monkeypatch):
+def test_host_staged_regime_is_detected_and_offers_fused_operators_through_host_memory(monkeypatch):
     """NCCL_P2P_DISABLE=1 (PCIe cards without peer access, or told so): the detected topology
-    routes through host memory at the measured rate, and the cost model prices no fused operator
-    there (they move data peer to peer)."""
-    from compass_fx.cost import Topology, Workload, plan
+    routes through host memory at the measured rate; the fused operators are offered there only
+    with the schedule that meets in pinned host memory ("direct"), priced at the copy engines'
+    host rate, which is far above what NCCL reaches there (its kernels stage through SMs)."""
+    from compass_fx.cost import Topology, Workload, plan, sequential_seconds
     from compass_fx.cost import detect
+    from compass_fx.cost.strategies import fused_breakdown
 
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     assert detect.host_staged()
     topo = detect.host_staged_topology(2, "H200")
     assert not topo.peer_access(2)
+    bw, per_piece = topo.host_copy(2)
+    assert 30e9 <= bw <= 60e9 and 0 < per_piece < 50e-6
     assert Topology.preset("h200-host-staged-8").to_dict()["gpu"] == "H200"
     assert Topology.preset("h200-nvswitch-8").peer_access(8)
+    assert Topology.preset("h200-nvswitch-8").host_copy(8) is None
     w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
     staged = plan(w, topo)
-    assert not any(c.strategy == "fuse" for c in staged.candidates)
-    assert staged.strategy == "decompose", staged.reason  # communication ~ GEMM: pipelining pays
-    assert any(c.strategy == "fuse" for c in plan(w, "h200-nvswitch-8").candidates)
+    fused = [c for c in staged.candidates if c.strategy == "fuse"]
+    assert [c.schedule for c in fused] == ["direct"]
+    # 32 MiB gathered = 16 MiB per rank: about 0.4 ms each way at 40 GB/s, pipelined, beside the GEMM
+    assert fused[0].seconds < 0.7 * sequential_seconds(w, topo)
+    assert fused[0].seconds == fused_breakdown(w, topo, "direct").seconds
+    assert not any(c.strategy == "fuse" for c in plan(w, topo, fused_schedules=("ring",)).candidates)
+    assert staged.strategy == "fuse", staged.reason
+    assert any(c.strategy == "fuse" and c.schedule == "ring" for c in plan(w, "h200-nvswitch-8").candidates)
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
     assert not detect.host_staged()

@@ -193,3 +193,56 @@ def test_fused_ops_are_kept_out_of_cuda_graphs():
         pytest.skip("this torch has no cudagraph_unsafe tag")
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         assert tag in getattr(torch.ops.compass, name).default.tags, name
+
+
+def _arena_case(rank):
+    """Each rank writes its region; every rank reads every region; the files are gone."""
+    import glob
+
+    import torch.distributed as dist
+
+    from compass_fx.kernels.host_memory import Layout, SharedHostArena
+
+    layout = Layout()
+    layout.add("flags", 4 * 5)
+    layout.add("G", 2 * 3 * 7 * 2)
+    before = set(glob.glob("/dev/shm/compass-fx-*"))
+    arena = SharedHostArena(dist.group.WORLD, layout.nbytes)
+    world = dist.get_world_size()
+    dist.barrier()  # every rank has unlinked its file
+    left = set(glob.glob("/dev/shm/compass-fx-*")) - before
+    own = arena.view(rank, layout.offsets["G"], (2, 3, 7), torch.bfloat16)
+    own.copy_(torch.full((2, 3, 7), float(rank + 1)))
+    arena.view(rank, layout.offsets["flags"], (5,), torch.int32)[2] = 10 + rank
+    dist.barrier()
+    for peer in range(world):
+        g = arena.view(peer, layout.offsets["G"], (2, 3, 7), torch.bfloat16)
+        assert bool((g == peer + 1).all()), (rank, peer)
+        assert int(arena.view(peer, layout.offsets["flags"], (5,), torch.int32)[2]) == 10 + peer
+        assert arena.device_address(peer, 8) == arena.view(peer, 0, (1,), torch.uint8).data_ptr() + 8
+    with pytest.raises(ValueError, match="does not fit"):
+        arena.view(rank, layout.nbytes - 2, (4,), torch.int32)
+    dist.barrier()  # nobody unmaps while a peer still reads
+    assert not left, f"the arena left files behind: {left}"
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_host_arena_on_real_ranks(ranks, world):
+    """The memory host-staged fused operators meet in: every rank's region visible to all."""
+    assert ranks(world).run(_arena_case) == [True] * world
+
+
+def test_transport_choice(monkeypatch):
+    from compass_fx.kernels import cuda_impl
+
+    monkeypatch.delenv("COMPASS_FUSED_TRANSPORT", raising=False)
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert cuda_impl.transport() == "host"
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
+    assert cuda_impl.transport() == "peer"
+    monkeypatch.setenv("COMPASS_FUSED_TRANSPORT", "host")
+    assert cuda_impl.transport() == "host"
+    monkeypatch.setenv("COMPASS_FUSED_TRANSPORT", "nvlink")
+    with pytest.raises(ValueError, match="auto, peer or host"):
+        cuda_impl.transport()

@@ -24,8 +24,9 @@ def _weights(gen, n):
     return [torch.randn(K, COLS, generator=gen, dtype=torch.float64) for _ in range(n)]
 
 
-def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_weights=2):
-    plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights) for r in range(world)]
+def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_weights=2, staged=False, split=1):
+    plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights, split) for r in range(world)]
+    plans = [pr.host_staged(p) for p in plans] if staged else plans
     gen = torch.Generator().manual_seed(seed)
     calls, expect = [], []
     for _ in range(n_calls):
@@ -47,14 +48,15 @@ def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_
                 torch.testing.assert_close(got, want)
 
 
-def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5):
+def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5, staged=False, split=1):
     if kind == "reduce_scatter":
-        plans = [pr.reduce_scatter_plan(schedule, world, r, block_rows) for r in range(world)]
+        plans = [pr.reduce_scatter_plan(schedule, world, r, block_rows, split) for r in range(world)]
         rows = world * block_rows
     else:
         chunks = 2
         rows = world * block_rows * chunks
         plans = [pr.all_reduce_plan(world, r, rows, chunks) for r in range(world)]
+    plans = [pr.host_staged(p) for p in plans] if staged else plans
     gen = torch.Generator().manual_seed(seed)
     calls, expect = [], []
     for _ in range(n_calls):
@@ -96,6 +98,54 @@ def test_hundreds_of_calls_with_a_late_rank():
     """500 calls at world 2 with a host that mostly lags: no hang, every result right."""
     _run_all_gather("direct", 2, block_rows=2, n_calls=500, seed=7, lateness=0.9)
     _run_reducing("reduce_scatter", "direct", 2, block_rows=2, n_calls=500, seed=7, lateness=0.9)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_host_staged_plans_back_to_back(schedule, world):
+    """The same protocol through pinned host memory (GPUs without peer access): publications go
+    to the host mirrors on a third stream, pulls read the mirrors; still no hang, no stale read."""
+    for seed, split in ((0, 1), (1, 3)):  # split: pieces cut further, pipelined through the host
+        _run_all_gather(schedule, world, block_rows=7, n_calls=40, seed=seed, staged=True, split=split)
+        _run_reducing("reduce_scatter", schedule, world, block_rows=7, n_calls=40, seed=seed, staged=True,
+                      split=split)
+    _run_reducing("all_reduce", "direct", world, block_rows=2, n_calls=40, seed=0, staged=True)
+
+
+def test_host_staged_late_rank():
+    _run_all_gather("direct", 2, block_rows=4, n_calls=300, seed=3, lateness=0.9, staged=True, split=4)
+    _run_reducing("reduce_scatter", "direct", 2, block_rows=4, n_calls=300, seed=3, lateness=0.9, staged=True,
+                  split=2)
+
+
+def test_split_pieces_on_the_peer_path_too():
+    _run_all_gather("double_ring", 3, block_rows=5, n_calls=30, seed=4, split=2)
+    _run_reducing("reduce_scatter", "ring", 3, block_rows=5, n_calls=30, seed=4, split=2)
+
+
+def test_host_split_sizes():
+    mib = 1 << 20
+    assert pr.host_split(1 * mib) == 1 and pr.host_split(4 * mib) == 1  # one piece: nothing to pipeline
+    assert pr.host_split(16 * mib) == 4 and pr.host_split(32 * mib) == 8
+    assert pr.host_split(1024 * mib) == 8  # at most eight flag round trips per block
+    assert pr.host_split(16 * mib, target=2 * mib) == 8
+
+
+def test_host_staged_plans_touch_peers_only_through_host_mirrors():
+    for world in (2, 4):
+        for r in range(world):
+            for plan in (pr.all_gather_plan("ring", world, r, 4, 2), pr.reduce_scatter_plan("double_ring", world, r, 4),
+                         pr.all_reduce_plan(world, r, 8 * world, 2)):
+                staged = pr.host_staged(plan)
+                assert set(staged.symmetric_rows) <= {"HG", "HP"} and set(staged.private_rows) <= {"G", "P"}
+                regions = [x for c in staged.commands for x in (getattr(c, "src", None), getattr(c, "dst", None))
+                           if x is not None]
+                assert all(x.buf in ("HG", "HP") for x in regions if x.owner != pr.SELF)
+                # the publishing stream waits only for this rank's own events, never for a peer
+                assert not any(isinstance(c, pr.WaitFlag) and c.stream == pr.PUB for c in staged.commands)
+                flags = [c for c in staged.commands if isinstance(c, pr.SetFlag)]
+                assert flags and all(c.stream == pr.PUB and c.publishes.buf in ("HG", "HP") for c in flags)
+                assert len(flags) == sum(isinstance(c, pr.SetFlag) for c in plan.commands)
 
 
 # ----------------------------------------------------------------------------------------------

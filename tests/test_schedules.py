@@ -144,3 +144,26 @@ def test_ring_and_direct_are_the_same_at_world_two():
         for rank in (0, 1):
             ring, direct = make("ring", 2, rank), make("direct", 2, rank)
             assert ring.steps == direct.steps and ring.order == direct.order
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_refined_schedules_move_every_sub_piece_once(kind, schedule):
+    """Cutting each piece into sub-pieces keeps who talks to whom and when; every sub-piece of a
+    piece travels in that piece's step, and the order keeps the pieces' order."""
+    from compass_fx.kernels.schedules import all_gather_schedule, reduce_scatter_schedule, refined
+
+    make = all_gather_schedule if kind == "all_gather" else reduce_scatter_schedule
+    for world in (2, 3, 4):
+        for rank in range(world):
+            base = make(schedule, world, rank)
+            fine = refined(base, 3)
+            assert fine.parts == 3 * base.parts and len(fine.steps) == len(base.steps)
+            for s, f in zip(base.steps, fine.steps):
+                assert [(t.piece.block, t.piece.part * 3 + i, t.peer) for t in s.sends for i in range(3)] == \
+                    [(t.piece.block, t.piece.part, t.peer) for t in f.sends]
+                assert len(f.recvs) == 3 * len(s.recvs)
+            assert [(p.block, p.part // 3) for p in fine.order] == [(p.block, p.part) for p in base.order for _ in range(3)]
+            assert refined(base, 1) is base
+    with pytest.raises(ValueError, match="split"):
+        refined(make(schedule, 2, 0), 0)

@@ -150,7 +150,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     after = model_errors(meas, fitted)
     extra = {"device": device_name, "measurements": len(meas)}
     if collectives:
-        extra["collectives"] = collectives
+        extra["collectives"] = _other_regimes_kept(args.out, device_name, collectives) + collectives
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -161,6 +161,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"(ratios {after['median_ratio_error']:.3f})")
     print(f"wrote {args.out}; use it with options={{'calibration': '{args.out}'}} or COMPASS_FX_CALIBRATION={args.out}")
     return 0
+
+
+def _other_regimes_kept(path: str, device_name: str, tables: list[dict]) -> list[dict]:
+    """The collective tables of other regimes in an existing calibration file of the same GPU, so
+    that one file can hold both regimes (run once with NCCL_P2P_DISABLE=1, once without)."""
+    import json
+    from pathlib import Path
+
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or old.get("device") != device_name:
+        return []
+    measured = {(t["regime"], t["op"], t["group_size"]) for t in tables}
+    return [t for t in old.get("collectives", [])
+            if isinstance(t, dict) and (t.get("regime"), t.get("op"), t.get("group_size")) not in measured]
 
 
 def _measure_collectives_if_launched(args: argparse.Namespace):

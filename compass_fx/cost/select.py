@@ -47,8 +47,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
     most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
     for the schedules in ``fused_schedules`` — the fused operators the caller has for this device
-    and dtype — and only where the GPUs reach each other's memory (the fused operators move data
-    by peer-to-peer copies; a host-staged machine has none).  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
+    and dtype — by peer-to-peer copies where the GPUs reach each other's memory, else ("direct"
+    only) through pinned host memory on the copy engines.  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
     decompose candidate's model.
     """
     if workload is None or not isinstance(workload, Workload):
@@ -70,6 +70,9 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     candidates += [Candidate("decompose", d, None, model.seconds(d)) for d, model in models.items()]
     if workload.group_size > 1 and topo.peer_access(workload.group_size):
         candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s)) for s in schedules]
+    elif workload.group_size > 1 and topo.host_copy(workload.group_size) and "direct" in schedules:
+        # no peer access: the fused operators meet in pinned host memory, every peer one hop away
+        candidates.append(Candidate("fuse", 1, "direct", fused_seconds(workload, topo, "direct")))
 
     candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]
     winner = min(candidates, key=lambda c: c.seconds)  # min keeps the first of equal ones

@@ -155,7 +155,9 @@ def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdow
     of the chunk in hand.  all_gather: local chunk first, the last arrival's GEMM exposed;
     reduce_scatter: the first chunk's GEMM exposed, each step adds into the travelling
     accumulator; all_reduce: fused reduce-scatter, then an all-gather of the result on the same
-    schedule that nothing hides."""
+    schedule that nothing hides.  GPUs without peer access: :func:`host_staged_breakdown`."""
+    if w.group_size > 1 and topo.host_copy(w.group_size):
+        return host_staged_breakdown(w, topo)
     spec = gpu_spec(topo.gpu)
     g = w.group_size
     rows = math.ceil(w.m / g)
@@ -172,6 +174,42 @@ def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdow
     if w.kind == "matmul_all_reduce":
         total += sum(step_s) + FUSED_SETUP_S
     return FusedBreakdown(chunk, step_s, total)
+
+
+def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
+    """A fused operator whose pieces travel device -> pinned host memory -> peer on the copy engines.
+
+    Each rank publishes its pieces once (device to host) and pulls every peer's (host to device),
+    both directions at once, the pieces pipelined (:func:`compass_fx.kernels.protocol.host_split`),
+    so the busier direction sets the pace after the first piece.  The GEMMs run beside it on every
+    SM: all_gather's own rows first and the last piece's rows after it arrives; reduce_scatter's
+    first piece before anything can travel, the sum of the own block after the last arrival;
+    all_reduce moves each chunk's partial products and then its reduced blocks."""
+    from ..kernels.protocol import HOST_PIECE_BYTES, host_split
+
+    bw, per_piece = topo.host_copy(w.group_size)
+    spec = gpu_spec(topo.gpu)
+    g, elt = w.group_size, dtype_bytes(w.dtype)
+    total_bytes = comm_bytes(w)
+    block = total_bytes / g
+    if w.kind == "matmul_all_reduce":
+        pieces = max(1, min(8, int(total_bytes // (g * HOST_PIECE_BYTES))))
+        out_bytes, in_bytes = total_bytes, 2 * (g - 1) / g * total_bytes
+        first = total_bytes / pieces / g
+    else:
+        pieces = host_split(int(block))
+        out_bytes = block if w.kind == "all_gather_matmul" else (g - 1) * block
+        in_bytes = (g - 1) * block
+        first = block / pieces
+    moving = first / bw + max(out_bytes, in_bytes) / bw + pieces * (g - 1) * per_piece
+    gemm = _gemms_seconds(w, w.m, topo) / FUSED_GEMM_EFFICIENCY
+    piece_gemm = gemm / (g * pieces)
+    if w.kind == "all_gather_matmul":
+        total = max(gemm, moving + piece_gemm)
+    else:  # the last piece's sum (read two, write one) after it arrives
+        reduce = 3 * w.m / (g * pieces) * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
+        total = max(gemm, piece_gemm + moving) + reduce
+    return FusedBreakdown(piece_gemm, (moving,), FUSED_SETUP_S + total)
 
 
 def fused_seconds(w: Workload, topo: Topology, schedule: str) -> float:

@@ -38,6 +38,15 @@ LINK_DEFAULTS: dict[str, tuple[float, float]] = {
     "ib-ndr": (45.0, 2.5),            # 400 Gb/s InfiniBand NIC per GPU
 }
 
+# Copy engines through pinned host memory (the host-staged fused operators), per direction per
+# GPU while every GPU copies both ways, and the fixed cost of one piece (its flag's round trip).
+# Measured on 2 H200s (benchmarks/results/host_copy-h200x2): 36.7-41.7 GB/s per direction with
+# both GPUs copying both ways, 54-55 one way; about 30 us fixed per fused call of a small shape.
+HOST_COPY_DEFAULTS: dict[str, tuple[float, float]] = {
+    "pcie5-staged": (40.0, 10.0),
+    "pcie4-staged": (20.0, 10.0),
+}
+
 
 class Topology:
     """A machine's GPUs and the links between them; build one with ``preset``, ``from_file``,
@@ -205,6 +214,18 @@ class Topology:
         gpus = self.group(size or self.num_gpus)
         return not any(self.graph.edges[e].get("kind", "").endswith("-staged")
                        for a in gpus for b in gpus if a != b for e in self.route(a, b))
+
+    def host_copy(self, size: int | None = None) -> tuple[float, float] | None:
+        """(bytes/s per direction per GPU, seconds per piece) of copy-engine transfers through
+        pinned host memory between the group's GPUs, when they have no peer access; else None."""
+        gpus = self.group(size or self.num_gpus)
+        kinds = {self.graph.edges[e].get("kind", "") for a in gpus for b in gpus if a != b
+                 for e in self.route(a, b)}
+        staged = [HOST_COPY_DEFAULTS[k] for k in kinds if k in HOST_COPY_DEFAULTS]
+        if not staged or self.peer_access(size):
+            return None
+        bw, lat = min(staged)
+        return bw * GB, lat * US
 
     def is_switched(self, size: int | None = None) -> bool:
         """True when every GPU pair of the group talks through one switch at full per-GPU rate."""

@@ -22,13 +22,16 @@ from typing import Callable
 import torch
 
 from . import driver, watchdog
-from .protocol import (COMM, MAIN, SELF, SYMMETRIC, Copy, Matmul, Plan, Record, Reduce, Region,
-                       SetFlag, WaitEvent, WaitFlag, all_gather_plan, all_reduce_chunks,
-                       all_reduce_plan, reduce_scatter_plan)
+from .cpu_impl import resolve_group
+from .host_memory import Layout, SharedHostArena
+from .protocol import (COMM, MAIN, PUB, SELF, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
+                       WaitEvent, WaitFlag, all_gather_plan, all_reduce_chunks, all_reduce_plan,
+                       HOST_PIECE_BYTES, host_split, host_staged, reduce_scatter_plan)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
 _comm_streams: dict[int, torch.cuda.Stream] = {}
+_pub_streams: dict[int, torch.cuda.Stream] = {}
 Step = Callable[[dict, int, dict], None]
 
 
@@ -50,45 +53,120 @@ def _comm_stream(index: int) -> torch.cuda.Stream:
     return _comm_streams[index]
 
 
+def _pub_stream(index: int) -> torch.cuda.Stream:
+    """Host-staged publications (device -> host mirror copies and their flags)."""
+    if index not in _pub_streams:
+        _pub_streams[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _pub_streams[index]
+
+
+def _arena_for(group, nbytes: int) -> SharedHostArena:
+    return SharedHostArena(group, nbytes, register=driver.host_register)
+
+
+def transport() -> str:
+    """How this process's fused operators move data: ``"peer"`` (copies out of the peers' GPU
+    memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
+    ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
+    as the cost model assumes), peer or host."""
+    from ..cost.detect import host_staged
+
+    wanted = os.environ.get("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
+    if wanted not in ("auto", "peer", "host"):
+        raise ValueError(f"COMPASS_FUSED_TRANSPORT must be auto, peer or host, got {wanted!r}")
+    if wanted == "auto":
+        return "host" if host_staged() else "peer"
+    return wanted
+
+
+def _agreed_transport(group) -> str:
+    mine = transport()
+    seen: list = [None] * group.size()
+    torch.distributed.all_gather_object(seen, mine, group=group)
+    if len(set(seen)) > 1:
+        raise RuntimeError(f"the ranks disagree on the fused operators' transport ({seen}): set "
+                           "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE alike on every rank")
+    return mine
+
+
 class _Workspace:
     """One rank's buffers, flags, peer addresses and events for one plan."""
 
     def __init__(self, plan: Plan, group_name: str, cols: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(group_name)
+        group = resolve_group(group_name, plan.world_size)[0]
+        self.transport = _agreed_transport(group)
+        if self.transport == "host":
+            plan = host_staged(plan)
         index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.comm = _comm_stream(index)
+        self.pub = _pub_stream(index)
         self.dog = watchdog.for_device(index)
-        self.flags = symm_mem.empty((plan.n_flags,), dtype=torch.int32, device=device)
-        self.flags.zero_()
-        self.buffers = {name: symm_mem.empty((2, rows, cols), dtype=dtype, device=device)
-                        for name, rows in plan.symmetric_rows.items()}
-        torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
-        handle = symm_mem.rendezvous(self.flags, group_name)
         peers = [p for p in range(plan.world_size) if p != self.rank]
-        self.peer_flags = {p: handle.get_buffer(p, (plan.n_flags,), torch.int32) for p in peers}
         self.peer_buffers: dict[tuple[str, int], torch.Tensor] = {}
-        for name, buf in self.buffers.items():
-            h = symm_mem.rendezvous(buf, group_name)
-            for p in peers:
-                self.peer_buffers[(name, p)] = h.get_buffer(p, tuple(buf.shape), dtype)
+        if self.transport == "host":
+            self._host_memory(group, peers, cols, dtype)
+        else:
+            self._peer_memory(group_name, peers, cols, dtype, device)
+        self.private = {name: torch.empty((2, rows, cols), dtype=dtype, device=device)
+                        for name, rows in plan.private_rows.items()}
         self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
                       for _ in range(plan.stage_slots)]
         self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
         self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in (0, 1)]
         self.watched = watchdog.Watched(self._diagnose)
 
+    def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        """Flags and buffers in symmetric GPU memory, the peers' mapped into this process."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        plan = self.plan
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(group_name)
+        flags = symm_mem.empty((plan.n_flags,), dtype=torch.int32, device=device)
+        flags.zero_()
+        self.buffers = {name: symm_mem.empty((2, rows, cols), dtype=dtype, device=device)
+                        for name, rows in plan.symmetric_rows.items()}
+        torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
+        handle = symm_mem.rendezvous(flags, group_name)
+        self.flag_address = flags.data_ptr()
+        self.peer_flags = {p: handle.get_buffer(p, (plan.n_flags,), torch.int32) for p in peers}
+        self.peer_flag_address = {p: f.data_ptr() for p, f in self.peer_flags.items()}
+        for name, buf in self.buffers.items():
+            h = symm_mem.rendezvous(buf, group_name)
+            for p in peers:
+                self.peer_buffers[(name, p)] = h.get_buffer(p, tuple(buf.shape), dtype)
+
+    def _host_memory(self, group, peers: list[int], cols: int, dtype: torch.dtype) -> None:
+        """Flags and buffer mirrors in host memory shared by the ranks (one machine, no peer access)."""
+        plan = self.plan
+        layout = Layout()
+        layout.add("flags", 4 * plan.n_flags)
+        for name, rows in plan.symmetric_rows.items():
+            layout.add(name, 2 * rows * cols * dtype.itemsize)
+        arena = _arena_for(group, layout.nbytes)  # fresh files: the flags read zero
+        flags_at = layout.offsets["flags"]
+        self.flag_address = arena.device_address(self.rank, flags_at)
+        self.peer_flags = {p: arena.view(p, flags_at, (plan.n_flags,), torch.int32) for p in peers}
+        self.peer_flag_address = {p: arena.device_address(p, flags_at) for p in peers}
+        self.buffers = {}
+        for name, rows in plan.symmetric_rows.items():
+            at = layout.offsets[name]
+            self.buffers[name] = arena.view(self.rank, at, (2, rows, cols), dtype)
+            for p in peers:
+                self.peer_buffers[(name, p)] = arena.view(p, at, (2, rows, cols), dtype)
+
     # -- addressing -------------------------------------------------------------------------
     def _fixed(self, region: Region, parity: int) -> torch.Tensor | None:
-        if region.buf in SYMMETRIC:
+        if region.buf in self.plan.symmetric_rows:
             whole = (self.buffers[region.buf] if region.owner == SELF
                      else self.peer_buffers[(region.buf, region.owner)])
             return whole[parity, region.start:region.stop]
+        if region.buf in self.private:
+            return self.private[region.buf][parity, region.start:region.stop]
         if region.buf == "STAGE":
             return self.stage[region.index][:region.rows]
         return None
@@ -118,11 +196,11 @@ class _Workspace:
         if isinstance(cmd, (Matmul, Reduce)) and side != MAIN:
             raise ValueError(f"{cmd} must run on the caller's stream")
         if isinstance(cmd, WaitFlag):
-            addr = self.peer_flags[cmd.peer].data_ptr() + 4 * cmd.slot
+            addr = self.peer_flag_address[cmd.peer] + 4 * cmd.slot
             delta = cmd.delta
             return lambda tensors, epoch, streams: driver.wait_at_least(addr, epoch + delta, streams[side].cuda_stream)
         if isinstance(cmd, SetFlag):
-            addr = self.flags.data_ptr() + 4 * cmd.slot
+            addr = self.flag_address + 4 * cmd.slot
             return lambda tensors, epoch, streams: driver.write(addr, epoch, streams[side].cuda_stream)
         if isinstance(cmd, Copy):
             dst, src = self._address(cmd.dst, parity), self._address(cmd.src, parity)
@@ -178,7 +256,7 @@ class _Workspace:
                 if not t.is_contiguous():
                     raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
         self.epoch += 1
-        streams = {MAIN: torch.cuda.current_stream(), COMM: self.comm}
+        streams = {MAIN: torch.cuda.current_stream(), COMM: self.comm, PUB: self.pub}
         for step in self.steps[self.epoch % 2]:
             step(tensors, self.epoch, streams)
         done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
@@ -187,7 +265,7 @@ class _Workspace:
 
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""
-        side = torch.cuda.Stream(device=self.flags.device)
+        side = torch.cuda.Stream(device=self.comm.device)
         with torch.cuda.stream(side):
             seen = {p: f.cpu().tolist() for p, f in self.peer_flags.items()}
         stuck = [c for c in self.plan.commands if isinstance(c, WaitFlag)
@@ -204,11 +282,30 @@ class _Workspace:
 
         def release() -> None:
             for c in stuck:
-                addr = self.peer_flags[c.peer].data_ptr() + 4 * c.slot
+                addr = self.peer_flag_address[c.peer] + 4 * c.slot
                 driver.write(addr, epoch + c.delta, side.cuda_stream)
             side.synchronize()
 
         return message, release
+
+
+def host_piece_bytes() -> int:
+    """Target size of a host-staged piece: ``COMPASS_HOST_PIECE_MIB`` or the protocol's default."""
+    mib = os.environ.get("COMPASS_HOST_PIECE_MIB")
+    if not mib:
+        return HOST_PIECE_BYTES
+    try:
+        value = float(mib)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"COMPASS_HOST_PIECE_MIB must be a positive number of MiB, got {mib!r}")
+    return int(value * (1 << 20))
+
+
+def _split(piece_bytes: int) -> int:
+    """Pieces per piece of the schedule: more than one only host-staged (see protocol.host_split)."""
+    return host_split(piece_bytes, host_piece_bytes()) if transport() == "host" else 1
 
 
 def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols: int,
@@ -221,8 +318,6 @@ def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols:
 
 
 def _rank(group_name: str, group_size: int) -> int:
-    from .cpu_impl import resolve_group
-
     return resolve_group(group_name, group_size)[1]
 
 
@@ -233,8 +328,9 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     if group_size == 1:
         return a_shard.clone(), [a_shard @ b for b in bs]
     rank = _rank(group_name, group_size)
-    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device)
-    ws = _workspace(key, lambda: all_gather_plan(schedule, group_size, rank, m, len(bs)), group_name, k,
+    split = _split(m * k * a_shard.element_size())
+    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, split)
+    ws = _workspace(key, lambda: all_gather_plan(schedule, group_size, rank, m, len(bs), split), group_name, k,
                     a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
@@ -251,8 +347,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
         return a @ b
     rank = _rank(group_name, group_size)
     a = a.contiguous()
-    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device)
-    ws = _workspace(key, lambda: reduce_scatter_plan(schedule, group_size, rank, rows // group_size),
+    split = _split(rows // group_size * n * a.element_size())
+    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, split)
+    ws = _workspace(key, lambda: reduce_scatter_plan(schedule, group_size, rank, rows // group_size, split),
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
     ws.run({"A": [a], "W": [b], "OUT": [out]})
@@ -266,7 +363,11 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
-    chunks = all_reduce_chunks(rows, group_size, out_bytes=rows * n * a.element_size())
+    out_bytes = rows * n * a.element_size()
+    if transport() == "host":  # chunks of one host piece per rank, pipelined through host memory
+        chunks = all_reduce_chunks(rows, group_size, 8, out_bytes, group_size * host_piece_bytes())
+    else:
+        chunks = all_reduce_chunks(rows, group_size, out_bytes=out_bytes)
     if schedule != "direct" or not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)

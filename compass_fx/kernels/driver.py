@@ -1,7 +1,7 @@
 """The few CUDA driver calls the fused operators' data movement needs, through ctypes.
 
 Copies between device buffers (a peer's symmetric buffer included: its address is mapped into
-this process) are ``cuMemcpyAsync``, which the copy engines carry; arrival flags are stream
+this process), or between a device and registered host memory, are ``cuMemcpyAsync``, which the copy engines carry; arrival flags are stream
 memory operations (``cuStreamWriteValue32`` fences the stream's earlier writes, then stores;
 ``cuStreamWaitValue32`` holds the stream until a 32-bit value reaches a bound).  None of them
 runs on a multiprocessor, so none can be starved by a GEMM that fills the GPU, and each costs the
@@ -37,6 +37,9 @@ def _lib() -> dict:
         "wait": fn(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
         "write": fn(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
         "error_name": fn(("cuGetErrorName",), [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]),
+        "host_register": fn(("cuMemHostRegister_v2", "cuMemHostRegister"), [_ptr, ctypes.c_size_t, ctypes.c_uint]),
+        "host_device_pointer": fn(("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+                                  [ctypes.POINTER(_u64), _ptr, ctypes.c_uint]),
     }
 
 
@@ -60,3 +63,16 @@ def wait_at_least(addr: int, value: int, stream: int) -> None:
 def write(addr: int, value: int, stream: int) -> None:
     """Once ``stream``'s earlier work is done and visible: store ``value`` at ``addr``."""
     _check(_lib()["write"](stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+
+
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_DEVICEMAP = 0x01, 0x02
+
+
+def host_register(addr: int, nbytes: int) -> int:
+    """Page-lock the host memory at ``addr`` for every context and map it for the device; returns
+    the address a GPU uses for it (DMA for copies, in-place flag reads and writes)."""
+    _check(_lib()["host_register"](addr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP),
+           "cuMemHostRegister")
+    dptr = _u64()
+    _check(_lib()["host_device_pointer"](ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
+    return dptr.value

@@ -46,16 +46,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal, Union
 
-from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule
+from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule, refined
 
-MAIN, COMM = "main", "comm"
-Stream = Literal["main", "comm"]
+MAIN, COMM, PUB = "main", "comm", "pub"
+Stream = Literal["main", "comm", "pub"]
+STREAMS: tuple[str, ...] = (MAIN, COMM, PUB)
 SELF = -1
 
-# Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity): G, P.
+# Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity): G, P,
+# and, in host-staged plans, their host mirrors HG, HP (G and P are then private to the rank).
 # Call tensors: A (left operand), OUT (j-th output for a matmul, else the result), GATHERED.
 # Local scratch: STAGE (received partial sums).
-SYMMETRIC = ("G", "P")
+SYMMETRIC = ("G", "P", "HG", "HP")
+HOST_MIRROR = {"G": "HG", "P": "HP"}
 
 
 @dataclass(frozen=True)
@@ -85,10 +88,14 @@ class WaitFlag:
 
 @dataclass(frozen=True)
 class SetFlag:
-    """Store the call's epoch into this rank's flag ``slot`` once the stream's prior work is done."""
+    """Store the call's epoch into this rank's flag ``slot`` once the stream's prior work is done.
+
+    ``publishes`` names the rows of this rank's symmetric buffer that the flag announces (what a
+    host-staged plan must copy to the host mirror first)."""
 
     stream: Stream
     slot: int
+    publishes: Region | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,8 @@ class Plan:
     world_size: int
     commands: tuple[Command, ...]
     n_flags: int
-    symmetric_rows: dict[str, int] = field(default_factory=dict)  # rows of G / P
+    symmetric_rows: dict[str, int] = field(default_factory=dict)  # rows of G / P (peers read them)
+    private_rows: dict[str, int] = field(default_factory=dict)  # double-buffered, read by no peer
     stage_slots: int = 0
     stage_rows: int = 0
     n_weights: int = 0
@@ -163,18 +171,19 @@ def _framed(cmds: list[Command]) -> tuple[Command, ...]:
 
 
 @lru_cache(maxsize=256)
-def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_weights: int) -> Plan:
+def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_weights: int,
+                    split: int = 1) -> Plan:
     """``GATHERED = all_gather(A)``; ``OUT[j] = GATHERED @ W[j]``, own rows first.
 
     The own block is copied into ``G`` (symmetric) and published; each received piece is pulled
     from the peer the schedule names, once that peer has published it.  A piece that some other
     rank pulls from this one (a ring relay) lands in ``G`` and is published again; others land
-    straight in ``GATHERED``."""
-    sched = all_gather_schedule(schedule, world, rank)
+    straight in ``GATHERED``.  ``split`` cuts every piece further (:func:`.schedules.refined`)."""
+    sched = refined(all_gather_schedule(schedule, world, rank), split)
     parts = sched.parts
     slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
     relayed = {t.piece for other in range(world) if other != rank
-               for s in all_gather_schedule(schedule, world, other).steps
+               for s in refined(all_gather_schedule(schedule, world, other), split).steps
                for t in s.recvs if t.peer == rank and t.piece.block != rank}
     blocks = _equal_blocks(world, block_rows)
     own_lo, own_hi = blocks[rank]
@@ -182,7 +191,8 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     # Host issue order: publish the own block first (the peers wait for it), start the own rows'
     # GEMM next (it needs nothing), then the pulls; the own rows' copy into GATHERED goes last.
     cmds: list[Command] = [Copy(COMM, Region("G", own_lo, own_hi), own)]
-    cmds += [SetFlag(COMM, slot[Piece(rank, p)]) for p in range(parts)]
+    cmds += [SetFlag(COMM, slot[Piece(rank, p)], Region("G", *piece_rows(blocks, parts, Piece(rank, p))))
+             for p in range(parts)]
     cmds += [Matmul(MAIN, Region("OUT", own_lo, own_hi, index=j), own, j) for j in range(n_weights)]
     for step in sched.steps:
         for t in step.recvs:
@@ -190,7 +200,7 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
             cmds.append(WaitFlag(COMM, t.peer, slot[t.piece]))
             if t.piece in relayed:
                 cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
-                         SetFlag(COMM, slot[t.piece]),
+                         SetFlag(COMM, slot[t.piece], Region("G", lo, hi)),
                          Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi))]
             else:
                 cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
@@ -206,15 +216,16 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
 
 
 @lru_cache(maxsize=256)
-def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -> Plan:
+def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int, split: int = 1) -> Plan:
     """``OUT = reduce_scatter(A @ W)`` for this rank's block.
 
     ``P`` (symmetric) holds this rank's partial products, produced in the schedule's order (the
     pieces sent first are computed first), and then its running sums.  A rank publishes a piece
     when the schedule sends it; the receiver pulls it into ``STAGE`` (side stream) and adds it to
     its own partial (caller's stream, after the next piece's GEMM has been issued, so that the
-    ring's chain of additions overlaps the GEMMs); its own block's sum goes to ``OUT``."""
-    sched = reduce_scatter_schedule(schedule, world, rank)
+    ring's chain of additions overlaps the GEMMs); its own block's sum goes to ``OUT``.  ``split``
+    cuts every piece further (:func:`.schedules.refined`)."""
+    sched = refined(reduce_scatter_schedule(schedule, world, rank), split)
     parts = sched.parts
     slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
     recvs = [(i, t) for i, s in enumerate(sched.steps) for t in s.recvs]
@@ -241,7 +252,7 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
             return [WaitEvent(MAIN, f"pulled{last_pull[piece]}"),
                     Reduce(MAIN, Region("OUT", lo - own_lo, hi - own_lo), terms)]
         return [WaitEvent(MAIN, f"pulled{last_pull[piece]}"), Reduce(MAIN, Region("P", lo, hi), terms),
-                SetFlag(MAIN, slot[piece])]
+                SetFlag(MAIN, slot[piece], Region("P", lo, hi))]
 
     cmds: list[Command] = []
     relays = [q for q in sched.order if q in received and q.block != rank]  # sums this rank passes on
@@ -254,7 +265,7 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int) -
         lo, hi = piece_rows(blocks, parts, piece)
         cmds.append(Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)))
         if piece in sent and piece not in received:  # a bare partial product: publish at once
-            cmds.append(SetFlag(MAIN, slot[piece]))
+            cmds.append(SetFlag(MAIN, slot[piece], Region("P", lo, hi)))
         if k == 0:
             cmds += pulls
         # a relayed sum is issued one step of GEMMs after its own partial, so that the caller's
@@ -296,7 +307,7 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
             lo, hi = span(c, b)
             cmds.append(Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)))
             if b != rank:
-                cmds.append(SetFlag(MAIN, c * world + b))
+                cmds.append(SetFlag(MAIN, c * world + b, Region("P", lo, hi)))
         lo, hi = span(c, rank)
         for n, peer in enumerate(peers):
             cmds += [WaitFlag(COMM, peer, c * world + rank),
@@ -308,7 +319,7 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
         stages = tuple(Region("STAGE", 0, block, index=c * len(peers) + n) for n in range(len(peers)))
         cmds: list[Command] = [WaitEvent(MAIN, f"pulled{c}"),
                                Reduce(MAIN, Region("P", lo, hi), (Region("P", lo, hi), *stages)),
-                               SetFlag(MAIN, world * chunks + c), Record(MAIN, f"reduced{c}"),
+                               SetFlag(MAIN, world * chunks + c, Region("P", lo, hi)), Record(MAIN, f"reduced{c}"),
                                WaitEvent(COMM, f"reduced{c}"), Copy(COMM, Region("OUT", lo, hi), Region("P", lo, hi))]
         for peer in peers:
             plo, phi = span(c, peer)
@@ -331,15 +342,66 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
 CHUNK_BYTES = 32 << 20  # about one chunk per 32 MiB of output, at most 4 (see all_reduce_chunks)
 
 
-def all_reduce_chunks(rows: int, world: int, wanted: int = 4, out_bytes: int | None = None) -> int:
+def all_reduce_chunks(rows: int, world: int, wanted: int = 4, out_bytes: int | None = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> int:
     """The largest chunk count <= ``wanted`` that splits ``rows`` into equal blocks per rank.
 
     With ``out_bytes``, fewer chunks for small outputs: every chunk adds a few flag round trips
     (on 2 H200s four chunks lost to one at 16 MiB, 0.37 against 0.24 ms, and won at 128 MiB,
     1.65 against 1.71 ms)."""
     if out_bytes is not None:
-        wanted = max(1, min(wanted, out_bytes // CHUNK_BYTES))
+        wanted = max(1, min(wanted, out_bytes // chunk_bytes))
     for c in range(wanted, 0, -1):
         if rows % (world * c) == 0:
             return c
     return 0
+
+
+def host_staged(plan: Plan) -> Plan:
+    """``plan`` for GPUs that cannot read each other's memory: peers meet in pinned host memory.
+
+    Each symmetric buffer (G, P) becomes private device memory with a host mirror (HG, HP) that
+    the peers read.  Every ``SetFlag`` first copies the rows it announces to the mirror, on a third
+    stream (``PUB``) that waits only for an event of this rank, so a publication never queues
+    behind a wait for a peer (the deadlock argument above carries over unchanged); every pull
+    from a peer reads the peer's mirror.  Both copies are DMA through the copy engines, so the
+    GEMMs keep every multiprocessor, and the flags live in the host memory as well.  The caller's
+    stream waits for ``PUB`` at the end of the call, which keeps the double-buffering argument:
+    nothing of call ``e + 2`` overwrites a private buffer before call ``e``'s mirror copies read it."""
+    cmds: list[Command] = []
+    for cmd in plan.commands[:-1]:  # the last command is the caller's wait for the side stream
+        if isinstance(cmd, SetFlag):
+            if cmd.publishes is None or cmd.publishes.buf not in HOST_MIRROR:
+                raise ValueError(f"{plan.op}: {cmd} announces no symmetric rows to stage")
+            src = cmd.publishes
+            mirror = Region(HOST_MIRROR[src.buf], src.start, src.stop)
+            event = f"publish{cmd.slot}"
+            cmds += [Record(cmd.stream, event), WaitEvent(PUB, event), Copy(PUB, mirror, src),
+                     SetFlag(PUB, cmd.slot, mirror)]
+        elif isinstance(cmd, Copy) and cmd.src.owner != SELF:
+            src = cmd.src
+            cmds.append(Copy(cmd.stream, cmd.dst, Region(HOST_MIRROR[src.buf], src.start, src.stop, src.owner)))
+        else:
+            cmds.append(cmd)
+    cmds += [Record(PUB, "published"), WaitEvent(MAIN, "published"), plan.commands[-1]]
+    mirrors = {HOST_MIRROR[b]: n for b, n in plan.symmetric_rows.items()}
+    return Plan(plan.op, plan.rank, plan.world_size, tuple(cmds), plan.n_flags, mirrors,
+                {**plan.private_rows, **plan.symmetric_rows}, plan.stage_slots, plan.stage_rows,
+                plan.n_weights, plan.slot_names)
+
+
+HOST_PIECE_BYTES = 4 << 20  # host-staged pieces of about 4 MiB (see host_split)
+HOST_MOST_PIECES = 8
+
+
+def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOST_MOST_PIECES) -> int:
+    """Into how many pieces host-staged transport cuts a piece of ``piece_bytes`` (a power of two).
+
+    Through host memory every byte crosses PCIe twice, device -> host -> peer; cut into pieces,
+    the second crossing of one piece overlaps the first of the next, and the GEMM starts on the
+    first piece instead of the whole block.  Each piece costs a flag round trip through host
+    memory (tens of microseconds), hence pieces of a few MiB."""
+    split = 1
+    while split * 2 <= most and piece_bytes // (split * 2) >= target:
+        split *= 2
+    return split

@@ -20,7 +20,7 @@ travel the ring in opposite directions so both directions of every link carry da
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -182,3 +182,23 @@ def reduce_scatter_schedule(schedule: str, world_size: int, rank: int) -> Schedu
             order.append(sent)
         order.append(Piece(r, 0))
     return Schedule("reduce_scatter", schedule, w, r, parts_of(schedule), tuple(steps), tuple(order))
+
+
+def refined(sched: Schedule, split: int) -> Schedule:
+    """``sched`` with every piece cut into ``split`` consecutive pieces that travel in the same
+    step, one after another: a pipeline inside each transfer (host-staged, one piece's copy to the
+    host overlaps the previous piece's copy to the peer, and the GEMM starts on the first piece)."""
+    if split < 1:
+        raise ValueError(f"split must be >= 1, got split={split}")
+    if split == 1:
+        return sched
+
+    def cut(piece: Piece) -> tuple[Piece, ...]:
+        return tuple(Piece(piece.block, piece.part * split + i) for i in range(split))
+
+    def transfers(ts: tuple[Transfer, ...]) -> tuple[Transfer, ...]:
+        return tuple(Transfer(q, t.peer) for t in ts for q in cut(t.piece))
+
+    return replace(sched, parts=sched.parts * split,
+                   steps=tuple(Step(transfers(s.sends), transfers(s.recvs)) for s in sched.steps),
+                   order=tuple(q for p in sched.order for q in cut(p)))

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from .protocol import (COMM, MAIN, SELF, SYMMETRIC, Copy, Matmul, Plan, Record, Reduce, Region,
-                       SetFlag, WaitEvent, WaitFlag)
+from .protocol import (SELF, STREAMS, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
+                       WaitEvent, WaitFlag)
 
 
 class Deadlock(RuntimeError):
@@ -38,15 +38,15 @@ class _Call:
 
 @dataclass
 class RankState:
-    """One simulated GPU: flags, double-buffered symmetric buffers (with per-row epoch tags),
-    scratch, stream queues and recorded events."""
+    """One simulated GPU: flags, double-buffered symmetric and private buffers (with per-row epoch
+    tags), scratch, stream queues and recorded events."""
 
     rank: int
     flags: list[int]
     symmetric: dict[str, list[torch.Tensor]]
     tags: dict[str, list[torch.Tensor]]
     stage: list[torch.Tensor]
-    queues: dict[str, list[tuple[_Call, object]]] = field(default_factory=lambda: {MAIN: [], COMM: []})
+    queues: dict[str, list[tuple[_Call, object]]] = field(default_factory=lambda: {s: [] for s in STREAMS})
     events: dict[str, int] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # free for extra command handlers
 
@@ -66,10 +66,11 @@ class Simulator:
         self.handlers = {WaitFlag: _wait_flag, SetFlag: _set_flag, Copy: _copy, Matmul: _matmul,
                          Reduce: _reduce, Record: _record, WaitEvent: _wait_event, **(handlers or {})}
         p = plans[0]
+        rows = {**p.symmetric_rows, **p.private_rows}
         self.ranks = [RankState(
             r, [0] * p.n_flags,
-            {b: [torch.zeros(n, cols, dtype=torch.float64) for _ in range(2)] for b, n in p.symmetric_rows.items()},
-            {b: [torch.zeros(n, dtype=torch.long) for _ in range(2)] for b, n in p.symmetric_rows.items()},
+            {b: [torch.zeros(n, cols, dtype=torch.float64) for _ in range(2)] for b, n in rows.items()},
+            {b: [torch.zeros(n, dtype=torch.long) for _ in range(2)] for b, n in rows.items()},
             [torch.zeros(p.stage_rows, cols, dtype=torch.float64) for _ in range(p.stage_slots)])
             for r in range(self.world)]
 
@@ -83,7 +84,7 @@ class Simulator:
         n = len(calls)
         while True:
             hosts = [st for st in self.ranks if issued[st.rank] < n]
-            actions = [(s, st) for st in self.ranks for s in (MAIN, COMM) if st.queues[s]]
+            actions = [(s, st) for st in self.ranks for s in STREAMS if st.queues[s]]
             actions += [("issue", st) for st in hosts if self.rng.random() > lateness]
             self.rng.shuffle(actions)
             if not any(self._step(what, st, issued, calls) for what, st in actions):
@@ -109,18 +110,20 @@ class Simulator:
         return False
 
     def _busy(self) -> bool:
-        return any(st.queues[s] for st in self.ranks for s in (MAIN, COMM))
+        return any(st.queues[s] for st in self.ranks for s in STREAMS)
 
     def _describe(self) -> str:
         heads = [f"rank {st.rank} {s}: call {st.queues[s][0][0].epoch} {st.queues[s][0][1]}"
-                 for st in self.ranks for s in (MAIN, COMM) if st.queues[s]]
+                 for st in self.ranks for s in STREAMS if st.queues[s]]
         flags = [f"rank {st.rank} flags {st.flags}" for st in self.ranks]
         return "no command can run:\n  " + "\n  ".join(heads + flags)
 
     # -- addressing ------------------------------------------------------------------------
     def view(self, st: RankState, region: Region, call: _Call, *, reading: bool) -> torch.Tensor:
         owner = self.ranks[st.rank if region.owner == SELF else region.owner]
-        if region.buf in SYMMETRIC:
+        if region.owner != SELF and region.buf not in self.plans[owner.rank].symmetric_rows:
+            raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
+        if region.buf in owner.symmetric:
             parity = call.epoch % self.buffers
             tags = owner.tags[region.buf][parity][region.start:region.stop]
             if reading and bool((tags != call.epoch).any()):
@@ -129,8 +132,6 @@ class Simulator:
             if not reading:
                 tags.fill_(call.epoch)
             return owner.symmetric[region.buf][parity][region.start:region.stop]
-        if region.owner != SELF:
-            raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
         if region.buf == "STAGE":
             return st.stage[region.index][:region.rows]
         tensor = call.tensors[region.buf][region.index]

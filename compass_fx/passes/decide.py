@@ -28,7 +28,7 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
     if options.strategy == "fuse":
         return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
     fused = _fused_schedules(pair) if options.auto_fuse else ()
-    return select(pair.workload(), topology, fused_schedules=fused)  # none where GPUs lack peer access
+    return select(pair.workload(), topology, fused_schedules=fused)  # "direct" only, host-staged
 
 
 def _fused_schedules(pair: Pair) -> tuple[str, ...]:
