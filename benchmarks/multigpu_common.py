@@ -556,6 +556,52 @@ def strategy_fn(kind: str, label: str, world: int, group: str) -> Callable[[torc
     raise ValueError(f"unknown strategy label {label!r}")
 
 
+class PairGraph(torch.nn.Module):
+    """One pair as a model would trace it: functional collective + wait + mm, so that
+    ``backend="compass"`` finds it and rewrites it exactly as in a real graph."""
+
+    def __init__(self, kind: str, world: int, group: str) -> None:
+        super().__init__()
+        self.kind, self.world, self.group = kind, world, group
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.kind == "all_gather_matmul":
+            return _wait(_ag(a, self.world, self.group)) @ b
+        if self.kind == "matmul_reduce_scatter":
+            return _wait(_rs(a @ b, self.world, self.group))
+        return _wait(_ar(a @ b, self.group))
+
+
+def lowered_options(label: str) -> dict:
+    """backend="compass" options that force the strategy ``label`` names."""
+    if label == "sequential":
+        return {"strategy": "off"}
+    if label.startswith("decompose(d="):
+        return {"strategy": "decompose", "chunks": int(label.split("=")[1].rstrip(")"))}
+    if label.startswith("fuse("):
+        return {"strategy": "fuse", "schedule": label[5:-1]}
+    raise ValueError(f"unknown strategy label {label!r}")
+
+
+def lowered_fn(kind: str, label: str, world: int, group: str, inner: str = "eager"
+               ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Callable[[], list[str]]]:
+    """The pair run as compass_fx's own rewrite emits it for strategy ``label`` (``torch.compile``
+    with backend="compass" forcing that strategy, ``inner`` compiling the result), and a function
+    that returns what the compiler did with the pair once it has been called (e.g. "rewritten
+    decompose(4)" or "left alone ...": a forced strategy the pair cannot take shows there)."""
+    import compass_fx
+
+    torch._dynamo.reset()
+    compiled = torch.compile(PairGraph(kind, world, group), backend="compass", dynamic=False,
+                             options={**lowered_options(label), "inner": inner})
+    before = len(compass_fx.backend.history)
+
+    def outcome() -> list[str]:
+        return [f"{p.status} {p.strategy}({p.schedule if p.strategy == 'fuse' else p.parts})" + (f": {p.reason}" if p.status != "rewritten" else "")
+                for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
+    return compiled, outcome
+
+
 def pair_operands(kind: str, m: int, n: int, k: int, world: int, rank: int, dtype: torch.dtype,
                   device: torch.device, seed: int = 0, requires_grad: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:

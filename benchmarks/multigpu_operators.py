@@ -5,7 +5,9 @@ token counts x group sizes x Llama-3 8B/70B widths) supplies the shapes.
 
 For every configuration every candidate is measured — sequential (NCCL then cuBLAS), InterDecom(d)
 for each feasible d in {2, 4, ..., 64} and the cost model's d, IntraFusion with each fused schedule
-this device has — plus PyTorch's own ``torch.ops.symm_mem.fused_all_gather_matmul`` /
+this device has, each as compass_fx's own rewrite emits it (a one-pair graph compiled with
+``backend="compass"`` and the strategy forced; ``--through hand`` measures the benchmark's own
+InterDecom instead; the JSON records what the compiler did with each) — plus PyTorch's own ``torch.ops.symm_mem.fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter`` as a baseline column, the GEMM alone and the collective alone.
 Reported: the cost model's pick, the best measured candidate, the hit rate (pick within 3% of the
 best; goal >= 95%), the worst regression of the pick against sequential (goal <= 2%), the model's
@@ -58,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="default 5 (1 with --dry-run)")
     p.add_argument("--repeats", type=int, default=None, help="default 25 (2 with --dry-run)")
     p.add_argument("--no-symm-mem", action="store_true", help="leave out PyTorch's symm_mem fused ops")
+    p.add_argument("--through", default="lowering", choices=("lowering", "hand"),
+                   help="lowering (default): each strategy as compass_fx's rewrite emits it (torch.compile, "
+                        "backend='compass', the strategy forced); hand: the benchmark's own InterDecom")
+    p.add_argument("--inner", default="eager", help="compiler of the rewritten graphs with --through lowering "
+                                                     "(default eager: one pair has nothing for Inductor to fuse)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.dry_run else "bfloat16")
     args.scale = args.scale or (64 if args.dry_run else 1)
@@ -107,10 +114,18 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
         labels.append(decision.label)
     a, b = mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=cfg["tokens"])
     times, errors = {}, {}
+    lowered: dict[str, list[str]] = {}
     with torch.no_grad():
         for label in labels:
-            fn = mc.strategy_fn(kind, label, ctx.world, ctx.group_name)
+            if args.through == "lowering":
+                fn, outcome = mc.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
+            else:
+                fn, outcome = mc.strategy_fn(kind, label, ctx.world, ctx.group_name), None
             t, err = mc.guarded(ctx, label, lambda: mc.time_fn(ctx, lambda: fn(a, b), args.warmup, args.repeats))
+            if outcome is not None:
+                lowered[label] = outcome()
+                if label != "sequential" and not any(o.startswith("rewritten") for o in lowered[label]):
+                    err = err or f"the rewrite did not apply: {lowered[label]}"
             if err:
                 errors[label] = err
             else:
@@ -132,7 +147,8 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
                                  "error": errors.get(lbl)} for lbl in labels},
                gemm_s=gemm_s, comm_s=comm_s, comm_fraction=comm_s / (comm_s + gemm_s),
                pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_d, d_star=decision.d_star,
-               predicted_sequential_s=predicted.get("sequential"), **baseline)
+               predicted_sequential_s=predicted.get("sequential"), through=args.through, lowered=lowered,
+               **baseline)
     seq = times.get("sequential")
     pick_s = times.get(decision.label)
     if times:

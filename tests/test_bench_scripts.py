@@ -28,7 +28,10 @@ def _run(script: str, out: Path, *extra: str) -> dict:
     data = json.loads(jpath.read_text())
     assert data["benchmark"] == name and data["worlds"] == [2]
     assert data["environment"]["dry_run"] is True
-    assert data["environment"]["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    env = data["environment"]["env"]  # the regime's settings are recorded with every result
+    assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                   "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
+                   "COMPASS_FUSED_TRANSPORT": os.environ.get("COMPASS_FUSED_TRANSPORT")}
     return data
 
 
