@@ -85,3 +85,10 @@ def test_plan_says_where_its_numbers_come_from_and_prices_what_auto_uses(capsys,
     out, err = capsys.readouterr()
     assert "auto_fuse=True" in err
     assert any(label.startswith("fuse") for pair in json.loads(out)["pairs"] for label in pair["candidates"])
+    # without peer access 'auto' prices the fused operators (through host memory) by default, and says so
+    assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--json", "--no-png",
+               "--topology", "h200-host-staged-8") == 0
+    out, err = capsys.readouterr()
+    assert "where the GPUs lack peer access" in err
+    labels = {label for pair in json.loads(out)["pairs"] for label in pair["candidates"]}
+    assert {label for label in labels if label.startswith("fuse")} == {"fuse(direct)"}

@@ -118,3 +118,18 @@ def test_layer_plan_table():
     assert lp.planned_s <= lp.sequential_s and lp.speedup >= 1
     text = format_layer_plan(lp)
     assert "mlp.w1+w3" in text and "speedup" in text and "on a6000-nvlink-pairs-pcie-8" in text
+
+
+def test_auto_prices_fused_operators_by_default_only_without_peer_access():
+    """auto_fuse=None (default): the fused operators are candidates where the group's GPUs lack
+    peer access (host-staged transport), not on NVLink; True / False override; bad values fail."""
+    from compass_fx import check_options
+    from compass_fx.passes.decide import auto_fuse
+
+    assert auto_fuse(None, 2, "h200-host-staged-8") and auto_fuse(None, 8, "h200-host-staged-8")
+    assert not auto_fuse(None, 2, "h200-nvswitch-8")
+    assert not auto_fuse(None, 1, "h200-host-staged-8")  # a group of one moves nothing
+    assert not auto_fuse(None, 16, "h200-host-staged-8")  # across machines: no shared host memory
+    assert auto_fuse(True, 2, "h200-nvswitch-8") and not auto_fuse(False, 2, "h200-host-staged-8")
+    with pytest.raises(ValueError, match="auto_fuse"):
+        check_options({"auto_fuse": "yes"})

@@ -35,18 +35,28 @@ def _schedules(text: str) -> tuple[str, ...]:
     return _names(SCHEDULES)(text)
 
 
-def provenance(fused: tuple[str, ...]) -> str:
-    """Where the predictions come from, and what was priced: one line for the output."""
+def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
+    """Where the predictions come from, and what was priced: one line for the output.  ``staged``:
+    some GPU group planned has no peer access (where 'auto' prices the fused operators by default)."""
     from .gpus import CALIBRATION_ENV, _calibration_path
 
     path = _calibration_path()
     constants = (f"GPU constants from the calibration file {path}" if path is not None else
                  f"GPU constants from datasheets, not measured on this machine (run compass-fx calibrate "
                  f"on a GPU and set {CALIBRATION_ENV} to the file it writes)")
-    priced = (f"fused operators priced ({', '.join(fused)}): strategy='auto' uses them only with "
-              f"auto_fuse=True" if fused else "fused operators not priced (as strategy='auto' by default; "
-              "--fused all to include them)")
+    if fused is None and staged:
+        priced = ("fused operators priced where the GPUs lack peer access (through host memory), as "
+                  "strategy='auto' does by default; elsewhere not (--fused all to include them)")
+    elif fused is None or not fused:
+        priced = "fused operators not priced (as strategy='auto' by default with peer access; --fused all to include them)"
+    else:
+        priced = (f"fused operators priced ({', '.join(fused)}): with peer access strategy='auto' uses them "
+                  f"only with auto_fuse=True")
     return f"note: {constants}; {priced}"
+
+
+def _staged(topology: Topology, group_size: int) -> bool:
+    return group_size <= topology.num_gpus and topology.host_copy(group_size) is not None
 
 
 def _topology(text: str) -> Topology:
@@ -74,7 +84,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
-    print(f"compass-fx plan: {provenance(args.fused)}", file=sys.stderr)
+    print(f"compass-fx plan: {provenance(args.fused, _staged(topo, args.tp))}", file=sys.stderr)
     if args.no_png:
         return 0
     views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
@@ -116,7 +126,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     text = format_summary(summary)
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
-    print(f"compass-fx sweep: {provenance(args.fused)}", file=sys.stderr)
+    staged = any(_staged(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
+    print(f"compass-fx sweep: {provenance(args.fused, staged)}", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
     return 0
 
@@ -219,9 +230,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     p.add_argument("--topology", type=_topology, default="h200-nvswitch-8",
                    help=f"a preset ({', '.join(Topology.presets())}) or a JSON/YAML file")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--fused", type=_schedules, default=(),
-                   help="fused schedules to price, comma-separated, 'all' or 'none' (default: none, as "
-                        "strategy='auto' without auto_fuse)")
+    p.add_argument("--fused", type=_schedules, default=None,
+                   help="fused schedules to price, comma-separated, 'all' or 'none' (default: as "
+                        "strategy='auto': only where the GPUs lack peer access)")
     p.add_argument("--backward", action="store_true", help="also plan the backward pass's pairs")
     p.add_argument("--no-sequence-parallel", action="store_true", help="plain TP: all-reduce after row-parallel GEMMs")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -241,8 +252,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     s.add_argument("--kinds", type=_names(PAIR_KINDS), default=PAIR_KINDS)
     s.add_argument("--tokens", type=positive_ints, default=DEFAULT_TOKENS)
     s.add_argument("--group-sizes", type=positive_ints, default=DEFAULT_GROUPS)
-    s.add_argument("--fused", type=_schedules, default=(),
-                   help="fused schedules to price: comma-separated, 'all' or 'none' (default: none, as 'auto')")
+    s.add_argument("--fused", type=_schedules, default=None,
+                   help="fused schedules to price: comma-separated, 'all' or 'none' (default: as 'auto': only "
+                        "where the GPUs lack peer access)")
     s.add_argument("--out-dir", default="compass-sweep", help="where sweep.csv and the summary go")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_sweep)

@@ -107,7 +107,7 @@ class LayerPlan:
 
 def plan_layer(model: str, tp: int, tokens: int, topology: Topology, *, dtype: str = "bfloat16",
                sequence_parallel: bool = True, backward: bool = False,
-               fused_schedules: tuple[str, ...] = SCHEDULES) -> LayerPlan:
+               fused_schedules: tuple[str, ...] | None = SCHEDULES) -> LayerPlan:
     """Plan every pair of one layer on ``topology``."""
     rows = tuple((name, wl, plan(wl, topology, fused_schedules=fused_schedules))
                  for name, wl in layer_workloads(model, tp, tokens, dtype, sequence_parallel, backward))

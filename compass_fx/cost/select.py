@@ -85,7 +85,20 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
 
 
 def plan(workload: Workload, topology: "Topology | str | None" = None, *,
-         fused_schedules: tuple[str, ...] = SCHEDULES) -> Decision:
+         fused_schedules: tuple[str, ...] | None = SCHEDULES) -> Decision:
     """What-if planning without a graph (CLI, benchmarks, reports): like :func:`select`, but by
-    default with every fused schedule, i.e. the whole framework of the paper."""
+    default with every fused schedule, i.e. the whole framework of the paper; ``None``: what
+    strategy='auto' prices by default (:func:`fuses_by_default`)."""
+    if fused_schedules is None:
+        topo = Topology.resolve(topology) if topology is not None else Topology.default()
+        fused_schedules = SCHEDULES if fuses_by_default(topo, workload.group_size) else ()
     return select(workload, topology, fused_schedules=fused_schedules)
+
+
+def fuses_by_default(topology: Topology, group_size: int) -> bool:
+    """Whether strategy='auto' prices the fused operators without ``auto_fuse``: only where the
+    group's GPUs lack peer access, where their host-staged transport (copy engines through pinned
+    host memory) was measured 1.07-1.6x faster per pair than NCCL + cuBLAS on 2 H200s
+    (benchmarks/results/fused_ops-h200x2-hoststaged.json); on peer links their gain is smaller and
+    they stay opt-in."""
+    return 1 < group_size <= topology.num_gpus and topology.host_copy(group_size) is not None

@@ -45,7 +45,7 @@ class SweepConfig:
     kinds: Sequence[str] = PAIR_KINDS
     tokens: Sequence[int] = DEFAULT_TOKENS
     group_sizes: Sequence[int] = DEFAULT_GROUPS
-    fused_schedules: tuple[str, ...] = SCHEDULES
+    fused_schedules: tuple[str, ...] | None = SCHEDULES
 
     def size(self) -> int:
         return len(self.topologies) * len(self.models) * len(self.kinds) * len(self.tokens) * len(self.group_sizes)

@@ -1,7 +1,8 @@
 """Turn the user's options and the cost model's advice into one Decision per pair."""
 from __future__ import annotations
 
-from ..cost import Decision, select
+from ..cost import Decision, Topology, select
+from ..cost.select import fuses_by_default
 from ..options import CompassOptions
 from .pairs import Pair
 
@@ -27,19 +28,13 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
     if options.strategy == "fuse":
         return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
-    fused = _fused_schedules(pair) if options.auto_fuse else ()
+    fused = _fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
     return select(pair.workload(), topology, fused_schedules=fused)  # "direct" only, host-staged
 
 
-def _fused_schedules(pair: Pair) -> tuple[str, ...]:
-    """Fused schedules the cost model may choose for this pair: real implementations on GPUs only.
-
-    On CPU the fused operators are a correct reference (point-to-point messages), not a fast path,
-    so "auto" never picks them there; ``strategy="fuse"`` still forces them anywhere.
-    """
-    val = (pair.logical if pair.logical is not None else pair.reduced).meta.get("val")
-    if val is None or val.device.type != "cuda":
-        return ()
-    from ..kernels import fused_schedules_available
-
-    return fused_schedules_available("cuda", val.dtype)
+def auto_fuse(option: bool | None, group_size: int, topology: object | None = None) -> bool:
+    """Whether "auto" may price the fused operators: as the option says, else the default rule."""
+    if option is not None:
+        return option
+    topo = Topology.default() if topology is None else Topology.resolve(topology)
+    return fuses_by_default(topo, group_size)
