@@ -391,7 +391,9 @@ def guarded(ctx: Ctx, what: str, fn: Callable[[], Any]) -> tuple[Any, str | None
     try:
         result, err = fn(), None
     except Exception as e:  # noqa: BLE001
-        result, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        said = " ... ".join(dict.fromkeys([lines[0], lines[-1]])) if lines else ""  # a wrapper's first line, the cause's last
+        result, err = None, f"{type(e).__name__}: {said}"[:500]
         if os.environ.get("COMPASS_BENCH_TRACEBACK"):
             traceback.print_exc()
     if not all_ok(ctx, err is None):
