@@ -38,3 +38,17 @@ def auto_fuse(option: bool | None, group_size: int, topology: object | None = No
         return option
     topo = Topology.default() if topology is None else Topology.resolve(topology)
     return fuses_by_default(topo, group_size)
+
+
+def _fused_schedules(pair: Pair) -> tuple[str, ...]:
+    """Fused schedules the cost model may choose for this pair: real implementations on GPUs only.
+
+    On CPU the fused operators are a correct reference (point-to-point messages), not a fast path,
+    so "auto" never picks them there; ``strategy="fuse"`` still forces them anywhere.
+    """
+    val = (pair.logical if pair.logical is not None else pair.reduced).meta.get("val")
+    if val is None or val.device.type != "cuda":
+        return ()
+    from ..kernels import fused_schedules_available
+
+    return fused_schedules_available("cuda", val.dtype)
