@@ -132,6 +132,7 @@ class _Workspace:
                         for name, rows in plan.symmetric_rows.items()}
         torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
         handle = symm_mem.rendezvous(flags, group_name)
+        self.memory = (flags, handle)  # the addresses below stay valid only while these live
         self.flag_address = flags.data_ptr()
         self.peer_flags = {p: handle.get_buffer(p, (plan.n_flags,), torch.int32) for p in peers}
         self.peer_flag_address = {p: f.data_ptr() for p, f in self.peer_flags.items()}
@@ -148,6 +149,7 @@ class _Workspace:
         for name, rows in plan.symmetric_rows.items():
             layout.add(name, 2 * rows * cols * dtype.itemsize)
         arena = _arena_for(group, layout.nbytes)  # fresh files: the flags read zero
+        self.memory = arena  # the addresses below stay valid only while the mappings live
         flags_at = layout.offsets["flags"]
         self.flag_address = arena.device_address(self.rank, flags_at)
         self.peer_flags = {p: arena.view(p, flags_at, (plan.n_flags,), torch.int32) for p in peers}
