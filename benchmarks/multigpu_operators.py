@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="default 5 (1 with --dry-run)")
     p.add_argument("--repeats", type=int, default=None, help="default 25 (2 with --dry-run)")
     p.add_argument("--no-symm-mem", action="store_true", help="leave out PyTorch's symm_mem fused ops")
+    p.add_argument("--pick-fused", default="auto", choices=("auto", "all"),
+                   help="auto (default): the model's pick prices the fused operators only where strategy='auto' "
+                        "does by default (no peer access); all: everywhere (as auto_fuse=True)")
     p.add_argument("--through", default="lowering", choices=("lowering", "hand"),
                    help="lowering (default): each strategy as compass_fx's rewrite emits it (torch.compile, "
                         "backend='compass', the strategy forced); hand: the benchmark's own InterDecom")
@@ -97,12 +100,16 @@ def configurations(args, world: int) -> list[dict]:
 
 def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     from compass_fx.cost import Workload, plan
+    from compass_fx.cost.select import fuses_by_default
 
     kind, m, n, k = cfg["kind"], cfg["m"], cfg["n"], cfg["k"]
     dtype = DTYPES[args.dtype]
     wl = Workload(kind, m, n, k, args.dtype, ctx.world)
-    decision = plan(wl, topo, fused_schedules=fused)
-    predicted = {c.label: c.seconds for c in decision.candidates}
+    priced = plan(wl, topo, fused_schedules=fused)  # every candidate measured here, for the prediction errors
+    # the pick is strategy='auto''s: fused operators only where it prices them by default (or --pick-fused all)
+    by_default = fuses_by_default(topo, ctx.world) or args.pick_fused == "all"
+    decision = priced if by_default else plan(wl, topo, fused_schedules=())
+    predicted = {c.label: c.seconds for c in priced.candidates}
     decs = [c for c in decision.candidates if c.strategy == "decompose"]
     model_d = min(decs, key=lambda c: c.seconds).parts if decs else None
 
