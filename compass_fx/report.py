@@ -31,6 +31,7 @@ class PairRecord:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     topology: str | None = None
     calibration: str | None = None         # the calibration file that priced the decision, if any
+    gemm_dtype: str | None = None          # the matmuls' dtype when it differs from dtype (float8)
     d_star: float | None = None            # the decomposition model's continuous optimum sqrt(C/A)
     coefficients: list[float] | None = None  # A, B, C of T(d) = A*d + B + C/d
 

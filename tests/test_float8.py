@@ -1,5 +1,6 @@
 """Float8 pairs (tensorwise ``_scaled_mm``) on real gloo ranks: found, decomposed, equal to eager;
-row-wise scales left alone with the reason.  Forward graphs only so far (issue 13 continues).
+row-wise scales left alone with the reason; float8 GEMMs priced at the float8 rate.  Forward
+graphs only so far (issue 13 continues).
 
 Tolerance: a decomposed part multiplies the very same float8 rows with the same scales, so each
 output element is the same dot product as in eager; only the bf16 output's rounding and the
@@ -75,7 +76,8 @@ def _run(rank: int, world: int, kind: str, rowwise: bool, options: dict | None =
     pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
     skips = [s.reason for r in list(compass_fx.backend.history)[before:] for s in r.skipped]
     return {"pairs": [(p.kind, p.status, p.strategy, p.parts) for p in pairs], "skipped": skips,
-            "reasons": [p.reason for p in pairs]}
+            "reasons": [p.reason for p in pairs], "gemm_dtypes": [p.gemm_dtype for p in pairs],
+            "dtypes": [p.dtype for p in pairs], "shapes": [(p.m, p.n, p.k, p.group_size) for p in pairs]}
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
@@ -83,6 +85,25 @@ def test_tensorwise_float8_pairs_are_decomposed_and_equal_eager(ranks, kind):
     res = ranks(2).run(_run, 2, kind, False)[0]
     assert res["pairs"] == [(f"{kind}_matmul" if kind == "all_gather" else "matmul_reduce_scatter",
                              "rewritten", "decompose", 2)], res
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_the_cost_model_prices_float8_gemms_at_the_float8_rate(ranks, kind):
+    """The bf16 tensor travels, the GEMM runs in float8: the pair's workload says both, and the
+    sequential GEMM is priced at about half the bf16 time at a large size of the same shape."""
+    from compass_fx.cost import Topology, Workload, gemm_seconds, sequential_seconds
+
+    res = ranks(2).run(_run, 2, kind, False, {"inner": "eager", "strategy": "auto"})[0]
+    assert res["dtypes"] == ["bfloat16"] and res["gemm_dtypes"] == ["float8_e4m3fn"], res
+    (m, n, k, g), = res["shapes"]
+    big = dict(kind=f"{kind}_matmul" if kind == "all_gather" else "matmul_reduce_scatter",
+               m=m * 512, n=n * 128, k=k * 128, group_size=g)
+    topo = Topology.preset("h200-nvswitch-8")
+    bf16 = sequential_seconds(Workload(**big), topo)
+    f8 = sequential_seconds(Workload(**big, gemm_dtype="float8_e4m3fn"), topo)
+    gemm_bf16 = gemm_seconds(big["m"], big["n"], big["k"], "bfloat16", "H200")
+    # the same collective either way: the difference is the GEMM's, at about half the bf16 time
+    assert 0.3 < 1 + (f8 - bf16) / gemm_bf16 < 0.7
 
 
 def test_rowwise_float8_scales_of_a_local_operand_split_with_its_rows(ranks):

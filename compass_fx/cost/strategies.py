@@ -63,7 +63,7 @@ def gemm_shapes(w: Workload) -> tuple[tuple[int, int], ...]:
 
 
 def _gemms_seconds(w: Workload, rows: int, topo: Topology, comm_sms: int = 0, comm_rate: float = 0.0) -> float:
-    return sum(overlapped_gemm_time(rows, n, k, w.dtype, topo.gpu, comm_sms, comm_rate).seconds
+    return sum(overlapped_gemm_time(rows, n, k, w.matmul_dtype, topo.gpu, comm_sms, comm_rate).seconds
                for n, k in gemm_shapes(w))
 
 

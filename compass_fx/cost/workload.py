@@ -19,6 +19,9 @@ class Workload:
     a gather's GEMMs when they differ (q, k, v projections: n = q + k + v, extra_n = (k, v));
     without it the launches are taken as equal.  ``feasible_parts`` lists the part counts the
     graph allows (each divides the split dimension); None means every divisor of the local row count.
+    ``gemm_dtype`` is the matmuls' operand dtype when it differs from ``dtype``, what travels (a
+    float8 ``_scaled_mm`` after a bf16 gather, or producing the bf16 sum a reduce-scatter moves):
+    the GEMMs are priced at its rate (float8: about twice bf16's on Hopper).
     """
 
     kind: str
@@ -30,6 +33,12 @@ class Workload:
     matmuls: int = 1
     feasible_parts: tuple[int, ...] | None = None
     extra_n: tuple[int, ...] = field(default=())
+    gemm_dtype: str | None = None
+
+    @property
+    def matmul_dtype(self) -> str:
+        """The dtype the GEMMs run in."""
+        return self.gemm_dtype or self.dtype
 
     def __post_init__(self) -> None:
         if self.kind not in PAIR_KINDS:

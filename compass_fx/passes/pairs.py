@@ -153,9 +153,19 @@ class Pair:
     def workload(self) -> Workload:
         m, n, k = self.mnk()
         dtype = str(self.dtype).replace("torch.", "")
+        gemm = self.gemm_dtype()
         return Workload(kind=self.kind, m=m, n=max(n, 1), k=max(k, 1), dtype=dtype,
                         group_size=self.group_size, matmuls=len(self.matmuls),
-                        feasible_parts=self.feasible_parts())
+                        feasible_parts=self.feasible_parts(), gemm_dtype=gemm if gemm != dtype else None)
+
+    def gemm_dtype(self) -> str:
+        """The dtype the pair's GEMMs multiply in: that of the first matmul's left operand (float8
+        for a ``_scaled_mm``), else the collective's."""
+        for mm in self.matmuls:
+            val = mm_operands(mm)[0].meta.get("val")
+            if val is not None:
+                return str(val.dtype).replace("torch.", "")
+        return str(self.dtype).replace("torch.", "")
 
     def describe(self) -> str:
         m, n, k = self.mnk()

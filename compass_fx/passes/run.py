@@ -107,6 +107,7 @@ def _record(pair: Pair, decision: Decision) -> PairRecord:
         candidates=[{"label": c.label, "strategy": c.strategy, "parts": c.parts, "schedule": c.schedule,
                      "seconds": c.seconds} for c in decision.candidates],
         topology=decision.topology, calibration=calibration_in_use(), d_star=decision.d_star,
+        gemm_dtype=pair.workload().gemm_dtype,
         coefficients=list(decision.coefficients) if decision.coefficients else None)
 
 
