@@ -9,7 +9,7 @@ from rank_pool import RankPool  # noqa: E402
 
 
 class _Pools:
-    """Pools for one test module, started on first use, restarted if a failure killed one."""
+    """Pools for the test session, started on first use, restarted if a failure killed one."""
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
@@ -25,9 +25,10 @@ class _Pools:
             pool.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks():
-    """``ranks(world_size)`` gives this module's gloo pool of that size."""
+    """``ranks(world_size)`` gives the session's gloo pool of that size: spawned once, on first use,
+    and shared by every module (a pool a failure killed is started afresh)."""
     pools = _Pools()
     yield pools
     pools.close()

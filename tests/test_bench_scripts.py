@@ -64,6 +64,9 @@ def test_operators_dry_run(tmp_path):
         assert all(v and v > 0 for v in measured.values()), measured
         assert r["pick"] in measured and r["best"] in measured
         assert {"sequential", "decompose(d=2)", "fuse(ring)", "fuse(double_ring)", "fuse(direct)"} <= set(measured)
+        # measured as the compiler's own rewrite emits each strategy, and it did rewrite the pair
+        assert r["through"] == "lowering" and r["lowered"]["decompose(d=2)"] == ["rewritten decompose(2)"], r["lowered"]
+        assert r["lowered"]["fuse(direct)"] == ["rewritten fuse(direct)"], r["lowered"]
         assert r["gemm_s"] > 0 and r["comm_s"] > 0 and r["overlap_efficiency"] > 0
         assert isinstance(r["hit"], bool) and r["pred_err"] is not None
         if r["kind"] != "matmul_all_reduce":
