@@ -20,6 +20,13 @@ class _Pools:
             pool = self._pools[world_size] = RankPool(world_size)
         return pool
 
+    def discard(self, world_size: int) -> None:
+        """Close the pool of ``world_size`` (its ranks' state was left unusable); the next use
+        spawns a fresh one."""
+        pool = self._pools.pop(world_size, None)
+        if pool is not None:
+            pool.close(force=True)
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()

@@ -116,7 +116,7 @@ def _measured(op: str, total_bytes: float, topo: Topology, group_size: int) -> t
 
     if _calibration_path() is None:  # the common case: no file, and no route walk for the regime
         return None
-    regime = "peer-to-peer" if topo.peer_access(group_size) else "host-staged"
+    regime = topo.regime(group_size)
     line = calibrated_collective(regime, op, group_size)
     return None if line is None else (line[0], line[1] * total_bytes)
 

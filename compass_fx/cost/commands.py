@@ -203,6 +203,7 @@ def _measure_collectives_if_launched(args: argparse.Namespace):
 
     from .calibrate import measure_collectives
     from .detect import host_staged
+    from .topology import HOST_STAGED, PEER_TO_PEER
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("compass-fx calibrate --collectives runs one process per GPU: "
@@ -210,7 +211,7 @@ def _measure_collectives_if_launched(args: argparse.Namespace):
         return False
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl")
-    regime = "host-staged" if host_staged() else "peer-to-peer"
+    regime = HOST_STAGED if host_staged() else PEER_TO_PEER
     tables = measure_collectives()
     for t in tables:
         t["regime"] = regime

@@ -157,16 +157,17 @@ def use_calibration(path: "str | os.PathLike | None") -> Iterator[None]:
 
 def calibrated_collective(regime: str, op: str, group_size: int) -> tuple[float, float] | None:
     """(seconds fixed, seconds per byte) of ``op`` over ``group_size`` ranks in ``regime``
-    ("peer-to-peer" or "host-staged"), fitted once per file to the calibration's measurements;
+    (``topology.PEER_TO_PEER`` or ``HOST_STAGED``), fitted once per file to the calibration's measurements;
     None when the calibration in force (if any) did not measure it."""
     path = _calibration_path()
     if path is None:
         return None
     if str(path) not in _collective_lines:
         from .calibrate import fit_latency_bandwidth
+        from .topology import PEER_TO_PEER
 
         _collective_lines[str(path)] = {
-            (t.get("regime", "peer-to-peer"), t["op"], int(t["group_size"])): fit_latency_bandwidth(t["points"])
+            (t.get("regime", PEER_TO_PEER), t["op"], int(t["group_size"])): fit_latency_bandwidth(t["points"])
             for t in _read_calibration(path).get("collectives", [])}
     return _collective_lines[str(path)].get((regime, op, group_size))
 

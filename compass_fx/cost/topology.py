@@ -47,6 +47,9 @@ HOST_COPY_DEFAULTS: dict[str, tuple[float, float]] = {
     "pcie4-staged": (20.0, 10.0),
 }
 
+# The two communication regimes a calibration's collective tables are tagged with.
+PEER_TO_PEER, HOST_STAGED = "peer-to-peer", "host-staged"
+
 
 class Topology:
     """A machine's GPUs and the links between them; build one with ``preset``, ``from_file``,
@@ -214,6 +217,10 @@ class Topology:
         gpus = self.group(size or self.num_gpus)
         return not any(self.graph.edges[e].get("kind", "").endswith("-staged")
                        for a in gpus for b in gpus if a != b for e in self.route(a, b))
+
+    def regime(self, size: int | None = None) -> str:
+        """``PEER_TO_PEER`` when the group's GPUs reach each other's memory, else ``HOST_STAGED``."""
+        return PEER_TO_PEER if self.peer_access(size) else HOST_STAGED
 
     def host_copy(self, size: int | None = None) -> tuple[float, float] | None:
         """(bytes/s per direction per GPU, seconds per piece) of copy-engine transfers through
