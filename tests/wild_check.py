@@ -15,7 +15,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from compass_fx.lowering.decompose import decompose
 from compass_fx.passes.match import find_pairs
-from compass_fx.passes.pairs import Pair
+from compass_fx.graph.pairs import Pair
 from compass_fx.report import SkipRecord
 
 

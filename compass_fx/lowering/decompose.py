@@ -13,8 +13,9 @@ import math
 import torch
 import torch.fx as fx
 
-from ..passes.pairs import BatchedWeight, Pair, mm_operands
-from .graph_edit import NodeBuilder, finish_rewrite, shape_of
+from ..graph.pairs import BatchedWeight, Pair, mm_operands
+from ..graph.nodes import shape_of
+from .graph_edit import NodeBuilder, finish_rewrite
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten

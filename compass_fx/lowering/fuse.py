@@ -14,8 +14,9 @@ import torch
 import torch.fx as fx
 
 from ..cost import Decision
-from ..passes.pairs import Pair, mm_operands
-from .graph_edit import NodeBuilder, finish_rewrite, shape_of
+from ..graph.pairs import Pair, mm_operands
+from ..graph.nodes import shape_of
+from .graph_edit import NodeBuilder, finish_rewrite
 
 aten = torch.ops.aten
 

@@ -18,8 +18,7 @@ from torch.utils._pytree import tree_map
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-# Marks nodes a rewrite created, so that the matcher never rewrites its own output again.
-PART_MARK = "compass_part"
+from ..graph.nodes import PART_MARK
 
 
 class NodeBuilder:
@@ -73,24 +72,6 @@ class NodeBuilder:
 
     def wait(self, x: fx.Node) -> fx.Node:
         return self.call(c10d.wait_tensor.default, x)
-
-
-def shape_of(node: Any) -> tuple[int, ...] | None:
-    """The static shape of a node's value, or None when unknown or symbolic."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor):
-        return None
-    dims = []
-    for d in val.shape:
-        if not isinstance(d, int):
-            try:
-                d = int(d) if not isinstance(d, torch.SymInt) else None
-            except TypeError:
-                d = None
-            if d is None:
-                return None
-        dims.append(d)
-    return tuple(dims)
 
 
 def stable_toposort(graph: fx.Graph) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..passes.pairs import RowLayout
-from .graph_edit import NodeBuilder, shape_of
+from ..graph.pairs import RowLayout
+from ..graph.nodes import shape_of
+from .graph_edit import NodeBuilder
 
 aten = torch.ops.aten
 

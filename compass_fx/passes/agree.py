@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch.distributed as dist
 
 from ..cost import Decision
-from .pairs import Pair
+from ..graph.pairs import Pair
 
 log = logging.getLogger("compass_fx")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..cost import Decision, Topology, select
 from ..cost.select import fuses_by_default
 from ..options import CompassOptions
-from .pairs import Pair
+from ..graph.pairs import Pair
 
 
 class Infeasible(Exception):

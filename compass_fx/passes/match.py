@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..lowering.graph_edit import PART_MARK, shape_of
-from .pairs import (
+from ..graph.nodes import PART_MARK, shape_of
+from ..graph.pairs import (
     BatchedWeight,
     ContractionConsumer,
     Pair,

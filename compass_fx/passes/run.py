@@ -16,7 +16,7 @@ from ..report import GraphReport, PairRecord
 from .agree import agree
 from .decide import Infeasible, decide
 from .match import find_pairs
-from .pairs import Pair
+from ..graph.pairs import Pair
 
 log = logging.getLogger("compass_fx")
 
