@@ -1,6 +1,6 @@
 """A pool of real torch.distributed ranks (gloo), spawned once and reused by many tests.
 
-Spawning and initialising a process group costs seconds, so a test module starts one pool per
+Spawning and initialising a process group costs seconds, so the test session starts one pool per
 world size and sends it functions to run.  A function must be importable (module level); it runs
 on every rank at once with the rank's number as first argument, and its return values come back
 as a list indexed by rank.  A failure on any rank raises here with that rank's traceback.
