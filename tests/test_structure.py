@@ -120,3 +120,21 @@ def test_only_the_chosen_group_is_touched(mesh):
     assert {p.group for p in tp_only.pairs} == {tp_name}
     assert all(p.status == "rewritten" for p in tp_only.pairs)
     assert any("not the optimised group" in s.reason for s in tp_only.skipped)
+
+
+def test_the_graph_is_matched_again_only_after_a_rewrite(mesh, monkeypatch):
+    """A pair kept or skipped leaves the graph as it was: no second match of the whole graph.
+    After each rewrite the graph is matched again (a rewrite may replace other pairs' nodes)."""
+    import compass_fx.passes.run as run
+
+    calls = []
+    real = run.find_pairs
+    monkeypatch.setattr(run, "find_pairs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kept = compass_fx.explain(demo(mesh, True, 2), TOKENS, strategy="off")
+    assert len(kept.pairs) > 2 * len(kept.graphs) and len(calls) == len(kept.graphs)  # one match per graph
+    calls.clear()
+    rewritten = compass_fx.explain(demo(mesh, True, 2), TOKENS, chunks=2)
+    n = sum(p.status == "rewritten" for p in rewritten.pairs)
+    assert n == len(kept.pairs) and len(calls) == len(rewritten.graphs) + n
+    assert [(p.graph, p.kind, p.m, p.n, p.k) for p in rewritten.pairs] == \
+        [(p.graph, p.kind, p.m, p.n, p.k) for p in kept.pairs]  # the same pairs, in the same order

@@ -10,13 +10,13 @@ import torch.fx as fx
 
 from ..cost import Decision
 from ..cost.gpus import calibration_in_use
+from ..graph.pairs import Pair
 from ..lowering.decompose import RewriteFailed, decompose
 from ..options import CompassOptions
 from ..report import GraphReport, PairRecord
 from .agree import agree
 from .decide import Infeasible, decide
 from .match import find_pairs
-from ..graph.pairs import Pair
 
 log = logging.getLogger("compass_fx")
 
@@ -35,26 +35,32 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
                  topology: object | None = None) -> GraphReport:
     """Rewrite ``gm`` in place and return what was found and done.
 
-    Pairs are handled one at a time and the graph is matched again after each rewrite, so that a
-    rewrite never acts on nodes another rewrite has replaced.
+    Pairs are handled one at a time and the graph is matched again after each rewrite (only then:
+    a pair kept or skipped leaves the graph as it was), so that a rewrite never acts on nodes
+    another rewrite has replaced.
     """
     gm.graph.eliminate_dead_code()
     report = GraphReport(graph_kind, collectives_before=count_collectives(gm))
     _dump(gm, graph_kind, "before", options)
     handled: set[str] = set()
     skips_seen: set[str] = set()
+    todo: list[Pair] | None = None  # None: the graph changed since it was last matched
     while True:
-        pairs, skips = find_pairs(gm, graph_kind, options.group)
-        for s in skips:
-            if s.collective not in skips_seen:
-                skips_seen.add(s.collective)
-                report.skipped.append(s)
-        todo = [p for p in pairs if p.collective.name not in handled]
+        if todo is None:
+            pairs, skips = find_pairs(gm, graph_kind, options.group)
+            for s in skips:
+                if s.collective not in skips_seen:
+                    skips_seen.add(s.collective)
+                    report.skipped.append(s)
+            todo = [p for p in pairs if p.collective.name not in handled]
         if not todo:
             break
-        pair = todo[0]
+        pair = todo.pop(0)
         handled.add(pair.collective.name)
-        report.pairs.append(_apply(gm, pair, options, topology))
+        record = _apply(gm, pair, options, topology)
+        report.pairs.append(record)
+        if record.status == "rewritten":
+            todo = None
     gm.graph.lint()
     gm.recompile()
     report.collectives_after = count_collectives(gm)
