@@ -138,3 +138,27 @@ def test_the_graph_is_matched_again_only_after_a_rewrite(mesh, monkeypatch):
     assert n == len(kept.pairs) and len(calls) == len(rewritten.graphs) + n
     assert [(p.graph, p.kind, p.m, p.n, p.k) for p in rewritten.pairs] == \
         [(p.graph, p.kind, p.m, p.n, p.k) for p in kept.pairs]  # the same pairs, in the same order
+
+
+def test_a_failed_rewrite_restores_the_graph_and_the_next_pairs_still_rewrite(mesh, monkeypatch):
+    """A decomposition that fails half-way gives the graph back as a copy taken before; the pairs
+    after it are matched again on that copy and rewritten as usual."""
+    import compass_fx.lowering.decompose as dec
+
+    real, failed = dec._rewrite, []
+
+    def first_fails(gm, pair, parts):
+        if not failed:
+            failed.append(pair.describe())
+            real(gm, pair, parts)  # half-way there...
+            raise RuntimeError("injected failure after the rewrite")
+        return real(gm, pair, parts)
+
+    monkeypatch.setattr(dec, "_rewrite", first_fails)
+    report = compass_fx.explain(demo(mesh, True, 1), TOKENS, chunks=2)
+    statuses = [p.status for p in report.pairs]
+    assert statuses[0] == "skipped" and "injected failure" in report.pairs[0].reason
+    assert statuses[1:] and all(s == "rewritten" for s in statuses[1:]), statuses
+    first = report.graphs[0]
+    assert first.collectives_after - first.collectives_before == sum(s == "rewritten" for s in
+                                                                     (p.status for p in first.pairs))

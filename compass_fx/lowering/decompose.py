@@ -15,16 +15,12 @@ import torch.fx as fx
 
 from ..graph.pairs import BatchedWeight, Pair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, finish_rewrite
+from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 prims = torch.ops.prims
-
-
-class RewriteFailed(RuntimeError):
-    """A rewrite hit something it did not expect; the graph was restored exactly as it was."""
 
 
 def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:

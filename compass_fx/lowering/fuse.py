@@ -16,18 +16,18 @@ import torch.fx as fx
 from ..cost import Decision
 from ..graph.pairs import Pair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, finish_rewrite
+from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
 
 aten = torch.ops.aten
 
 
-def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> tuple[bool, str]:
-    """Rewrite ``pair`` into a fused call; ``(False, reason)`` leaves the graph untouched."""
+def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> None:
+    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` with the graph untouched."""
     import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
 
     why = _unsupported(pair)
     if why:
-        return False, why
+        raise RewriteFailed(why)
     b = NodeBuilder(gm.graph, pair.collective)
     build = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
              "matmul_all_reduce": _all_reduce}[pair.kind]
@@ -36,11 +36,10 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> tuple[bool, str
     except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: undo it, keep the pair
         for node in reversed(b.created):
             gm.graph.erase_node(node)
-        return False, f"fused rewrite not applicable: {e}"
+        raise RewriteFailed(f"fused rewrite not applicable: {e}") from e
     for old, new in replacements:
         old.replace_all_uses_with(new)
     finish_rewrite(gm, b.created, (pair.wait, pair.collective))
-    return True, ""
 
 
 def _unsupported(pair: Pair) -> str:

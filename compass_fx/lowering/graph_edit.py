@@ -21,6 +21,10 @@ c10d = torch.ops._c10d_functional
 from ..graph.nodes import PART_MARK
 
 
+class RewriteFailed(RuntimeError):
+    """A rewrite could not be applied; the graph is exactly as it was before it started."""
+
+
 class NodeBuilder:
     """Creates nodes before ``anchor`` in ``graph`` and fills in their fake-tensor metadata."""
 

@@ -11,7 +11,9 @@ import torch.fx as fx
 from ..cost import Decision
 from ..cost.gpus import calibration_in_use
 from ..graph.pairs import Pair
-from ..lowering.decompose import RewriteFailed, decompose
+from ..lowering import fuse
+from ..lowering.decompose import decompose
+from ..lowering.graph_edit import RewriteFailed
 from ..options import CompassOptions
 from ..report import GraphReport, PairRecord
 from .agree import agree
@@ -57,9 +59,10 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
             break
         pair = todo.pop(0)
         handled.add(pair.collective.name)
+        graph = gm.graph
         record = _apply(gm, pair, options, topology)
         report.pairs.append(record)
-        if record.status == "rewritten":
+        if record.status == "rewritten" or gm.graph is not graph:  # changed, or restored from a copy
             todo = None
     gm.graph.lint()
     gm.recompile()
@@ -82,21 +85,17 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
         record.status = "kept"
         log.info("compass_fx: %s graph: %s kept sequential: %s", pair.graph, pair.describe(), decision.reason)
         return record
-    if decision.strategy == "fuse":
-        from ..lowering import fuse
-
-        ok, why = fuse.lower(gm, pair, decision)
-        record.status = "rewritten" if ok else "skipped"
-        if not ok:
-            record.reason = why
-            log.info("compass_fx: %s graph: %s not fused: %s", pair.graph, pair.describe(), why)
-        return record
     log.info("compass_fx: %s graph: %s -> %s", pair.graph, pair.describe(), decision.label)
     try:
-        decompose(gm, pair, decision.parts)
-    except RewriteFailed as e:  # the graph is back as it was; the same happens on every rank
+        if decision.strategy == "fuse":
+            fuse.lower(gm, pair, decision)
+        else:
+            decompose(gm, pair, decision.parts)
+    except RewriteFailed as e:  # the graph is as it was; the same happens on every rank
         record.status, record.reason = "skipped", str(e)
-        log.warning("compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
+        # a pair the fused operators do not take is expected; a decomposition that fails is not
+        (log.info if decision.strategy == "fuse" else log.warning)(
+            "compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
         return record
     record.status = "rewritten"
     return record
