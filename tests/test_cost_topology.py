@@ -197,3 +197,21 @@ def test_host_staged_regime_is_detected_and_offers_fused_operators_through_host_
     assert any(c.strategy == "fuse" and c.schedule == "ring" for c in plan(w, "h200-nvswitch-8").candidates)
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
     assert not detect.host_staged()
+
+
+def test_host_staged_timeline_matches_the_prediction():
+    """The timeline of a host-staged fused pair draws the whole GEMM beside one pipelined transfer
+    and ends where the model's prediction does (less the fixed setup and the last piece's sum)."""
+    from compass_fx.cost import Workload, detect, plan
+    from compass_fx.cost.strategies import FUSED_SETUP_S
+    from compass_fx.cost.timeline import COMPUTE, candidate_segments
+
+    topo = detect.host_staged_topology(2, "H200")
+    for kind, n, k in (("all_gather_matmul", 14336, 4096), ("matmul_reduce_scatter", 4096, 7168)):
+        w = Workload(kind, 8192, n, k, "bfloat16", 2)
+        fused = plan(w, topo).candidate("fuse(direct)")
+        segs = candidate_segments(w, topo, fused)
+        end = max(s.end for s in segs)
+        assert fused.seconds - FUSED_SETUP_S - 50e-6 <= end <= fused.seconds, (kind, end, fused.seconds)
+        gemm = sum(s.end - s.start for s in segs if s.lane == COMPUTE)
+        assert gemm > 0.5 * end  # the whole GEMM is drawn, not one piece of it

@@ -148,6 +148,8 @@ class FusedBreakdown:
     chunk_gemm_s: float
     steps_s: tuple[float, ...]
     seconds: float
+    gemm_s: float = 0.0        # host-staged: all GEMMs of the pair (steps_s: the one pipelined transfer)
+    host_staged: bool = False
 
 
 def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:
@@ -209,7 +211,7 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     else:  # the last piece's sum (read two, write one) after it arrives
         reduce = 3 * w.m / (g * pieces) * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
         total = max(gemm, piece_gemm + moving) + reduce
-    return FusedBreakdown(piece_gemm, (moving,), FUSED_SETUP_S + total)
+    return FusedBreakdown(piece_gemm, (moving,), FUSED_SETUP_S + total, gemm, host_staged=True)
 
 
 def fused_seconds(w: Workload, topo: Topology, schedule: str) -> float:

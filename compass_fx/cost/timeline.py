@@ -57,6 +57,14 @@ def candidate_segments(w: Workload, topo: Topology, c: Candidate) -> list[Segmen
                 segs += [Segment(COMPUTE, g0, gemm_end, f"{i}"), Segment(COMM, c0, comm_end, f"{i}")]
         return segs
     fb = fused_breakdown(w, topo, c.schedule or "ring")
+    if fb.host_staged:  # one pipelined transfer through host memory beside the whole GEMM
+        moving, piece = fb.steps_s[0], fb.chunk_gemm_s
+        if gather:  # every row but the last piece's, then that piece once it has arrived
+            rest = fb.gemm_s - piece
+            return [Segment(COMM, 0, moving), Segment(COMPUTE, 0, rest),
+                    Segment(COMPUTE, max(moving, rest), max(moving, rest) + piece, "last")]
+        return [Segment(COMPUTE, 0, piece, "first"), Segment(COMPUTE, piece, fb.gemm_s),
+                Segment(COMM, piece, piece + moving)]
     segs, t = [], 0.0
     if not gather:
         segs.append(Segment(COMPUTE, 0, fb.chunk_gemm_s))
