@@ -187,7 +187,7 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     SM: all_gather's own rows first and the last piece's rows after it arrives; reduce_scatter's
     first piece before anything can travel, the sum of the own block after the last arrival;
     all_reduce moves each chunk's partial products and then its reduced blocks."""
-    from ..kernels.protocol import HOST_PIECE_BYTES, host_split
+    from ..kernels.protocol import host_all_reduce_chunks, host_split
 
     bw, per_piece = topo.host_copy(w.group_size)
     spec = gpu_spec(topo.gpu)
@@ -195,7 +195,7 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     total_bytes = comm_bytes(w)
     block = total_bytes / g
     if w.kind == "matmul_all_reduce":
-        pieces = max(1, min(8, int(total_bytes // (g * HOST_PIECE_BYTES))))
+        pieces = host_all_reduce_chunks(w.m, g, int(total_bytes)) or 1  # 0: the fallback, priced as one
         out_bytes, in_bytes = total_bytes, 2 * (g - 1) / g * total_bytes
         first = total_bytes / pieces / g
     else:

@@ -26,12 +26,12 @@ from .cpu_impl import resolve_group
 from .host_memory import Layout, SharedHostArena
 from .protocol import (COMM, MAIN, PUB, SELF, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
                        WaitEvent, WaitFlag, all_gather_plan, all_reduce_chunks, all_reduce_plan,
-                       HOST_PIECE_BYTES, host_split, host_staged, reduce_scatter_plan)
+                       HOST_PIECE_BYTES, host_all_reduce_chunks, host_split, host_staged,
+                       reduce_scatter_plan)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
-_comm_streams: dict[int, torch.cuda.Stream] = {}
-_pub_streams: dict[int, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 Step = Callable[[dict, int, dict], None]
 
 
@@ -47,17 +47,13 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _comm_stream(index: int) -> torch.cuda.Stream:
-    if index not in _comm_streams:
-        _comm_streams[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _comm_streams[index]
-
-
-def _pub_stream(index: int) -> torch.cuda.Stream:
-    """Host-staged publications (device -> host mirror copies and their flags)."""
-    if index not in _pub_streams:
-        _pub_streams[index] = torch.cuda.Stream(device=index, priority=-1)
-    return _pub_streams[index]
+def _side_stream(index: int, role: str) -> torch.cuda.Stream:
+    """The high-priority stream of ``role`` on device ``index`` (COMM: pulls and flag waits; PUB:
+    host-staged publications), one per process, shared by every workspace."""
+    key = (index, role)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device=index, priority=-1)
+    return _side_streams[key]
 
 
 def _arena_for(group, nbytes: int) -> SharedHostArena:
@@ -100,8 +96,8 @@ class _Workspace:
             plan = host_staged(plan)
         index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
-        self.comm = _comm_stream(index)
-        self.pub = _pub_stream(index)
+        self.comm = _side_stream(index, COMM)
+        self.pub = _side_stream(index, PUB)
         self.dog = watchdog.for_device(index)
         peers = [p for p in range(plan.world_size) if p != self.rank]
         self.peer_buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -366,8 +362,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     if group_size == 1:
         return a @ b
     out_bytes = rows * n * a.element_size()
-    if transport() == "host":  # chunks of one host piece per rank, pipelined through host memory
-        chunks = all_reduce_chunks(rows, group_size, 8, out_bytes, group_size * host_piece_bytes())
+    if transport() == "host":
+        chunks = host_all_reduce_chunks(rows, group_size, out_bytes, host_piece_bytes())
     else:
         chunks = all_reduce_chunks(rows, group_size, out_bytes=out_bytes)
     if schedule != "direct" or not chunks:

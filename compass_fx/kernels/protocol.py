@@ -53,11 +53,10 @@ Stream = Literal["main", "comm", "pub"]
 STREAMS: tuple[str, ...] = (MAIN, COMM, PUB)
 SELF = -1
 
-# Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity): G, P,
-# and, in host-staged plans, their host mirrors HG, HP (G and P are then private to the rank).
-# Call tensors: A (left operand), OUT (j-th output for a matmul, else the result), GATHERED.
-# Local scratch: STAGE (received partial sums).
-SYMMETRIC = ("G", "P", "HG", "HP")
+# Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity; a plan's
+# ``symmetric_rows`` lists them): G, P, or, in host-staged plans, their host mirrors HG, HP (G and
+# P are then private to the rank, in ``private_rows``).  Call tensors: A (left operand), OUT (j-th
+# output for a matmul, else the result), GATHERED.  Local scratch: STAGE (received partial sums).
 HOST_MIRROR = {"G": "HG", "P": "HP"}
 
 
@@ -405,3 +404,9 @@ def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOS
     while split * 2 <= most and piece_bytes // (split * 2) >= target:
         split *= 2
     return split
+
+
+def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: int = HOST_PIECE_BYTES) -> int:
+    """Host-staged all-reduce: chunks whose blocks are one host piece each, at most
+    ``HOST_MOST_PIECES`` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`)."""
+    return all_reduce_chunks(rows, world, HOST_MOST_PIECES, out_bytes, world * piece_bytes)
