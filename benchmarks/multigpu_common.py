@@ -597,11 +597,17 @@ def lowered_fn(kind: str, label: str, world: int, group: str, inner: str = "eage
     compiled = torch.compile(PairGraph(kind, world, group), backend="compass", dynamic=False,
                              options={**lowered_options(label), "inner": inner})
     before = len(compass_fx.backend.history)
+    return compiled, lambda: pair_outcomes(before)
 
-    def outcome() -> list[str]:
-        return [f"{p.status} {p.strategy}({p.schedule if p.strategy == 'fuse' else p.parts})" + (f": {p.reason}" if p.status != "rewritten" else "")
-                for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
-    return compiled, outcome
+
+def pair_outcomes(before: int) -> list[str]:
+    """What the compiler did with each pair of the graphs compiled since ``len(backend.history)``
+    was ``before``: "rewritten decompose(4)", "rewritten fuse(direct)", "kept sequential(1): why"."""
+    import compass_fx
+
+    return [f"{p.status} {p.strategy}({p.schedule if p.strategy == 'fuse' else p.parts})"
+            + (f": {p.reason}" if p.status != "rewritten" else "")
+            for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
 
 
 def pair_operands(kind: str, m: int, n: int, k: int, world: int, rank: int, dtype: torch.dtype,

@@ -105,8 +105,7 @@ def variant(ctx, module_cls, k, n, rows, label, options):
     before = len(compass_fx.backend.history)
     with torch.no_grad():
         fn(x)
-    pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
-    done = [f"{p.status} {p.strategy}({p.parts or p.schedule or ''})" for p in pairs] if options is not None else None
+    done = mc.pair_outcomes(before) if options is not None else None
     if not ctx.is_cuda:  # dry run: the rewrite only
         return {"variant": label, "rewritten": done}
     with torch.no_grad():

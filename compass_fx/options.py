@@ -173,7 +173,7 @@ def check_calibration_matches(path: str, gpus: tuple[str, ...], topology: Any) -
     """A calibration measured on other GPUs than the topology's would price the wrong machine."""
     from .cost import Topology
 
-    topo = Topology.resolve(topology) if isinstance(topology, str) else topology
+    topo = Topology.resolve(topology)
     if topo.gpu not in gpus:
         raise ValueError(f"option 'calibration': {path} was measured on {', '.join(gpus) or 'no GPU'}, but the "
                          f"topology {topo.name} has {topo.gpu} GPUs: calibrate on this machine or drop the file")

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..cli_args import positive_int, positive_ints
 from .decision import SCHEDULES
 from .layer import MODELS, format_layer_plan, plan_layer
+from .select import fuses_by_default
 from .topology import Topology
 from .workload import PAIR_KINDS
 
@@ -55,10 +56,6 @@ def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
     return f"note: {constants}; {priced}"
 
 
-def _staged(topology: Topology, group_size: int) -> bool:
-    return group_size <= topology.num_gpus and topology.host_copy(group_size) is not None
-
-
 def _topology(text: str) -> Topology:
     try:
         return Topology.resolve(text)
@@ -84,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
-    print(f"compass-fx plan: {provenance(args.fused, _staged(topo, args.tp))}", file=sys.stderr)
+    print(f"compass-fx plan: {provenance(args.fused, fuses_by_default(topo, args.tp))}", file=sys.stderr)
     if args.no_png:
         return 0
     views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
@@ -126,7 +123,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     text = format_summary(summary)
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
-    staged = any(_staged(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
+    staged = any(fuses_by_default(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
     print(f"compass-fx sweep: {provenance(args.fused, staged)}", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
     return 0

@@ -90,8 +90,7 @@ def plan(workload: Workload, topology: "Topology | str | None" = None, *,
     default with every fused schedule, i.e. the whole framework of the paper; ``None``: what
     strategy='auto' prices by default (:func:`fuses_by_default`)."""
     if fused_schedules is None:
-        topo = Topology.resolve(topology) if topology is not None else Topology.default()
-        fused_schedules = SCHEDULES if fuses_by_default(topo, workload.group_size) else ()
+        fused_schedules = SCHEDULES if fuses_by_default(Topology.resolve(topology), workload.group_size) else ()
     return select(workload, topology, fused_schedules=fused_schedules)
 
 

@@ -84,8 +84,11 @@ class Topology:
         return PRESETS[name]()
 
     @classmethod
-    def resolve(cls, name_or_path: "str | Topology") -> "Topology":
-        """A preset name, a path to a JSON/YAML description, or a Topology (returned as is)."""
+    def resolve(cls, name_or_path: "str | Topology | None") -> "Topology":
+        """A preset name, a path to a JSON/YAML description, a Topology (returned as is), or None
+        (:meth:`default`: the machine at hand)."""
+        if name_or_path is None:
+            return cls.default()
         if isinstance(name_or_path, Topology):
             return name_or_path
         if name_or_path in PRESETS:
@@ -229,7 +232,7 @@ class Topology:
         kinds = {self.graph.edges[e].get("kind", "") for a in gpus for b in gpus if a != b
                  for e in self.route(a, b)}
         staged = [HOST_COPY_DEFAULTS[k] for k in kinds if k in HOST_COPY_DEFAULTS]
-        if not staged or self.peer_access(size):
+        if not staged:  # every such kind is a "-staged" link: a route through one has no peer access
             return None
         bw, lat = min(staged)
         return bw * GB, lat * US

@@ -36,8 +36,7 @@ def auto_fuse(option: bool | None, group_size: int, topology: object | None = No
     """Whether "auto" may price the fused operators: as the option says, else the default rule."""
     if option is not None:
         return option
-    topo = Topology.default() if topology is None else Topology.resolve(topology)
-    return fuses_by_default(topo, group_size)
+    return fuses_by_default(Topology.resolve(topology), group_size)
 
 
 def _fused_schedules(pair: Pair) -> tuple[str, ...]:
