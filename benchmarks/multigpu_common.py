@@ -372,6 +372,111 @@ def time_back_to_back(ctx: Ctx, fn, batch: int, batches: int, device_only: bool 
     return max_over_ranks(ctx, statistics.median(per_call))
 
 
+def warm_up(ctx: Ctx, fn: Callable[[], Any], calls: int) -> None:
+    """Call ``fn`` (compiling it, building its workspaces) and wait for the device."""
+    for _ in range(max(1, calls)):
+        fn()
+    synchronize(ctx)
+
+
+def _batch_seconds(ctx: Ctx, fn: Callable[[], Any], batch: int) -> float:
+    """Mean seconds per call of ``batch`` back-to-back calls started after a barrier."""
+    barrier(ctx)
+    if not ctx.is_cuda:
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        return (time.perf_counter() - t0) / batch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(batch):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / batch
+
+
+def time_interleaved(ctx: Ctx, fns: dict[str, Callable[[], Any]], batch: int, rounds: int
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per call of each of ``fns`` (warmed up), measured side by side: each of ``rounds``
+    rounds times one back-to-back batch of every function, the order rotated by one per round.
+    Returns (median over rounds, interquartile range over rounds / median), the slowest rank's."""
+    labels = list(fns)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(rounds):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            samples[label].append(_batch_seconds(ctx, fns[label], max(1, batch)))
+
+    def spread(xs: list[float]) -> float:
+        if len(xs) < 4:
+            return (max(xs) - min(xs)) / statistics.median(xs)
+        q = statistics.quantiles(xs, n=4)
+        return (q[2] - q[0]) / statistics.median(xs)
+
+    figures = torch.tensor([[statistics.median(samples[x]) for x in labels], [spread(samples[x]) for x in labels]],
+                           dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    medians, spreads = figures.tolist()
+    return dict(zip(labels, medians)), dict(zip(labels, spreads))
+
+
+def busy_seconds(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: time during which at least one ran."""
+    total, cur = 0.0, None
+    for start, end in sorted(spans):
+        if cur is None or start > cur[1]:
+            total += (cur[1] - cur[0]) if cur else 0.0
+            cur = [start, end]
+        else:
+            cur[1] = max(cur[1], end)
+    return total + ((cur[1] - cur[0]) if cur else 0.0)
+
+
+def gpu_category(name: str) -> str:
+    """What a profiled GPU activity is: nccl, gemm, copy_dtoh / copy_htod / copy_dtod / copy_peer
+    (copy engines), or other (kernels: elementwise, attention, reductions ...)."""
+    low = name.lower()
+    if "nccl" in low:
+        return "nccl"
+    if low.startswith("memcpy"):
+        for tag, cat in (("dtoh", "copy_dtoh"), ("htod", "copy_htod"), ("ptop", "copy_peer"), ("dtod", "copy_dtod")):
+            if tag in low:
+                return cat
+        return "copy_other"
+    if any(t in low for t in ("gemm", "sm90", "cutlass", "xmma", "nvjet", "matmul")):
+        return "gemm"
+    return "other"
+
+
+def gpu_time_summary(prof, steps: int, top: int = 12) -> dict:
+    """Per step, from a torch.profiler run on one rank: busy milliseconds per category of GPU
+    activity (each category's union of intervals), the GPU's busy and idle time, how much of the
+    communication (NCCL and copies) ran beside a GEMM, and the costliest kernels."""
+    events = [e for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    if not events:
+        return {"note": "no GPU activity recorded"}
+    spans: dict[str, list] = {}
+    by_name: dict[str, list] = {}
+    for e in events:
+        spans.setdefault(gpu_category(e.name), []).append((e.time_range.start, e.time_range.end))
+        by_name.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    every = [x for v in spans.values() for x in v]
+    wall = max(t for _, t in every) - min(s for s, _ in every)
+    comm = [x for k, v in spans.items() if k == "nccl" or k.startswith("copy") for x in v]
+    gemm = spans.get("gemm", [])
+    overlap = busy_seconds(comm) + busy_seconds(gemm) - busy_seconds(comm + gemm)
+    per = 1e-3 / steps  # microseconds -> ms per step
+    costly = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"steps": steps, "span_ms": wall * per, "busy_ms": busy_seconds(every) * per,
+            "idle_ms": (wall - busy_seconds(every)) * per,
+            "busy_ms_by_category": {k: busy_seconds(v) * per for k, v in sorted(spans.items())},
+            "count_by_category": {k: len(v) / steps for k, v in sorted(spans.items())},
+            "communication_beside_gemm_ms": overlap * per,
+            "top_kernels": [{"name": n, "ms": sum(t) * per, "count": len(t) / steps} for n, t in costly]}
+
+
 def all_ok(ctx: Ctx, ok: bool) -> bool:
     """True when ``ok`` holds on every rank."""
     t = torch.tensor([0.0 if ok else 1.0], device=ctx.device)

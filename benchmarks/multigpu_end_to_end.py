@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compass-variants", default=None,
                    help='JSON {name: options}: run mode "compass" once per variant, as "compass:<name>" '
                         '(e.g. \'{"auto": {}, "fuse": {"strategy": "fuse", "schedule": "direct"}}\')')
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, run STEPS more steps under torch.profiler and record where rank 0's GPU "
+                        "time goes (busy ms per category: GEMM, NCCL, copies by direction, other kernels; idle)")
     p.add_argument("--fast", action="store_true",
                    help="dry-run helper: aot_eager instead of Inductor and compass inner='eager' (quick CPU check)")
     args = p.parse_args(argv)
@@ -195,6 +199,30 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-4)
 
 
+def train_step(fn, opt, inputs: torch.Tensor, labels: torch.Tensor, flags: dict) -> torch.Tensor:
+    """Forward, loss, backward, optimizer step; returns the loss."""
+    with inductor_config(**flags):
+        logits = fn(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def profile_steps(ctx: mc.Ctx, args, step, batch) -> dict | None:
+    """``args.profile`` steps under torch.profiler on every rank; rank 0's GPU time by category."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])
+    mc.synchronize(ctx)
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile):
+            step(*batch)
+        mc.synchronize(ctx)
+    return mc.gpu_time_summary(prof, args.profile) if ctx.is_cuda and ctx.rank == 0 else None
+
+
 def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     """Warm up (compiling), then time ``args.steps`` steps; the slowest rank's time per step."""
     model = build_model(args, mesh, sp, ctx.device)
@@ -208,12 +236,7 @@ def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     for i, (inputs, labels) in enumerate(data):
         mc.synchronize(ctx)
         t0 = time.perf_counter()
-        with inductor_config(**flags):
-            logits = fn(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(fn, opt, inputs, labels, flags)
         mc.synchronize(ctx)
         dt = mc.max_over_ranks(ctx, time.perf_counter() - t0)
         step_times.append(dt)
@@ -222,11 +245,14 @@ def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
             ctx.log(f"    first step (compiles) {dt:.1f}s, loss {losses[0]:.5f}")
     timed = step_times[args.warmup:]
     step_s = statistics.median(timed)
+    profile = profile_steps(ctx, args, partial(train_step, fn, opt, flags=flags), data[-1]) if args.profile else None
     out = {"first_step_s": step_times[0], "step_s": step_s, "step_s_min": min(timed), "step_s_max": max(timed),
            "tokens_per_s": args.batch * args.seq / step_s, "loss_first": losses[0], "loss_last": losses[-1],
            "step_times_s": timed}
     if ctx.is_cuda:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2 ** 30
+    if profile is not None:
+        out["profile"] = profile
     if mode.startswith("compass"):
         import compass_fx
         rep = compass_fx.last_report()
@@ -411,6 +437,17 @@ def main(argv=None) -> int:
         md += ["", "pairs left as they were, with the reason (graph:pair: status: reason: count):", ""]
         md += [f"* w{r['world']} SP={'on' if r['sequence_parallel'] else 'off'} {r['mode']}: {k}: {v}"
                for r in decided for k, v in r.get("compass_left_alone", {}).items()]
+    profiled = [r for r in rows if r.get("profile") and r["profile"].get("busy_ms_by_category")]
+    if profiled:
+        md += ["", "GPU time per step on rank 0 under torch.profiler (ms; each category's busy time, copies "
+               "by direction; 'beside GEMM' = communication running while a GEMM runs):", ""]
+        for r in profiled:
+            p = r["profile"]
+            cats = ", ".join(f"{k} {v:.1f}" for k, v in p["busy_ms_by_category"].items())
+            md.append(f"* w{r['world']} SP={'on' if r['sequence_parallel'] else 'off'} {r['mode']}: span "
+                      f"{p['span_ms']:.1f}, busy {p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {cats}; communication "
+                      f"beside GEMM {p['communication_beside_gemm_ms']:.1f}; costliest: "
+                      + "; ".join(f"{k['name'][:48]} {k['ms']:.1f} ({k['count']:g}x)" for k in p["top_kernels"][:5]))
     text = "\n".join(md)
     print(text)
     mc.write_results(NAME, tag, payload, text, args.out_dir)

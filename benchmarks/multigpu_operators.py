@@ -20,11 +20,19 @@ max(GEMM alone, collective alone) / time of the pick (goal >= 0.9 on large shape
     torchrun --nproc-per-node 8 benchmarks/multigpu_operators.py
     python benchmarks/multigpu_operators.py --dry-run            # 2 gloo ranks, shapes / 64, fp32
 
-Timing (``--timing barrier``, the default): CUDA events around each call, each call after a
-barrier, median of ``--repeats`` after ``--warmup`` calls, the slowest rank's median: a call's host
-issue time is exposed (the fused operators' ~0.2-0.3 ms of Python shows at small shapes).
-``--timing back-to-back``: batches of ``--repeats`` calls with the host running ahead of the GPU,
-as in a training step, median of 3 batches.  Dry run: wall clock, 1 warm-up, 2 repeats.
+Timing (``--timing interleaved``, the default): every candidate is compiled and warmed up, then
+``--rounds`` rounds each time one batch of ``--repeats`` back-to-back calls of every candidate (the
+host running ahead of the GPU, as in a training step), in an order rotated by one each round so
+that no candidate always follows the same one; per candidate the median over rounds of the mean
+per call, the slowest rank's.  Candidates measured side by side this way see the same machine
+(clocks, host load), which candidates measured one after another did not: at two ranks the ring and
+"direct" fused operators run identical plans and still differed by up to 40% in the earlier runs.
+At two ranks the ring is therefore measured once, as "direct" (``distinct_schedules``).  The JSON
+keeps each candidate's spread (interquartile range over rounds / median).
+``--timing barrier``: each call alone after a barrier, median of ``--repeats`` after ``--warmup``
+calls: a call's host issue time is exposed (the fused operators' 0.1-0.7 ms of Python shows at
+small shapes).  ``--timing back-to-back``: each candidate's batches one after another, median of 3.
+Dry run: wall clock.
 """
 from __future__ import annotations
 
@@ -63,9 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="default 5 (1 with --dry-run)")
     p.add_argument("--repeats", type=int, default=None, help="default 25 (2 with --dry-run)")
     p.add_argument("--no-symm-mem", action="store_true", help="leave out PyTorch's symm_mem fused ops")
-    p.add_argument("--timing", default="barrier", choices=("barrier", "back-to-back"),
-                   help="barrier (default): each call alone after a barrier; back-to-back: batches of calls "
-                        "with the host running ahead, as in a training step")
+    p.add_argument("--timing", default="interleaved", choices=("interleaved", "barrier", "back-to-back"),
+                   help="interleaved (default): rounds of back-to-back batches, one batch of every candidate "
+                        "per round; barrier: each call alone after a barrier; back-to-back: each candidate's "
+                        "batches one after another")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of --timing interleaved (default 7; 2 dry run)")
     p.add_argument("--pick-fused", default="auto", choices=("auto", "all"),
                    help="auto (default): the model's pick prices the fused operators only where strategy='auto' "
                         "does by default (no peer access); all: everywhere (as auto_fuse=True)")
@@ -79,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.scale = args.scale or (64 if args.dry_run else 1)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 5)
     args.repeats = args.repeats or (2 if args.dry_run else 25)
+    args.rounds = args.rounds or (2 if args.dry_run else 7)
     return args
 
 
@@ -108,7 +119,7 @@ def timed(ctx: mc.Ctx, args, fn) -> float:
     """Seconds per call: each call alone after a barrier (``--timing barrier``: the host's issue
     time of a call is exposed), or back to back (``--timing back-to-back``: the host runs ahead of
     the GPU, as in a training step)."""
-    if args.timing == "back-to-back":
+    if args.timing in ("back-to-back", "interleaved"):
         return mc.time_back_to_back(ctx, fn, batch=max(2, args.repeats), batches=3)
     return mc.time_fn(ctx, fn, args.warmup, args.repeats)
 
@@ -116,6 +127,7 @@ def timed(ctx: mc.Ctx, args, fn) -> float:
 def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     from compass_fx.cost import Workload, plan
     from compass_fx.cost.select import fuses_by_default
+    from compass_fx.kernels.schedules import distinct_schedules
 
     kind, m, n, k = cfg["kind"], cfg["m"], cfg["n"], cfg["k"]
     dtype = DTYPES[args.dtype]
@@ -131,27 +143,36 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     labels = ["sequential"]
     ds = sorted({int(x) for x in args.decompose_ds.split(",") if x} | ({model_d} if model_d else set()))
     labels += [f"decompose(d={d})" for d in ds if d > 1 and feasible(kind, m, ctx.world, d)]
-    labels += [f"fuse({s})" for s in fused]
+    labels += [f"fuse({s})" for s in distinct_schedules(fused, ctx.world)]  # the operators the model tells apart
     if decision.label not in labels:
         labels.append(decision.label)
     a, b = mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=cfg["tokens"])
-    times, errors = {}, {}
+    times, errors, spread = {}, {}, {}
     lowered: dict[str, list[str]] = {}
     with torch.no_grad():
+        ready = {}
         for label in labels:
             if args.through == "lowering":
                 fn, outcome = mc.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
             else:
                 fn, outcome = mc.strategy_fn(kind, label, ctx.world, ctx.group_name), None
-            t, err = mc.guarded(ctx, label, lambda: timed(ctx, args, lambda: fn(a, b)))
+            call = (lambda f: lambda: f(a, b))(fn)
+            if args.timing == "interleaved":  # compile and warm up now, time below with the others
+                t, err = mc.guarded(ctx, label, lambda: mc.warm_up(ctx, call, args.warmup))
+            else:
+                t, err = mc.guarded(ctx, label, lambda: timed(ctx, args, call))
             if outcome is not None:
                 lowered[label] = outcome()
                 if label != "sequential" and not any(o.startswith("rewritten") for o in lowered[label]):
                     err = err or f"the rewrite did not apply: {lowered[label]}"
             if err:
                 errors[label] = err
+            elif args.timing == "interleaved":
+                ready[label] = call
             else:
                 times[label] = t
+        if ready:
+            times, spread = mc.time_interleaved(ctx, ready, batch=args.repeats, rounds=args.rounds)
         baseline = {}
         if kind != "matmul_all_reduce" and not args.no_symm_mem:
             fn = mc.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
@@ -166,7 +187,7 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
 
     row = dict(cfg)
     row.update(candidates={lbl: {"measured_s": times.get(lbl), "predicted_s": predicted.get(lbl),
-                                 "error": errors.get(lbl)} for lbl in labels},
+                                 "error": errors.get(lbl), "spread": spread.get(lbl)} for lbl in labels},
                gemm_s=gemm_s, comm_s=comm_s, comm_fraction=comm_s / (comm_s + gemm_s),
                pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_d, d_star=decision.d_star,
                predicted_sequential_s=predicted.get("sequential"), through=args.through, lowered=lowered,
@@ -269,8 +290,10 @@ def markdown(tag: str, args, results, summary: dict) -> str:
                      f"{res['fused_schedules'] or 'none'}")
     lines += ["", f"{args.dtype}; shapes of `compass_fx.cost.sweep.grid_workload`"
               + (f" divided by {args.scale}" if args.scale > 1 else "")
-              + (f"; back-to-back batches of {args.repeats}, median of 3" if args.timing == "back-to-back"
-                 else f"; median of {args.repeats} after {args.warmup} warm-up, each call after a barrier")
+              + {"back-to-back": f"; back-to-back batches of {args.repeats}, median of 3",
+                 "interleaved": f"; {args.rounds} rounds of one back-to-back batch of {args.repeats} calls per "
+                                "candidate (order rotated each round), median over rounds",
+                 "barrier": f"; median of {args.repeats} after {args.warmup} warm-up, each call after a barrier"}[args.timing]
               + "; slowest rank; hit = pick within 3% of the best "
               "measured; overlap eff. = max(GEMM alone, collective alone) / pick.", "", "## Summary", ""]
     for key, value in summary.items():

@@ -59,6 +59,9 @@ def test_fuse_only_when_the_operators_exist():
         "fuse(ring)", "fuse(double_ring)", "fuse(direct)"]
     with pytest.raises(ValueError, match="fused_schedules"):
         select(w, A6000, fused_schedules=("zigzag",))
+    pair = Workload("all_gather_matmul", m=8192, n=3584, k=8192, group_size=2)
+    assert [c.label for c in plan(pair, A6000).candidates if c.strategy == "fuse"] == [
+        "fuse(double_ring)", "fuse(direct)"]  # at two ranks the ring moves what "direct" moves
 
 
 def test_double_ring_wins_on_the_papers_machine_and_ties_go_to_the_simpler_schedule():

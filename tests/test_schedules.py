@@ -146,6 +146,27 @@ def test_ring_and_direct_are_the_same_at_world_two():
             assert ring.steps == direct.steps and ring.order == direct.order
 
 
+def test_distinct_schedules_drop_the_ring_only_where_it_is_direct():
+    """The cost model prices one operator per distinct set of transfers: at two ranks the ring
+    goes, under every world size above it stays; the CUDA plans of the two are the same too."""
+    from compass_fx.kernels.protocol import all_gather_plan, reduce_scatter_plan
+    from compass_fx.kernels.schedules import distinct_schedules
+
+    assert distinct_schedules(SCHEDULES, 2) == ("double_ring", "direct")
+    assert distinct_schedules(("ring",), 2) == ("ring",)  # nothing to stand in for it
+    assert distinct_schedules(("ring", "double_ring"), 2) == ("ring", "double_ring")
+    for w in (3, 4, 8):
+        assert distinct_schedules(SCHEDULES, w) == SCHEDULES
+    for rank in (0, 1):
+        for split in (1, 3):
+            assert (all_gather_plan("ring", 2, rank, 64, 2, split).commands
+                    == all_gather_plan("direct", 2, rank, 64, 2, split).commands)
+            assert (reduce_scatter_plan("ring", 2, rank, 64, split).commands
+                    == reduce_scatter_plan("direct", 2, rank, 64, split).commands)
+    with pytest.raises(ValueError, match="schedule"):
+        distinct_schedules(("zigzag",), 2)
+
+
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_refined_schedules_move_every_sub_piece_once(kind, schedule):

@@ -47,7 +47,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
     most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
     for the schedules in ``fused_schedules`` — the fused operators the caller has for this device
-    and dtype — by peer-to-peer copies where the GPUs reach each other's memory, else ("direct"
+    and dtype; one of two schedules that move the same pieces at this group size (the ring and
+    "direct" at two ranks) is priced under the later name — by peer-to-peer copies where the GPUs reach each other's memory, else ("direct"
     only) through pinned host memory on the copy engines.  ``Decision.coefficients`` and ``Decision.d_star`` are those of the best
     decompose candidate's model.
     """
@@ -69,7 +70,10 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     models = decomposition_models(workload, topo) if workload.group_size > 1 else {}
     candidates += [Candidate("decompose", d, None, model.seconds(d)) for d, model in models.items()]
     if workload.group_size > 1 and topo.peer_access(workload.group_size):
-        candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s)) for s in schedules]
+        from ..kernels.schedules import distinct_schedules  # the schedules' steps, pure Python
+
+        candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s))
+                       for s in distinct_schedules(schedules, workload.group_size)]
     elif workload.group_size > 1 and topo.host_copy(workload.group_size) and "direct" in schedules:
         # no peer access: the fused operators meet in pinned host memory, every peer one hop away
         candidates.append(Candidate("fuse", 1, "direct", fused_seconds(workload, topo, "direct")))

@@ -184,6 +184,25 @@ def reduce_scatter_schedule(schedule: str, world_size: int, rank: int) -> Schedu
     return Schedule("reduce_scatter", schedule, w, r, parts_of(schedule), tuple(steps), tuple(order))
 
 
+def _same_steps(a: str, b: str, world_size: int) -> bool:
+    def steps(name: str, make) -> list:
+        return [(make(name, world_size, r).steps, make(name, world_size, r).order) for r in range(world_size)]
+    return all(steps(a, make) == steps(b, make) for make in (all_gather_schedule, reduce_scatter_schedule))
+
+
+@lru_cache(maxsize=256)
+def distinct_schedules(schedules: tuple[str, ...], world_size: int) -> tuple[str, ...]:
+    """``schedules`` less those that move exactly the pieces of a schedule named later in
+    ``SCHEDULES`` at this world size: at two ranks the ring is the one link used both ways, the
+    very steps of "direct", so the cost model prices (and a benchmark measures) that operator once,
+    under the name of the full mesh."""
+    for name in schedules:
+        check_schedule_name(name)
+    later = {name: SCHEDULES[SCHEDULES.index(name) + 1:] for name in schedules}
+    return tuple(name for name in schedules
+                 if not any(other in schedules and _same_steps(name, other, world_size) for other in later[name]))
+
+
 def refined(sched: Schedule, split: int) -> Schedule:
     """``sched`` with every piece cut into ``split`` consecutive pieces that travel in the same
     step, one after another: a pipeline inside each transfer (host-staged, one piece's copy to the
