@@ -69,9 +69,13 @@ def test_double_ring_wins_on_the_papers_machine_and_ties_go_to_the_simpler_sched
     d = plan(w, A6000)
     assert d.label == "fuse(double_ring)"
     assert d.candidate("fuse(double_ring)").seconds < 0.8 * d.candidate("fuse(ring)").seconds
-    on_switch = plan(Workload("matmul_reduce_scatter", m=8192, n=8192, k=1024, group_size=8), H200)
+    # on a switch the device time of the schedules ties, and a tie goes to the simpler one
+    on_switch = plan(Workload("matmul_reduce_scatter", m=32768, n=8192, k=4096, group_size=8), H200)
     assert on_switch.candidate("fuse(ring)").seconds == on_switch.candidate("fuse(double_ring)").seconds
     assert on_switch.schedule in (None, "ring")
+    # a small pair is host-bound: the double ring's twice as many pieces cost the host twice the launches
+    small = plan(Workload("matmul_reduce_scatter", m=8192, n=8192, k=1024, group_size=8), H200)
+    assert small.candidate("fuse(double_ring)").seconds > 1.5 * small.candidate("fuse(ring)").seconds
 
 
 def test_selection_is_deterministic_and_validates_its_inputs():
@@ -136,3 +140,24 @@ def test_auto_prices_fused_operators_by_default_only_without_peer_access():
     assert auto_fuse(True, 2, "h200-nvswitch-8") and not auto_fuse(False, 2, "h200-host-staged-8")
     with pytest.raises(ValueError, match="auto_fuse"):
         check_options({"auto_fuse": "yes"})
+
+
+def test_fused_calls_cost_at_least_the_hosts_work():
+    """A fused call issues one launch per command of its plans from Python: a small pair is
+    host-bound (its prediction is the host's time), a large one device-bound; the host-staged
+    plans (more commands) cost the host more than the peer-to-peer ones."""
+    from compass_fx.cost.strategies import fused_breakdown, fused_host_seconds, fused_seconds
+
+    staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
+    small = Workload("all_gather_matmul", 512, 7168, 4096, "bfloat16", 2)
+    large = Workload("all_gather_matmul", 16384, 7168, 4096, "bfloat16", 2)
+    for topo in (staged, nvlink):
+        host = fused_host_seconds(small, topo, "direct")
+        assert fused_seconds(small, topo, "direct") == host > fused_breakdown(small, topo, "direct").seconds
+        big = fused_breakdown(large, topo, "direct").seconds
+        assert fused_seconds(large, topo, "direct") == big > fused_host_seconds(large, topo, "direct")
+    assert fused_host_seconds(small, staged, "direct") > fused_host_seconds(small, nvlink, "direct") > 50e-6
+    # the ring all-reduce is the fused reduce-scatter, then a gather: two calls' worth of launches
+    ring_ar = Workload("matmul_all_reduce", 8192, 4096, 7168, "bfloat16", 4)
+    ring_rs = Workload("matmul_reduce_scatter", 8192, 4096, 7168, "bfloat16", 4)
+    assert fused_host_seconds(ring_ar, nvlink, "ring") > 1.5 * fused_host_seconds(ring_rs, nvlink, "ring")

@@ -250,3 +250,25 @@ def test_plans_are_deterministic_and_every_flag_is_published():
     assert pr.all_reduce_chunks(4096, 2, out_bytes=16 << 20) == 1  # small outputs: one chunk
     assert pr.all_reduce_chunks(4096, 2, out_bytes=64 << 20) == 2
     assert pr.all_reduce_chunks(4096, 2, out_bytes=1 << 30) == 4
+
+
+def test_call_plans_are_what_a_call_runs():
+    """One call's plans, as the CUDA path builds them: host-staged plans publish on the third
+    stream and cut big blocks into pieces; the fused all-reduce pulls in chunks under "direct"
+    and is a reduce-scatter then a gather (no GEMM) under the ring schedules."""
+    mib = 1 << 20
+    (peer,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=False)
+    assert peer == pr.all_gather_plan("direct", 2, 0, 2048, 2, 1)
+    (host,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=True)
+    assert host == pr.host_staged(pr.all_gather_plan("direct", 2, 0, 2048, 2, pr.host_split(2048 * 4096 * 2)))
+    assert any(c.stream == pr.PUB for c in host.commands) and not any(c.stream == pr.PUB for c in peer.commands)
+    (rs,) = pr.call_plans("matmul_reduce_scatter", "ring", 4, 1, 4096, 4096, 1, 2, host=True)
+    assert rs == pr.host_staged(pr.reduce_scatter_plan("ring", 4, 1, 1024, pr.host_split(1024 * 4096 * 2)))
+    (pulls,) = pr.call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, host=False)
+    assert pulls.op == "matmul_all_reduce" and pr.all_reduce_pull_chunks("direct", 2, 8192, 64 * mib, False) == 2
+    ring = pr.call_plans("matmul_all_reduce", "ring", 2, 0, 8192, 4096, 1, 2, host=False)
+    assert [p.op for p in ring] == ["matmul_reduce_scatter", "all_gather_matmul"]
+    assert ring[1] == pr.all_gather_plan("ring", 2, 0, 4096, 0, 1)  # gathers the reduced rows, no GEMM
+    assert pr.all_reduce_pull_chunks("direct", 4, 6, 64 * mib, True) == 0  # no chunk count splits 6 rows
+    with pytest.raises(ValueError, match="unknown fused operator"):
+        pr.call_plans("all_to_all_matmul", "direct", 2, 0, 8, 8, 1, 2, host=False)

@@ -31,6 +31,16 @@ FUSED_GEMM_EFFICIENCY = 1.0
 FUSED_SETUP_S = 15e-6
 MAX_PARTS = 64                # decomposition beyond this many parts is not considered
 
+# The host's work per fused call: Python issues one launch per command of the plan (a cuBLAS GEMM,
+# a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
+# When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
+# so a call takes the longer of the two).  Seconds per command kind and per call, as measured on the
+# 2-H200 machine's host (benchmarks/results/fused_host_time-h200.json: a launch inside a call costs
+# about twice the launch alone, for the closures and tensor views around it).
+FUSED_HOST_CALL_S = 35e-6
+FUSED_HOST_COMMAND_S = {"Matmul": 23e-6, "Reduce": 13e-6, "Copy": 12e-6, "SetFlag": 7e-6, "WaitFlag": 7e-6,
+                        "Record": 3e-6, "WaitEvent": 3e-6}
+
 _OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
        "matmul_all_reduce": "all_reduce"}
 
@@ -152,6 +162,21 @@ class FusedBreakdown:
     host_staged: bool = False
 
 
+def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
+    """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
+    them for this transport) priced by kind, plus the per-call dispatch."""
+    from ..kernels.protocol import call_plans
+
+    host = w.group_size > 1 and topo.host_copy(w.group_size) is not None
+    g = w.group_size
+    rows = w.m // g if w.kind == "all_gather_matmul" else w.m
+    cols = w.k if w.kind == "all_gather_matmul" else w.n
+    plans = call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
+                       host)
+    return sum(FUSED_HOST_CALL_S + sum(FUSED_HOST_COMMAND_S.get(type(c).__name__, 0.0) for c in plan.commands)
+               for plan in plans)
+
+
 def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:
     """IntraFusion on ``schedule``: g chunks of m/g rows; step i's transfer hides behind the GEMM
     of the chunk in hand.  all_gather: local chunk first, the last arrival's GEMM exposed;
@@ -215,4 +240,8 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
 
 
 def fused_seconds(w: Workload, topo: Topology, schedule: str) -> float:
-    return fused_breakdown(w, topo, schedule).seconds
+    """The device's time of the fused call or the host's, whichever is longer."""
+    device = fused_breakdown(w, topo, schedule).seconds
+    if w.group_size == 1:
+        return device
+    return max(device, fused_host_seconds(w, topo, schedule))

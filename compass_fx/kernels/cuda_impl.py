@@ -24,10 +24,8 @@ import torch
 from . import driver, watchdog
 from .cpu_impl import resolve_group
 from .host_memory import Layout, SharedHostArena
-from .protocol import (COMM, MAIN, PUB, SELF, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
-                       WaitEvent, WaitFlag, all_gather_plan, all_reduce_chunks, all_reduce_plan,
-                       HOST_PIECE_BYTES, host_all_reduce_chunks, host_split, host_staged,
-                       reduce_scatter_plan)
+from .protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, Copy, Matmul, Plan, Record, Reduce, Region,
+                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
@@ -91,9 +89,7 @@ class _Workspace:
     def __init__(self, plan: Plan, group_name: str, cols: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         group = resolve_group(group_name, plan.world_size)[0]
-        self.transport = _agreed_transport(group)
-        if self.transport == "host":
-            plan = host_staged(plan)
+        self.transport = _agreed_transport(group)  # the plan was built for this process's transport
         index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.comm = _side_stream(index, COMM)
@@ -301,11 +297,6 @@ def host_piece_bytes() -> int:
     return int(value * (1 << 20))
 
 
-def _split(piece_bytes: int) -> int:
-    """Pieces per piece of the schedule: more than one only host-staged (see protocol.host_split)."""
-    return host_split(piece_bytes, host_piece_bytes()) if transport() == "host" else 1
-
-
 def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols: int,
                dtype: torch.dtype, device: torch.device) -> _Workspace:
     ws = _workspaces.get(key)
@@ -325,11 +316,11 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     m, k = a_shard.shape
     if group_size == 1:
         return a_shard.clone(), [a_shard @ b for b in bs]
-    rank = _rank(group_name, group_size)
-    split = _split(m * k * a_shard.element_size())
-    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, split)
-    ws = _workspace(key, lambda: all_gather_plan(schedule, group_size, rank, m, len(bs), split), group_name, k,
-                    a_shard.dtype, a_shard.device)
+    rank, host = _rank(group_name, group_size), transport() == "host"
+    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, host)
+    ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, rank, m, k, len(bs),
+                                            a_shard.element_size(), host, host_piece_bytes())[0],
+                    group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
     outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
@@ -343,11 +334,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
-    rank = _rank(group_name, group_size)
+    rank, host = _rank(group_name, group_size), transport() == "host"
     a = a.contiguous()
-    split = _split(rows // group_size * n * a.element_size())
-    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, split)
-    ws = _workspace(key, lambda: reduce_scatter_plan(schedule, group_size, rank, rows // group_size, split),
+    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host)
+    ws = _workspace(key, lambda: call_plans("matmul_reduce_scatter", schedule, group_size, rank, rows, n, 1,
+                                            a.element_size(), host, host_piece_bytes())[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
     ws.run({"A": [a], "W": [b], "OUT": [out]})
@@ -361,20 +352,19 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
-    out_bytes = rows * n * a.element_size()
-    if transport() == "host":
-        chunks = host_all_reduce_chunks(rows, group_size, out_bytes, host_piece_bytes())
-    else:
-        chunks = all_reduce_chunks(rows, group_size, out_bytes=out_bytes)
-    if schedule != "direct" or not chunks:
+    host = transport() == "host"
+    chunks = all_reduce_pull_chunks(schedule, group_size, rows, rows * n * a.element_size(), host,
+                                    host_piece_bytes())
+    if not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)
         return gathered
     rank = _rank(group_name, group_size)
     a = a.contiguous()
-    key = ("ar", group_name, group_size, rows, n, chunks, a.dtype, a.device)
-    ws = _workspace(key, lambda: all_reduce_plan(group_size, rank, rows, chunks), group_name, n, a.dtype,
-                    a.device)
+    key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host)
+    ws = _workspace(key, lambda: call_plans("matmul_all_reduce", schedule, group_size, rank, rows, n, 1,
+                                            a.element_size(), host, host_piece_bytes())[0],
+                    group_name, n, a.dtype, a.device)
     out = a.new_empty((rows, n))
     ws.run({"A": [a], "W": [b], "OUT": [out]})
     return out

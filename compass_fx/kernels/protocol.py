@@ -410,3 +410,44 @@ def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: i
     """Host-staged all-reduce: chunks whose blocks are one host piece each, at most
     ``HOST_MOST_PIECES`` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`)."""
     return all_reduce_chunks(rows, world, HOST_MOST_PIECES, out_bytes, world * piece_bytes)
+
+
+def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
+               itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES) -> tuple[Plan, ...]:
+    """The plans one call of a fused operator runs, in order, as the CUDA path builds them (the
+    cost model counts their commands to price the host's work).
+
+    ``rows``: rows of the A operand (a shard for ``all_gather_matmul``); ``cols``: width of the
+    tensor that travels (k for the gather, n for the reduced output); ``host``: host-staged
+    transport (pieces cut by :func:`host_split`, plans rewritten by :func:`host_staged`).
+    ``matmul_all_reduce`` pulls in chunks where it can (``"direct"`` and a chunk count that
+    splits the rows), else runs the fused reduce-scatter and then the gather of its result."""
+    def staged(plan: Plan) -> Plan:
+        return host_staged(plan) if host else plan
+
+    def split(block_rows: int) -> int:
+        return host_split(block_rows * cols * itemsize, piece_bytes) if host else 1
+
+    if op == "all_gather_matmul":
+        return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows))),)
+    if op == "matmul_reduce_scatter":
+        return (staged(reduce_scatter_plan(schedule, world, rank, rows // world, split(rows // world))),)
+    if op != "matmul_all_reduce":
+        raise ValueError(f"unknown fused operator {op!r}")
+    chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes)
+    if chunks:
+        return (staged(all_reduce_plan(world, rank, rows, chunks)),)
+    return (call_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host, piece_bytes)
+            + call_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,
+                         piece_bytes))
+
+
+def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int, host: bool,
+                           piece_bytes: int = HOST_PIECE_BYTES) -> int:
+    """Chunks of a fused all-reduce by direct pulls, or 0: the ring schedules (and row counts no
+    chunk count splits) run the fused reduce-scatter, then the all-gather, on the same schedule."""
+    if schedule != "direct":
+        return 0
+    if host:
+        return host_all_reduce_chunks(rows, world, out_bytes, piece_bytes)
+    return all_reduce_chunks(rows, world, out_bytes=out_bytes)

@@ -1,0 +1,167 @@
+"""Host time of one fused-operator call: what the cost model's host floor is built from.
+
+A fused call is Python on the host: the custom op's dispatch, then one driver call or torch launch
+per command of its plan (``compass_fx.kernels.protocol``).  When the GPU work of a call is short,
+that host time, not the device, sets the pace.  This measures it on ONE GPU: two ranks in a gloo
+group share the device and meet through host memory (the host-staged transport, which needs no
+second GPU), so the GPU timings are meaningless and only the host's are recorded:
+
+* per command kind, the host cost of the launch alone (``torch.mm(out=)``, ``cuMemcpyAsync``,
+  ``cuStreamWriteValue32``, event record / wait ...);
+* per configuration, the host microseconds of one call through ``torch.ops.compass`` and of the
+  implementation called directly (the difference is the dispatcher's), the plan's commands by
+  kind, and the cost model's ``fused_host_seconds`` for it.
+
+    python benchmarks/fused_host_time.py        # one GPU: writes fused_host_time-h200.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import multigpu_common as mc  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+NAME = "fused_host_time"
+WORLD = 2
+# (operator, rows of A on one rank, k, n): llama3-8b widths at 512-8192 tokens, TP 2
+CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 4096, 7168),
+         ("all_gather_matmul", 2048, 4096, 7168), ("all_gather_matmul", 4096, 4096, 7168),
+         ("matmul_reduce_scatter", 512, 7168, 4096), ("matmul_reduce_scatter", 2048, 7168, 4096),
+         ("matmul_reduce_scatter", 8192, 7168, 4096),
+         ("matmul_all_reduce", 512, 7168, 4096), ("matmul_all_reduce", 2048, 7168, 4096),
+         ("matmul_all_reduce", 8192, 7168, 4096)]
+
+
+def host_us(fn, calls: int = 8, rounds: int = 7) -> float:
+    """Median over rounds of the host microseconds per call of ``calls`` calls issued after the
+    device went idle (few enough that no launch queue fills)."""
+    per_round = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_round.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(per_round)
+
+
+def launch_costs() -> dict[str, float]:
+    """Host microseconds of each kind of launch a plan command makes, alone."""
+    from compass_fx.kernels import driver
+
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    flag = torch.zeros(4, dtype=torch.int32, device="cuda")
+    side, event = torch.cuda.Stream(), torch.cuda.Event()
+    kinds = {"Matmul": lambda: torch.mm(a, a, out=out), "Reduce": lambda: torch.add(a, a, out=out),
+             "Copy": lambda: driver.memcpy(out.data_ptr(), a.data_ptr(), 1024, side.cuda_stream),
+             "SetFlag": lambda: driver.write(flag.data_ptr(), 1, side.cuda_stream),
+             "WaitFlag": lambda: driver.wait_at_least(flag.data_ptr(), 0, side.cuda_stream),
+             "Record": lambda: event.record(side), "WaitEvent": lambda: side.wait_event(event)}
+    return {kind: host_us(fn, calls=50, rounds=5) for kind, fn in kinds.items()}
+
+
+def operands(op: str, rows: int, k: int, n: int, rank: int):
+    g = torch.Generator(device="cuda").manual_seed(11 + rank)
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    return a, b
+
+
+def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> dict:
+    from compass_fx.cost import Topology, Workload
+    from compass_fx.cost.strategies import fused_host_seconds
+    from compass_fx.kernels import cuda_impl
+    from compass_fx.kernels.protocol import call_plans
+
+    a, b = operands(op, rows, k, n, rank)
+    through_op = getattr(torch.ops.compass, op)
+    direct = getattr(cuda_impl, op)
+    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, WORLD)
+    for _ in range(3):
+        through_op(a, *args)
+    dist.barrier()
+    res = {"op": op, "rows": rows, "k": k, "n": n, "host_us_op": host_us(lambda: through_op(a, *args))}
+    dist.barrier()
+    res["host_us_impl"] = host_us(lambda: direct(a, *args))
+    dist.barrier()
+    cols = k if op == "all_gather_matmul" else n
+    plans = call_plans(op, "direct", WORLD, rank, rows, cols, 1, 2, host=True)
+    counts: dict[str, int] = {}
+    for plan in plans:
+        for c in plan.commands:
+            counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
+    res["commands"] = counts
+    m = rows * WORLD if op == "all_gather_matmul" else rows
+    w = Workload(op, m, n, k, "bfloat16", WORLD)
+    res["model_us"] = fused_host_seconds(w, Topology.preset("h200-host-staged-8"), "direct") * 1e6
+    return res
+
+
+def worker(rank: int, init: str, out_path: str) -> None:
+    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the peers share one GPU: meet in host memory
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+
+    payload = {"launch_us": launch_costs(), "rows": []}
+    for case in CASES:
+        row = measure(*case, rank, dist.group.WORLD.group_name)
+        payload["rows"].append(row)
+        if rank == 0:
+            print(f"{row['op']} rows={row['rows']}: {row['host_us_op']:.0f} us per call ({row['host_us_impl']:.0f} "
+                  f"without dispatch), model {row['model_us']:.0f} us, commands {sum(row['commands'].values())}",
+                  flush=True)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(payload, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# {NAME} ({payload['tag']})", "",
+             "Host microseconds of one fused call (2 ranks sharing one GPU, host-staged transport, schedule "
+             "direct, bf16); median of 7 rounds of 8 calls issued after the device went idle.", "",
+             "Launch alone (us): " + ", ".join(f"{k} {v:.1f}" for k, v in payload["launch_us"].items()), "",
+             "| op | rows | k | n | commands | host us (op) | host us (impl) | model us | model / op |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        lines.append(f"| {r['op']} | {r['rows']} | {r['k']} | {r['n']} | {sum(r['commands'].values())} | "
+                     f"{r['host_us_op']:.0f} | {r['host_us_impl']:.0f} | {r['model_us']:.0f} | "
+                     f"{r['model_us'] / r['host_us_op']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--out-dir", default=str(mc.RESULTS))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        t0 = time.time()
+        mp.spawn(worker, args=(f"file://{os.path.join(tmp, 'store')}", out), nprocs=WORLD)
+        payload = json.load(open(out))
+    payload.update(benchmark=NAME, tag=args.tag, seconds=time.time() - t0, environment=mc.environment(False))
+    text = markdown(payload)
+    print(text)
+    mc.write_results(NAME, args.tag, payload, text, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
