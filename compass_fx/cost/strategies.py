@@ -34,12 +34,12 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # The host's work per fused call: Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
 # When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
-# so a call takes the longer of the two).  Seconds per command kind and per call, as measured on the
-# 2-H200 machine's host (benchmarks/results/fused_host_time-h200.json: a launch inside a call costs
-# about twice the launch alone, for the closures and tensor views around it).
-FUSED_HOST_CALL_S = 35e-6
-FUSED_HOST_COMMAND_S = {"Matmul": 23e-6, "Reduce": 13e-6, "Copy": 12e-6, "SetFlag": 7e-6, "WaitFlag": 7e-6,
-                        "Record": 3e-6, "WaitEvent": 3e-6}
+# so a call takes the longer of the two).  Fitted to the 2-H200 machine's host
+# (benchmarks/results/fused_host_time-h200.json, 10 calls of 17-166 commands, within 0.76-1.29x):
+# 47 us per call, and each launch about 1.74 times what it costs alone (the closures and views).
+FUSED_HOST_CALL_S = 47e-6
+FUSED_HOST_COMMAND_S = {"Matmul": 25e-6, "Reduce": 11e-6, "Copy": 9.5e-6, "SetFlag": 3.5e-6, "WaitFlag": 3.5e-6,
+                        "Record": 1.5e-6, "WaitEvent": 1.5e-6}
 
 _OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
        "matmul_all_reduce": "all_reduce"}
