@@ -8,8 +8,8 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
 
 * per command kind, the host cost of the launch alone (``torch.mm(out=)``, ``cuMemcpyAsync``,
   ``cuStreamWriteValue32``, event record / wait ...);
-* per configuration, the host microseconds of one call through ``torch.ops.compass`` and of the
-  implementation called directly (the difference is the dispatcher's), the plan's commands by
+* per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
+  first checked against plain matmuls) and of the implementation called directly (the difference is the dispatcher's), the plan's commands by
   kind, and the cost model's ``fused_host_seconds`` for it.
 
     python benchmarks/fused_host_time.py        # one GPU: writes fused_host_time-h200.{json,md}
@@ -33,6 +33,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 NAME = "fused_host_time"
 WORLD = 2
+TOLERANCE = 2e-2  # bf16 products summed in fp32 by cuBLAS, in a different order than the reference
 # (operator, rows of A on one rank, k, n): llama3-8b widths at 512-8192 tokens, TP 2
 CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 4096, 7168),
          ("all_gather_matmul", 2048, 4096, 7168), ("all_gather_matmul", 4096, 4096, 7168),
@@ -42,7 +43,7 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
          ("matmul_all_reduce", 8192, 7168, 4096)]
 
 
-def host_us(fn, calls: int = 8, rounds: int = 7) -> float:
+def host_us(fn, calls: int = 4, rounds: int = 15) -> float:
     """Median over rounds of the host microseconds per call of ``calls`` calls issued after the
     device went idle (few enough that no launch queue fills)."""
     per_round = []
@@ -79,6 +80,17 @@ def operands(op: str, rows: int, k: int, n: int, rank: int):
     return a, b
 
 
+def relative_error(op: str, result, rows: int, k: int, n: int, rank: int) -> float:
+    """Largest difference from plain matmuls of every rank's operands, over the largest element."""
+    pairs = [operands(op, rows, k, n, r) for r in range(WORLD)]
+    if op == "all_gather_matmul":
+        got, want = result[1][0], torch.cat([a for a, _ in pairs]) @ pairs[rank][1]
+    else:
+        full = sum(a.float() @ b.float() for a, b in pairs)
+        got, want = result, (full.chunk(WORLD)[rank] if op == "matmul_reduce_scatter" else full)
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
@@ -89,10 +101,14 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
     through_op = getattr(torch.ops.compass, op)
     direct = getattr(cuda_impl, op)
     args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, WORLD)
+    err = relative_error(op, through_op(a, *args), rows, k, n, rank)
+    if err > TOLERANCE:
+        raise RuntimeError(f"{op} rows={rows}: result off by {err:.3g} of its largest element (rank {rank})")
     for _ in range(3):
         through_op(a, *args)
     dist.barrier()
-    res = {"op": op, "rows": rows, "k": k, "n": n, "host_us_op": host_us(lambda: through_op(a, *args))}
+    res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err,
+           "host_us_op": host_us(lambda: through_op(a, *args))}
     dist.barrier()
     res["host_us_impl"] = host_us(lambda: direct(a, *args))
     dist.barrier()
@@ -133,7 +149,7 @@ def worker(rank: int, init: str, out_path: str) -> None:
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              "Host microseconds of one fused call (2 ranks sharing one GPU, host-staged transport, schedule "
-             "direct, bf16); median of 7 rounds of 8 calls issued after the device went idle.", "",
+             "direct, bf16); median of 15 rounds of 4 calls issued after the device went idle.", "",
              "Launch alone (us): " + ", ".join(f"{k} {v:.1f}" for k, v in payload["launch_us"].items()), "",
              "| op | rows | k | n | commands | host us (op) | host us (impl) | model us | model / op |",
              "|---|---|---|---|---|---|---|---|---|"]

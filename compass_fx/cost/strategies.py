@@ -34,12 +34,13 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # The host's work per fused call: Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
 # When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
-# so a call takes the longer of the two).  Fitted to the 2-H200 machine's host
-# (benchmarks/results/fused_host_time-h200.json, 10 calls of 17-166 commands, within 0.76-1.29x):
-# 47 us per call, and each launch about 1.74 times what it costs alone (the closures and views).
-FUSED_HOST_CALL_S = 47e-6
-FUSED_HOST_COMMAND_S = {"Matmul": 25e-6, "Reduce": 11e-6, "Copy": 9.5e-6, "SetFlag": 3.5e-6, "WaitFlag": 3.5e-6,
-                        "Record": 1.5e-6, "WaitEvent": 1.5e-6}
+# so a call takes the longer of the two).  Fitted to the 2-H200 machine's host, two runs of
+# benchmarks/fused_host_time.py (results/fused_host_time-h200-run{1,2}.json: ten calls of 17-166
+# commands, within 0.77-1.16x of their mean): 78 us per call (dispatch, checks, outputs) and each
+# launch about 1.6 times what it costs alone (the closures and tensor views around it).
+FUSED_HOST_CALL_S = 78e-6
+FUSED_HOST_COMMAND_S = {"Matmul": 17.6e-6, "Reduce": 9.1e-6, "Copy": 7.9e-6, "SetFlag": 3.0e-6, "WaitFlag": 3.1e-6,
+                        "Record": 1.2e-6, "WaitEvent": 1.2e-6}
 
 _OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
        "matmul_all_reduce": "all_reduce"}

@@ -186,23 +186,40 @@ class _Workspace:
 
     # -- one command -> one closure over what stays fixed -----------------------------------
     def _compile(self, cmd, parity: int) -> Step:
+        """One command as a closure over everything that stays fixed between calls: addresses of
+        the workspace's buffers, the side streams' handles, the driver functions (the host issues
+        every call's commands one after another, so each closure keeps its work to the launch)."""
         side = cmd.stream
+        fixed_stream = {COMM: self.comm, PUB: self.pub}.get(side)
         if isinstance(cmd, (Matmul, Reduce)) and side != MAIN:
             raise ValueError(f"{cmd} must run on the caller's stream")
+        if fixed_stream is not None:
+            handle = fixed_stream.cuda_stream
+            stream_of = lambda streams: handle  # noqa: E731
+        else:
+            stream_of = lambda streams: streams[MAIN].cuda_stream  # noqa: E731
         if isinstance(cmd, WaitFlag):
-            addr = self.peer_flag_address[cmd.peer] + 4 * cmd.slot
-            delta = cmd.delta
-            return lambda tensors, epoch, streams: driver.wait_at_least(addr, epoch + delta, streams[side].cuda_stream)
+            wait, addr, delta = driver.raw("wait"), self.peer_flag_address[cmd.peer] + 4 * cmd.slot, cmd.delta
+
+            def wait_flag(tensors, epoch, streams):
+                driver.check(wait(stream_of(streams), addr, (epoch + delta) & 0xFFFFFFFF, driver.WAIT_GEQ),
+                             "cuStreamWaitValue32")
+            return wait_flag
         if isinstance(cmd, SetFlag):
-            addr = self.flag_address + 4 * cmd.slot
-            return lambda tensors, epoch, streams: driver.write(addr, epoch, streams[side].cuda_stream)
+            write, addr = driver.raw("write"), self.flag_address + 4 * cmd.slot
+
+            def set_flag(tensors, epoch, streams):
+                driver.check(write(stream_of(streams), addr, epoch & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+            return set_flag
         if isinstance(cmd, Copy):
+            memcpy = driver.raw("memcpy")
             dst, src = self._address(cmd.dst, parity), self._address(cmd.src, parity)
             rows = cmd.dst.rows
             row_bytes = self._row_bytes(cmd)
 
             def copy(tensors, epoch, streams):
-                driver.memcpy(dst(tensors), src(tensors), rows * row_bytes(tensors), streams[side].cuda_stream)
+                driver.check(memcpy(dst(tensors), src(tensors), rows * row_bytes(tensors), stream_of(streams)),
+                             "cuMemcpyAsync")
             return copy
         if isinstance(cmd, Matmul):
             dst, src, w = self._tensor(cmd.dst, parity), self._tensor(cmd.src, parity), cmd.weight
@@ -223,10 +240,14 @@ class _Workspace:
             return reduce
         if isinstance(cmd, Record):
             event = self.events[cmd.event]
-            return lambda tensors, epoch, streams: event.record(streams[side])
+            if fixed_stream is not None:
+                return lambda tensors, epoch, streams: event.record(fixed_stream)
+            return lambda tensors, epoch, streams: event.record(streams[MAIN])
         if isinstance(cmd, WaitEvent):
             event = self.events[cmd.event]
-            return lambda tensors, epoch, streams: streams[side].wait_event(event)
+            if fixed_stream is not None:
+                return lambda tensors, epoch, streams: fixed_stream.wait_event(event)
+            return lambda tensors, epoch, streams: streams[MAIN].wait_event(event)
         raise TypeError(f"no CUDA lowering for {cmd!r}")
 
     def _row_bytes(self, cmd: Copy) -> Callable[[dict], int]:
@@ -250,7 +271,7 @@ class _Workspace:
                 if not t.is_contiguous():
                     raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
         self.epoch += 1
-        streams = {MAIN: torch.cuda.current_stream(), COMM: self.comm, PUB: self.pub}
+        streams = {MAIN: torch.cuda.current_stream()}
         for step in self.steps[self.epoch % 2]:
             step(tensors, self.epoch, streams)
         done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()

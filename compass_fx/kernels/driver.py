@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
+WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
 _u64, _u32, _ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
 
 
@@ -50,6 +50,19 @@ def _check(result: int, what: str) -> None:
         raise DriverError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
 
 
+def check(result: int, what: str) -> None:
+    """Raise :class:`DriverError` for a non-zero result of a raw call (see :func:`raw`)."""
+    if result:
+        _check(result, what)
+
+
+def raw(name: str):
+    """The ctypes function behind ``memcpy`` / ``wait`` / ``write`` (arguments as those take them,
+    the stream first for the stream operations), for callers that issue many calls and check the
+    result themselves (:func:`check`): it skips a lookup and a Python frame per call."""
+    return _lib()[name]
+
+
 def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (copy engine)."""
     _check(_lib()["memcpy"](dst, src, nbytes, stream), "cuMemcpyAsync")
@@ -57,7 +70,7 @@ def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
 
 def wait_at_least(addr: int, value: int, stream: int) -> None:
     """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (wrap-around safe)."""
-    _check(_lib()["wait"](stream, addr, value & 0xFFFFFFFF, _WAIT_GEQ), "cuStreamWaitValue32")
+    _check(_lib()["wait"](stream, addr, value & 0xFFFFFFFF, WAIT_GEQ), "cuStreamWaitValue32")
 
 
 def write(addr: int, value: int, stream: int) -> None:
