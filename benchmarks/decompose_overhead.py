@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
-from compass_fx.cost.timing import seconds_of_one_call  # noqa: E402
+from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),

@@ -2,7 +2,7 @@
 checked) and their speed against NCCL + cuBLAS and PyTorch's symm_mem fused ops.
 
 Stress: for every operator x schedule x shape (the world's grid shapes of
-``compass_fx.cost.sweep`` plus a small 512-row case), ``--calls`` back-to-back calls cycling over
+``compass_fx.tools.sweep`` plus a small 512-row case), ``--calls`` back-to-back calls cycling over
 three input sets, with a random host delay (up to 2 ms, one call in ten) on the last rank.  Every
 output is compared on the device, without synchronising, with the operator's first output for the
 same inputs (must be bitwise equal: a race shows as a difference) and that first output with
@@ -37,7 +37,7 @@ TOL = 2e-2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from compass_fx.cost.sweep import DEFAULT_MODELS, DEFAULT_TOKENS
+    from compass_fx.tools.sweep import DEFAULT_MODELS, DEFAULT_TOKENS
     from compass_fx.kernels.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shapes(args, world: int) -> list[dict]:
-    from compass_fx.cost.sweep import grid_workload
+    from compass_fx.tools.sweep import grid_workload
 
     scale = 64 if args.dry_run else 1
     out = []

@@ -6,7 +6,7 @@ d in {2, 4, 8, 16, 32} parts, measured against the model's prediction.
 
 Reports the median relative error on absolute times and on split/unsplit ratios (the quantity
 InterDecom's choice of d depends on) for the built-in constants, then fits the constants to the
-measurements (compass_fx.cost.calibrate.fit_gpu_spec) and reports the fitted errors, in-sample and
+measurements (compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and
 on held-out shapes (fit on every other shape, test on the rest).
 """
 from __future__ import annotations
@@ -20,8 +20,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from compass_fx.cost.calibrate import fit_gpu_spec, grid_shapes, measure_gemms, model_errors  # noqa: E402
-from compass_fx.cost.gpus import gpu_name_from_device, gpu_spec  # noqa: E402
+from compass_fx.cost.gemm_fit import fit_gpu_spec, model_errors  # noqa: E402
+from compass_fx.machine.calibration import gpu_spec  # noqa: E402
+from compass_fx.machine.gpus import gpu_name_from_device  # noqa: E402
+from compass_fx.tools.calibrate import grid_shapes, measure_gemms  # noqa: E402
 
 PARTS = (1, 2, 4, 8, 16, 32)
 

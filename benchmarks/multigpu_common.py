@@ -45,7 +45,7 @@ for _k, _v in NO_MULTICAST_ENV.items():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from compass_fx.cost.timing import seconds_of_one_call  # noqa: E402
+from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
 
 c10d = torch.ops._c10d_functional
 PAIR_KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -750,7 +750,7 @@ def comm_only_fn(kind: str, a: torch.Tensor, b: torch.Tensor, world: int, group:
 
 def model_topology(ctx: Ctx):
     """(Topology, how it was obtained): detected on GPUs, the default preset on a CPU dry run."""
-    from compass_fx.cost import Topology
+    from compass_fx.machine import Topology
     if ctx.is_cuda:
         try:
             return Topology.detect(), "Topology.detect()"

@@ -1,6 +1,6 @@
 """Operator-level evaluation over the paper's 288-configuration grid, restricted to the machine at
 hand: the topology is the detected one (``Topology.detect()``, recorded in the JSON), the group
-size is the world size of each launch, and the grid of ``compass_fx.cost.sweep`` (pair kinds x
+size is the world size of each launch, and the grid of ``compass_fx.tools.sweep`` (pair kinds x
 token counts x group sizes x Llama-3 8B/70B widths) supplies the shapes.
 
 For every configuration every candidate is measured — sequential (NCCL then cuBLAS), InterDecom(d)
@@ -56,7 +56,7 @@ LARGE_TOKENS = 8192  # grid token counts (before --scale) taken as large enough 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from compass_fx.cost.sweep import DEFAULT_MODELS, DEFAULT_TOKENS
+    from compass_fx.tools.sweep import DEFAULT_MODELS, DEFAULT_TOKENS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mc.add_launch_args(p)
@@ -102,7 +102,7 @@ def feasible(kind: str, m: int, world: int, d: int) -> bool:
 
 
 def configurations(args, world: int) -> list[dict]:
-    from compass_fx.cost.sweep import grid_workload
+    from compass_fx.tools.sweep import grid_workload
 
     out = []
     for model, kind, tokens in product(args.models.split(","), args.kinds.split(","), map(int, args.tokens.split(","))):
@@ -288,7 +288,7 @@ def markdown(tag: str, args, results, summary: dict) -> str:
     for w, res in results:
         lines.append(f"* world {w}: topology `{res['topology']}` ({res['topology_source']}); fused schedules "
                      f"{res['fused_schedules'] or 'none'}")
-    lines += ["", f"{args.dtype}; shapes of `compass_fx.cost.sweep.grid_workload`"
+    lines += ["", f"{args.dtype}; shapes of `compass_fx.tools.sweep.grid_workload`"
               + (f" divided by {args.scale}" if args.scale > 1 else "")
               + {"back-to-back": f"; back-to-back batches of {args.repeats}, median of 3",
                  "interleaved": f"; {args.rounds} rounds of one back-to-back batch of {args.repeats} calls per "
@@ -324,7 +324,7 @@ def markdown(tag: str, args, results, summary: dict) -> str:
 
 def grid_description(args, worlds: list[int]) -> dict:
     """The paper's grid and the part of it this run measured."""
-    from compass_fx.cost.sweep import SweepConfig
+    from compass_fx.tools.sweep import SweepConfig
 
     full = SweepConfig()
     return {"full": {"topologies": list(full.topologies), "models": list(full.models), "kinds": list(full.kinds),

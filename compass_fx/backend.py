@@ -67,8 +67,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
 
     topology = _topology(opts)
     if opts.calibration is not None and topology is None:  # the default topology: check it now
-        from .cost import Topology
-        from .cost.gpus import calibrated_gpus
+        from .machine.calibration import calibrated_gpus
+        from .machine.topology import Topology
         from .options import check_calibration_matches
 
         check_calibration_matches(opts.calibration, calibrated_gpus(opts.calibration), Topology.default())
@@ -78,7 +78,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
     def inner_compile(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         kind = "backward" if kwargs.get("is_backward") else ("forward" if kwargs.get("is_inference") is False
                                                              else "inference")
-        from .cost.gpus import use_calibration
+        from .machine.calibration import use_calibration
 
         with use_calibration(opts.calibration):
             report = compass_pass(graph, kind, opts, topology)
@@ -119,7 +119,7 @@ def _topology(opts: CompassOptions) -> Any:
     """The Topology named by the options (a preset or a file), resolved once per compile."""
     if opts.topology is None or not isinstance(opts.topology, str):
         return opts.topology
-    from .cost import Topology
+    from .machine.topology import Topology
 
     try:
         return Topology.resolve(opts.topology)

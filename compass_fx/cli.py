@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--topology", default=None, help="topology preset name or file for the cost model")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     ex.set_defaults(func=cmd_explain)
-    from .cost.commands import add_subcommands
+    from .tools.commands import add_subcommands
 
     add_subcommands(sub)
     for command in sub.choices.values():

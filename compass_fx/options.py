@@ -132,7 +132,7 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
         dump_dir = str(dump_dir)
     topology = raw.get("topology")
     if isinstance(topology, str):
-        from .cost import Topology
+        from .machine.topology import Topology
 
         try:
             Topology.resolve(topology)  # an unknown preset fails here, not deep inside a compile
@@ -156,7 +156,7 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
 
 def _check_calibration(path: Any, topology: Any) -> str:
     """The file must load, and hold constants for the GPU of the topology when one is named."""
-    from .cost.gpus import calibrated_gpus
+    from .machine.calibration import calibrated_gpus
 
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"option 'calibration' must be a file path, got {path!r}")
@@ -171,7 +171,7 @@ def _check_calibration(path: Any, topology: Any) -> str:
 
 def check_calibration_matches(path: str, gpus: tuple[str, ...], topology: Any) -> None:
     """A calibration measured on other GPUs than the topology's would price the wrong machine."""
-    from .cost import Topology
+    from .machine.topology import Topology
 
     topo = Topology.resolve(topology)
     if topo.gpu not in gpus:

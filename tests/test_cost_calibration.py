@@ -7,13 +7,14 @@ import json
 import pytest
 
 from compass_fx.cost import Topology, Workload, select
-from compass_fx.cost.calibrate import fit_latency_bandwidth, write_calibration
+from compass_fx.machine.calibration import fit_latency_bandwidth, write_calibration
 from compass_fx.cost.collective import collective_time
-from compass_fx.cost.gpus import gpu_spec, use_calibration, with_overrides
+from compass_fx.machine.calibration import gpu_spec, use_calibration
+from compass_fx.machine.gpus import with_overrides
 
 
 def _measure(rank: int) -> list[dict]:
-    from compass_fx.cost.calibrate import measure_collectives
+    from compass_fx.tools.calibrate import measure_collectives
 
     return measure_collectives(sizes_mib=(1, 2), repeats=2)
 
@@ -58,7 +59,7 @@ def test_a_second_regime_is_added_to_the_same_file(tmp_path):
     the file (same GPU), and replaces only what it measured again."""
     import json
 
-    from compass_fx.cost.commands import _other_regimes_kept
+    from compass_fx.tools.commands import _other_regimes_kept
 
     path = tmp_path / "cal.json"
     p2p = [{"op": "all_gather", "group_size": 2, "regime": "peer-to-peer", "points": [[1, 1e-5], [2, 2e-5]]}]

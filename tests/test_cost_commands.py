@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from compass_fx.cost.commands import add_subcommands
-from compass_fx.cost.sweep import SweepConfig
+from compass_fx.tools.commands import add_subcommands
+from compass_fx.tools.sweep import SweepConfig
 
 
 def run(*argv):

@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from compass_fx.cost import GPUS, Topology, gemm_seconds, split_gemm_seconds
-from compass_fx.cost.calibrate import GemmMeasurement, fit_gpu_spec, model_errors
+from compass_fx.cost.gemm_fit import GemmMeasurement, fit_gpu_spec, model_errors
 from compass_fx.cost.collective import collective_seconds, collective_time, double_ring_split
 from compass_fx.cost.decomposition import DecompositionModel, optimum_expression
-from compass_fx.cost.gpus import gpu_spec, with_overrides
+from compass_fx.machine.calibration import gpu_spec
+from compass_fx.machine.gpus import with_overrides
 from compass_fx.cost.overlap import slowdown
 
 dims = st.integers(1, 20000)
@@ -181,8 +182,7 @@ def test_decomposition_model_rejects_bad_coefficients():
 
 
 def test_calibration_file_refines_the_constants(tmp_path, monkeypatch):
-    from compass_fx.cost.calibrate import write_calibration
-    from compass_fx.cost.gpus import CALIBRATION_ENV, load_calibration
+    from compass_fx.machine.calibration import CALIBRATION_ENV, load_calibration, write_calibration
 
     slow = with_overrides(gpu_spec("L40S"), efficiency=0.35)
     path = tmp_path / "cal.json"
@@ -205,8 +205,7 @@ def test_calibration_files_are_versioned_and_checked_against_the_machine(tmp_pat
     import json
 
     import compass_fx
-    from compass_fx.cost.calibrate import write_calibration
-    from compass_fx.cost.gpus import calibration_in_use, use_calibration
+    from compass_fx.machine.calibration import calibration_in_use, use_calibration, write_calibration
 
     h200 = tmp_path / "h200.json"
     write_calibration(h200, [with_overrides(gpu_spec("H200"), efficiency=0.5)], {"device": "NVIDIA H200"})
@@ -235,8 +234,7 @@ def test_cost_hooks_compose_on_top_of_a_calibration(tmp_path):
     """A hook sees the calibrated prediction as ``candidate.seconds`` and may still replace it."""
     import compass_fx
     from compass_fx.cost import Workload, select
-    from compass_fx.cost.calibrate import write_calibration
-    from compass_fx.cost.gpus import use_calibration
+    from compass_fx.machine.calibration import use_calibration, write_calibration
 
     path = tmp_path / "h200.json"
     write_calibration(path, [with_overrides(gpu_spec("H200"), efficiency=0.4)], {"device": "NVIDIA H200"})

@@ -21,7 +21,7 @@ def _decisions(rank):
 
 def _agree(rank, key):
     from compass_fx.cost import Topology
-    from compass_fx.cost.detect import agree_across_ranks
+    from compass_fx.machine.detect import agree_across_ranks
 
     # Pretend each rank read a different machine (a flaky driver, a late NVLink).
     local = Topology.preset(["h100-nvswitch-8", "a100-pcie-8"][rank]).to_dict()
@@ -35,7 +35,7 @@ def _agree_late(rank, key):
 
     import torch.distributed as dist
     from compass_fx.cost import Topology
-    from compass_fx.cost.detect import agree_across_ranks
+    from compass_fx.machine.detect import agree_across_ranks
 
     local = Topology.preset(["l40s-pcie-8", "h200-nvswitch-8"][rank]).to_dict()
     if rank == 0:
@@ -64,7 +64,7 @@ def test_rank_zero_does_not_wait_for_the_others(ranks):
 
 
 def test_agreement_without_a_process_group_keeps_the_local_answer():
-    from compass_fx.cost.detect import agree_across_ranks
+    from compass_fx.machine.detect import agree_across_ranks
 
     local = {"gpu": "H100", "nodes": [], "links": []}
     assert agree_across_ranks(local) is local

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from compass_fx.cost import Topology
-from compass_fx.cost.detect import parse_topo_matrix, topology_from_matrix
+from compass_fx.machine.detect import parse_topo_matrix, topology_from_matrix
 
 # Recorded on the lent one-GPU H200 machine (nvidia-smi underlines the header with ANSI codes).
 H200_1GPU = ('\t\x1b[4mGPU0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\nGPU0\t X \t0-15\t0\t\tN/A\n\n'
@@ -173,7 +173,7 @@ def test_host_staged_regime_is_detected_and_offers_fused_operators_through_host_
     with the schedule that meets in pinned host memory ("direct"), priced at the copy engines'
     host rate, which is far above what NCCL reaches there (its kernels stage through SMs)."""
     from compass_fx.cost import Topology, Workload, plan, sequential_seconds
-    from compass_fx.cost import detect
+    from compass_fx.machine import detect
     from compass_fx.cost.strategies import fused_breakdown
 
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
@@ -204,7 +204,8 @@ def test_host_staged_regime_is_detected_and_offers_fused_operators_through_host_
 def test_host_staged_timeline_matches_the_prediction():
     """The timeline of a host-staged fused pair draws the whole GEMM beside one pipelined transfer
     and ends where the model's prediction does (less the fixed setup and the last piece's sum)."""
-    from compass_fx.cost import Workload, detect, plan
+    from compass_fx.cost import Workload, plan
+    from compass_fx.machine import detect
     from compass_fx.cost.strategies import FUSED_SETUP_S
     from compass_fx.cost.timeline import COMPUTE, candidate_segments
 

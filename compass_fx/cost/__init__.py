@@ -1,5 +1,8 @@
-"""The performance framework: topology, GEMM / collective / overlap models, the decomposition
-model, selection between strategies and the cost hooks.
+"""The performance framework: GEMM / collective / overlap models, the decomposition model,
+selection between strategies and the cost hooks.  Pure and deterministic: it prices a
+``Workload`` on a ``Topology`` (the machine, described in ``compass_fx.machine``; ``Topology``,
+``GpuSpec``, ``GPUS``, ``gpu_spec`` and ``load_calibration`` are re-exported here, where users
+have always imported them).  The commands, sweep and calibration driver are in ``compass_fx.tools``.
 
 Planning without a graph::
 
@@ -12,12 +15,13 @@ from .collective import collective_seconds, collective_time
 from .decision import SCHEDULES, STRATEGIES, Candidate, Decision
 from .decomposition import DecompositionModel, optimum_expression
 from .gemm import gemm_seconds, gemm_time, split_gemm_seconds
-from .gpus import GPUS, GpuSpec, gpu_spec, load_calibration
+from ..machine.calibration import gpu_spec, load_calibration
+from ..machine.gpus import GPUS, GpuSpec
+from ..machine.topology import Topology
 from .layer import MODELS, LayerPlan, format_layer_plan, layer_workloads, plan_layer
 from .hooks import CostHookError, clear_cost_hooks, register_cost_hook, unregister_cost_hook
 from .select import plan, select
 from .strategies import decomposition_model, decomposition_models, fused_seconds, sequential_seconds
-from .topology import Topology
 from .workload import PAIR_KINDS, Workload
 
 __all__ = [

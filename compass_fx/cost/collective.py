@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from ..machine.calibration import calibrated_collective, calibration_path
+from ..machine.topology import Topology
 from .decision import SCHEDULES
-from .topology import Topology
 
 NCCL_LAUNCH_S = 6e-6
 STEP_SYNC_S = 1.5e-6
@@ -112,9 +113,7 @@ def collective_time(op: str, total_bytes: float, topo: Topology, group_size: int
 def _measured(op: str, total_bytes: float, topo: Topology, group_size: int) -> tuple[float, float] | None:
     """(latency, transfer) from the calibration's NCCL measurements of this op, group size and
     regime, fitted as latency + bytes / bandwidth; None without such a measurement."""
-    from .gpus import _calibration_path, calibrated_collective
-
-    if _calibration_path() is None:  # the common case: no file, and no route walk for the regime
+    if calibration_path() is None:  # the common case: no file, and no route walk for the regime
         return None
     regime = topo.regime(group_size)
     line = calibrated_collective(regime, op, group_size)

@@ -1,6 +1,6 @@
 """How long one GEMM takes on one GPU: roofline plus tile/wave quantization plus fixed overheads.
 
-Assumptions (each one a constant of :class:`~compass_fx.cost.gpus.GpuSpec`):
+Assumptions (each one a constant of :class:`~compass_fx.machine.gpus.GpuSpec`):
 
 * The library tiles the m x n output into tiles of one of a few shapes; each SM computes one tile
   (or one K-slice of a tile, with split-K) per *wave*, and a GEMM takes ``ceil(units / SMs)``
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .gpus import GpuSpec, dtype_bytes, gpu_spec
+from ..machine.calibration import gpu_spec
+from ..machine.gpus import GpuSpec, dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..machine.topology import Topology
 from .decision import SCHEDULES, Decision
 from .select import plan
-from .topology import Topology
 from .workload import Workload
 
 

@@ -12,8 +12,9 @@ Two effects, both assumptions stated as numbers:
 """
 from __future__ import annotations
 
+from ..machine.calibration import gpu_spec
+from ..machine.gpus import GpuSpec, with_overrides
 from .gemm import GemmTime, gemm_time
-from .gpus import GpuSpec, gpu_spec, with_overrides
 
 # The GEMM never gets less than this share of HBM bandwidth, however busy the links are.
 MIN_MEMORY_SHARE = 0.25

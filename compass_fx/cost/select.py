@@ -7,10 +7,10 @@ tie goes to the earlier, simpler candidate, so every rank of a group reaches the
 """
 from __future__ import annotations
 
+from ..machine.topology import Topology
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
 from .strategies import decomposition_models, fused_seconds, sequential_seconds
-from .topology import Topology
 from .workload import Workload
 
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..machine.calibration import gpu_spec
+from ..machine.gpus import dtype_bytes
+from ..machine.topology import Topology
 from .collective import CollectiveTime, collective_time, schedule_steps
 from .decomposition import DecompositionModel
-from .gpus import dtype_bytes, gpu_spec
 from .overlap import overlapped_gemm_time
-from .topology import Topology
 from .workload import Workload
 
 # The fused operators multiply each piece with cuBLAS (no slower than the unsplit GEMM per flop

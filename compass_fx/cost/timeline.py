@@ -1,17 +1,15 @@
 """Timelines of the model's predictions: what runs on the compute lane and on the communication
-lane, per strategy, and a matplotlib picture of them (optional dependency: ``pip install
-compass-fx[plot]``).  The segments come from the same per-part figures the predictions use; a
-decomposed pipeline is drawn from its per-part collective and GEMM times, so its end can differ a
-little from the three-term T(d)."""
+lane, per strategy (``tools.timeline_plot`` draws them).  The segments come from the same
+per-part figures the predictions use; a decomposed pipeline is drawn from its per-part collective
+and GEMM times, so its end can differ a little from the three-term T(d)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
+from ..machine.topology import Topology
 from .decision import Candidate
 from .strategies import decompose_part_seconds, fused_breakdown, nccl_time, sequential_seconds
-from .topology import Topology
 from .workload import Workload
 
 COMPUTE, COMM = "compute", "comm"
@@ -89,36 +87,3 @@ def sequence(pairs: Sequence[tuple[str, list[Segment]]]) -> list[Segment]:
         out += _shift(segs, t, name)
         t = max([t] + [s.end + t for s in segs])
     return out
-
-
-def plot_timelines(views: Sequence[tuple[str, list[Segment]]], path: "str | Path", title: str = "") -> Path:
-    """One row per view, with a compute and a communication lane; writes a PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("the timeline picture needs matplotlib: pip install 'compass-fx[plot]'") from exc
-    fig, axes = plt.subplots(len(views), 1, figsize=(12, 1.2 + 1.1 * len(views)), sharex=True, squeeze=False)
-    labels = list(dict.fromkeys(s.label for _, segs in views for s in segs))
-    cmap = plt.get_cmap("tab10")
-    colors = {l: cmap(i % 10) for i, l in enumerate(labels)}
-    for ax, (name, segs) in zip(axes[:, 0], views):
-        for s in segs:
-            y = 1 if s.lane == COMPUTE else 0
-            ax.barh(y, (s.end - s.start) * 1e3, left=s.start * 1e3, height=0.7,
-                    color=colors[s.label], edgecolor="black", linewidth=0.3)
-        end = max((s.end for s in segs), default=0.0)
-        ax.set_yticks([0, 1], [COMM, COMPUTE])
-        ax.set_title(f"{name}: {end * 1e3:.3f} ms", fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("predicted time (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[l]) for l in labels if l and not l.isdigit()]
-    if handles:
-        fig.legend(handles, [l for l in labels if l and not l.isdigit()], loc="upper right", fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -63,7 +63,7 @@ def transport() -> str:
     memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
     ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
     as the cost model assumes), peer or host."""
-    from ..cost.detect import host_staged
+    from ..machine.detect import host_staged
 
     wanted = os.environ.get("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
     if wanted not in ("auto", "peer", "host"):

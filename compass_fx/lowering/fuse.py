@@ -13,7 +13,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..cost import Decision
+from ..cost.decision import Decision
 from ..graph.pairs import Pair, mm_operands
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch.distributed as dist
 
-from ..cost import Decision
+from ..cost.decision import Decision
 from ..graph.pairs import Pair
 
 log = logging.getLogger("compass_fx")

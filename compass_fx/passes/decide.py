@@ -1,8 +1,9 @@
 """Turn the user's options and the cost model's advice into one Decision per pair."""
 from __future__ import annotations
 
-from ..cost import Decision, Topology, select
-from ..cost.select import fuses_by_default
+from ..cost.decision import Decision
+from ..cost.select import fuses_by_default, select
+from ..machine.topology import Topology
 from ..options import CompassOptions
 from ..graph.pairs import Pair
 

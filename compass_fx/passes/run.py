@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from ..cost import Decision
-from ..cost.gpus import calibration_in_use
+from ..cost.decision import Decision
+from ..machine.calibration import calibration_in_use
 from ..graph.pairs import Pair
 from ..lowering import fuse
 from ..lowering.decompose import decompose

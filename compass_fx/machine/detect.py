@@ -4,7 +4,8 @@ Two sources give the same thing, a GPU x GPU matrix of connection labels as ``nv
 prints them (``NV12``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``): NVML (nvidia-ml-py) when
 installed, else the text of ``nvidia-smi topo -m``.  :func:`topology_from_matrix` turns the
 matrix into a :class:`Topology`.  Ranks must agree or their decisions differ and they deadlock,
-hence :func:`agree_across_ranks`.
+hence :func:`agree_across_ranks`.  Detection builds topologies and the topology module never
+imports it: the package gives :func:`detect_topology` to ``Topology.detect`` (``set_detector``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import warnings
 import networkx as nx
 
 from .gpus import gpu_name_from_device
-from .topology import GB, LINK_DEFAULTS, US, Topology
+from .links import GB, LINK_DEFAULTS, US
+from .topology import Topology
 
 # Per-direction NVLink bandwidth of one link, GB/s (achievable, ~80% of the datasheet's).
 _NVLINK_PER_LINK = {"H100": 20.0, "H200": 20.0, "A100": 20.0, "A6000": 12.5, "L40S": 12.5, "RTX4090": 12.5}

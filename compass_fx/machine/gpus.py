@@ -1,30 +1,17 @@
-"""Per-GPU constants for the GEMM and overlap models, and the calibration file that refines them.
+"""GPU datasheets: per-GPU constants for the GEMM and overlap models, and the dtypes they price.
 
 The figures are datasheet peaks (dense, no sparsity) times a sustained fraction that cuBLAS
 reaches on large GEMMs; the sustained fraction, the per-kernel overhead and the per-wave overhead
-are what ``compass-fx calibrate`` re-fits on a real GPU.  Everything here is plain data so that
-every rank computes the same predictions.
+are what ``compass-fx calibrate`` re-fits on a real GPU (``machine.calibration`` applies the
+fitted figures).  Everything here is plain data so that every rank computes the same predictions.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import json
-import os
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Iterator
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
-
-CALIBRATION_ENV = "COMPASS_FX_CALIBRATION"
-CALIBRATION_FORMAT = "compass-fx-calibration"
-CALIBRATION_VERSION = 1
-# The calibration the backend's ``calibration=`` option names, for the compile in progress.
-_option_calibration: contextvars.ContextVar[Path | None] = contextvars.ContextVar("compass_calibration",
-                                                                                 default=None)
 
 
 def canonical_dtype(dtype: object) -> str:
@@ -125,110 +112,6 @@ def gpu_name_from_device(device_name: str) -> str | None:
         if hint in upper:
             return key
     return None
-
-
-def _calibration_path() -> Path | None:
-    """The calibration in force: the backend option's (during its compile), else $COMPASS_FX_CALIBRATION."""
-    chosen = _option_calibration.get()
-    if chosen is not None:
-        return chosen
-    value = os.environ.get(CALIBRATION_ENV)
-    return Path(value) if value else None
-
-
-def calibration_in_use() -> str:
-    """For reports: which calibration priced a decision."""
-    path = _calibration_path()
-    return f"calibration file {path}" if path is not None else "datasheet (no calibration)"
-
-
-@contextlib.contextmanager
-def use_calibration(path: "str | os.PathLike | None") -> Iterator[None]:
-    """Price with the calibration file ``path`` inside the block (None: leave things as they are)."""
-    if path is None:
-        yield
-        return
-    token = _option_calibration.set(Path(path))
-    try:
-        yield
-    finally:
-        _option_calibration.reset(token)
-
-
-def calibrated_collective(regime: str, op: str, group_size: int) -> tuple[float, float] | None:
-    """(seconds fixed, seconds per byte) of ``op`` over ``group_size`` ranks in ``regime``
-    (``topology.PEER_TO_PEER`` or ``HOST_STAGED``), fitted once per file to the calibration's measurements;
-    None when the calibration in force (if any) did not measure it."""
-    path = _calibration_path()
-    if path is None:
-        return None
-    if str(path) not in _collective_lines:
-        from .calibrate import fit_latency_bandwidth
-        from .topology import PEER_TO_PEER
-
-        _collective_lines[str(path)] = {
-            (t.get("regime", PEER_TO_PEER), t["op"], int(t["group_size"])): fit_latency_bandwidth(t["points"])
-            for t in _read_calibration(path).get("collectives", [])}
-    return _collective_lines[str(path)].get((regime, op, group_size))
-
-
-_collective_lines: dict[str, dict[tuple[str, str, int], tuple[float, float]]] = {}
-
-
-def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
-    """The GPU models a calibration file holds constants for."""
-    return tuple(load_calibration(path))
-
-
-_loaded: dict[str, dict[str, GpuSpec]] = {}
-
-
-def _read_calibration(path: "str | os.PathLike") -> dict:
-    """The file's contents once its shape, format and version are checked."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or not isinstance(data.get("gpus"), dict):
-        raise ValueError(f"calibration file {path}: expected an object with a 'gpus' mapping")
-    if data.get("format") != CALIBRATION_FORMAT or data.get("version") != CALIBRATION_VERSION:
-        raise ValueError(f"calibration file {path} is {data.get('format') or 'an unversioned file'} version "
-                         f"{data.get('version')!r}; this compass-fx reads {CALIBRATION_FORMAT} version "
-                         f"{CALIBRATION_VERSION}: run compass-fx calibrate again on this machine")
-    return data
-
-
-def load_calibration(path: str | os.PathLike) -> dict[str, GpuSpec]:
-    """Read a calibration file written by ``compass-fx calibrate``: {"gpus": {name: fields}}.
-
-    Only the fields present override the built-in spec, so a file may refine just the
-    efficiency and overheads.
-    """
-    out = {}
-    for name, fields in _read_calibration(path)["gpus"].items():
-        base = GPUS.get(name)
-        if base is None:
-            out[name] = GpuSpec.from_dict({"name": name, **fields})
-        else:
-            merged = base.to_dict() | fields
-            out[name] = GpuSpec.from_dict(merged)
-    return out
-
-
-def gpu_spec(gpu: "str | GpuSpec") -> GpuSpec:
-    """Look up a GPU by name (case-insensitive, "RTX 4090" works), applying the calibration file
-    named by $COMPASS_FX_CALIBRATION when one is set."""
-    if isinstance(gpu, GpuSpec):
-        return gpu
-    key = str(gpu).replace(" ", "").upper()
-    key = {k.upper(): k for k in GPUS}.get(key) or gpu_name_from_device(str(gpu))
-    if key is None:
-        raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {gpu!r}")
-    path = _calibration_path()
-    if path is not None:
-        cache_key = str(path)
-        if cache_key not in _loaded:
-            _loaded[cache_key] = load_calibration(path)
-        if key in _loaded[cache_key]:
-            return _loaded[cache_key][key]
-    return GPUS[key]
 
 
 def with_overrides(spec: GpuSpec, **fields) -> GpuSpec:

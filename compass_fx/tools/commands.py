@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 from ..cli_args import positive_int, positive_ints
-from .decision import SCHEDULES
-from .layer import MODELS, format_layer_plan, plan_layer
-from .select import fuses_by_default
-from .topology import Topology
-from .workload import PAIR_KINDS
+from ..cost.decision import SCHEDULES
+from ..cost.layer import MODELS, format_layer_plan, plan_layer
+from ..cost.select import fuses_by_default
+from ..cost.workload import PAIR_KINDS
+from ..machine.calibration import CALIBRATION_ENV, calibration_path
+from ..machine.topology import Topology
 
 
 def _names(choices: tuple[str, ...] | None = None):
@@ -39,9 +40,7 @@ def _schedules(text: str) -> tuple[str, ...]:
 def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
     """Where the predictions come from, and what was priced: one line for the output.  ``staged``:
     some GPU group planned has no peer access (where 'auto' prices the fused operators by default)."""
-    from .gpus import CALIBRATION_ENV, _calibration_path
-
-    path = _calibration_path()
+    path = calibration_path()
     constants = (f"GPU constants from the calibration file {path}" if path is not None else
                  f"GPU constants from datasheets, not measured on this machine (run compass-fx calibrate "
                  f"on a GPU and set {CALIBRATION_ENV} to the file it writes)")
@@ -65,7 +64,8 @@ def _topology(text: str) -> Topology:
 
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .timeline import candidate_segments, plot_timelines, sequence
+    from ..cost.timeline import candidate_segments, sequence
+    from .timeline_plot import plot_timelines
 
     topo = args.topology
     lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
@@ -131,8 +131,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 # ---- calibrate ---------------------------------------------------------------------------------
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import fit_gpu_spec, grid_shapes, measure_gemms, model_errors, write_calibration
-    from .gpus import gpu_name_from_device, gpu_spec
+    from ..cost.gemm_fit import fit_gpu_spec, model_errors
+    from ..machine.calibration import gpu_spec, write_calibration
+    from ..machine.gpus import gpu_name_from_device
+    from .calibrate import grid_shapes, measure_gemms
 
     try:
         import torch
@@ -198,9 +200,9 @@ def _measure_collectives_if_launched(args: argparse.Namespace):
     import torch
     import torch.distributed as dist
 
+    from ..machine.detect import host_staged
+    from ..machine.links import HOST_STAGED, PEER_TO_PEER
     from .calibrate import measure_collectives
-    from .detect import host_staged
-    from .topology import HOST_STAGED, PEER_TO_PEER
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         print("compass-fx calibrate --collectives runs one process per GPU: "

@@ -12,11 +12,11 @@ from itertools import product
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from .decision import SCHEDULES
-from .layer import model_shape
-from .select import plan
-from .topology import Topology
-from .workload import PAIR_KINDS, Workload
+from ..cost.decision import SCHEDULES
+from ..cost.layer import model_shape
+from ..cost.select import plan
+from ..cost.workload import PAIR_KINDS, Workload
+from ..machine.topology import Topology
 
 DEFAULT_TOPOLOGIES = ("a6000-nvlink-pairs-pcie-8", "h100-nvswitch-8", "a100-pcie-8", "rtx4090-pcie-8")
 DEFAULT_TOKENS = (2048, 4096, 8192, 16384)

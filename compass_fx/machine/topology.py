@@ -8,6 +8,9 @@ crossing it, which is how shared PCIe uplinks and cross-socket links become bott
 
 Rank i of a tensor-parallel group of size g runs on the i-th GPU (``group``): TP groups are
 placed on consecutive GPUs, as launchers do.
+
+Link kinds and their figures are in ``links``, the built-in machines' graphs in ``presets``;
+``detect`` reads the machine at hand into a Topology (see ``set_detector``).
 """
 from __future__ import annotations
 
@@ -18,37 +21,20 @@ from typing import Callable, Iterable
 
 import networkx as nx
 
-from .gpus import GPUS, gpu_spec
+from .calibration import gpu_spec
+from .links import GB, HOST_COPY_DEFAULTS, HOST_STAGED, LINK_DEFAULTS, PEER_TO_PEER, US
+from .presets import PRESETS
 
-GB = 1e9
-US = 1e-6
+# Reading the machine at hand is machine.detect's job: it builds a Topology from what NVML or
+# nvidia-smi report, so it imports this module and this module never imports it.  The package
+# (machine/__init__.py) hands detection's entry point to ``Topology.detect`` through ``set_detector``.
+_detector: "Callable[[], Topology] | None" = None
 
-# Achievable per-direction bandwidth (GB/s) and per-link latency (us) of each kind of link.
-LINK_DEFAULTS: dict[str, tuple[float, float]] = {
-    "nvlink4-switch": (370.0, 0.8),   # H100/H200: 18 NVLink4 links, 450 GB/s per direction on paper
-    "nvlink3-switch": (240.0, 0.9),   # A100: 12 NVLink3 links, 300 GB/s per direction on paper
-    "nvlink3-bridge": (50.0, 0.9),    # A6000 bridge: 4 links, 56.25 GB/s per direction on paper
-    "pcie4": (24.0, 1.2),             # x16 Gen4: 32 GB/s on paper, 20-25 measured
-    "pcie5": (48.0, 1.2),             # x16 Gen5
-    "pcie4-staged": (13.0, 4.0),      # no peer-to-peer: copies bounce through host memory
-    # no peer-to-peer on PCIe Gen5 (or NCCL_P2P_DISABLE=1): measured between two H200s, NCCL bus
-    # bandwidth 25 GB/s at 64-256 MiB, about 30 us fixed (benchmarks/results/profile_pair-h200x2-hoststaged)
-    "pcie5-staged": (25.0, 30.0),
-    "upi": (40.0, 1.0),               # two-three UPI links between the sockets, per direction
-    "ib-ndr": (45.0, 2.5),            # 400 Gb/s InfiniBand NIC per GPU
-}
 
-# Copy engines through pinned host memory (the host-staged fused operators), per direction per
-# GPU while every GPU copies both ways, and the fixed cost of one piece (its flag's round trip).
-# Measured on 2 H200s (benchmarks/results/host_copy-h200x2): 36.7-41.7 GB/s per direction with
-# both GPUs copying both ways, 54-55 one way; about 30 us fixed per fused call of a small shape.
-HOST_COPY_DEFAULTS: dict[str, tuple[float, float]] = {
-    "pcie5-staged": (40.0, 10.0),
-    "pcie4-staged": (20.0, 10.0),
-}
-
-# The two communication regimes a calibration's collective tables are tagged with.
-PEER_TO_PEER, HOST_STAGED = "peer-to-peer", "host-staged"
+def set_detector(detect: "Callable[[], Topology]") -> None:
+    """Make ``detect`` what :meth:`Topology.detect` (and :meth:`Topology.default` on a GPU) call."""
+    global _detector
+    _detector = detect
 
 
 class Topology:
@@ -81,7 +67,8 @@ class Topology:
         """A built-in machine, e.g. ``"h200-nvswitch-8"`` or ``"a6000-nvlink-pairs-pcie-8"``."""
         if name not in PRESETS:
             raise ValueError(f"unknown topology preset {name!r}; known presets: {', '.join(PRESETS)}")
-        return PRESETS[name]()
+        gpu, build = PRESETS[name]
+        return cls(name, gpu, build())
 
     @classmethod
     def resolve(cls, name_or_path: "str | Topology | None") -> "Topology":
@@ -139,8 +126,9 @@ class Topology:
     def detect(cls) -> "Topology":
         """Read this machine's GPUs and links (NVML, else ``nvidia-smi topo -m``); every rank of an
         initialised process group gets rank 0's answer.  Needs a GPU."""
-        from .detect import detect_topology
-        return detect_topology()
+        if _detector is None:  # only when this module is loaded without its package
+            raise RuntimeError("Topology.detect() needs machine.detect: import compass_fx.machine")
+        return _detector()
 
     @classmethod
     def default(cls) -> "Topology":
@@ -269,94 +257,6 @@ def _route(graph: nx.DiGraph, src: str, dst: str) -> tuple[tuple[str, str], ...]
 
     best = min(paths, key=key)
     return tuple(zip(best[:-1], best[1:]))
-
-
-# ---- preset builders ---------------------------------------------------------------------------
-class _Builder:
-    def __init__(self) -> None:
-        self.g = nx.DiGraph()
-
-    def node(self, name: str, kind: str) -> str:
-        self.g.add_node(name, kind=kind)
-        return name
-
-    def link(self, a: str, b: str, kind: str, gbps: float | None = None, lat_us: float | None = None) -> None:
-        default_bw, default_lat = LINK_DEFAULTS[kind]
-        attrs = dict(bw=(gbps or default_bw) * GB, lat=(default_lat if lat_us is None else lat_us) * US, kind=kind)
-        self.g.add_edge(a, b, **attrs)
-        self.g.add_edge(b, a, **attrs)
-
-
-def nvswitch_node(gpu: str, gpus: int = 8, nodes: int = 1, link: str | None = None) -> Callable[[], nx.DiGraph]:
-    """``nodes`` NVSwitch domains of ``gpus`` GPUs; across domains, one IB NIC per GPU (rail switch)."""
-    link = link or ("nvlink3-switch" if gpu == "A100" else "nvlink4-switch")
-
-    def build() -> nx.DiGraph:
-        b = _Builder()
-        if nodes > 1:
-            b.node("ib0", "ib")
-        for n in range(nodes):
-            sw = b.node(f"nvswitch{n}", "nvswitch")
-            for i in range(gpus):
-                g = b.node(f"gpu{n * gpus + i}", "gpu")
-                b.link(g, sw, link)
-                if nodes > 1:
-                    b.link(g, "ib0", "ib-ndr")
-        return b.g
-    return build
-
-
-def pcie_node(gpus: int = 8, per_switch: int = 2, link: str = "pcie4", bridges: bool = False,
-              upstream: str | None = None) -> Callable[[], nx.DiGraph]:
-    """Two CPU sockets, GPUs split evenly between them, ``per_switch`` GPUs under each PCIe switch
-    (1: straight into the root complex); optional NVLink bridges between GPU pairs (2i, 2i+1)."""
-    upstream = upstream or link
-
-    def build() -> nx.DiGraph:
-        b = _Builder()
-        cpus = [b.node("cpu0", "cpu"), b.node("cpu1", "cpu")]
-        b.link(cpus[0], cpus[1], "upi")
-        for i in range(gpus):
-            b.node(f"gpu{i}", "gpu")
-        for s in range(0, gpus, per_switch):
-            cpu = cpus[0] if s < gpus // 2 else cpus[1]
-            if per_switch == 1:
-                b.link(f"gpu{s}", cpu, link)
-                continue
-            sw = b.node(f"pcie_sw{s // per_switch}", "pcie_switch")
-            b.link(sw, cpu, upstream)
-            for i in range(s, s + per_switch):
-                b.link(f"gpu{i}", sw, link)
-        if bridges:
-            for i in range(0, gpus, 2):
-                b.link(f"gpu{i}", f"gpu{i + 1}", "nvlink3-bridge")
-        return b.g
-    return build
-
-
-_PRESET_SPECS: dict[str, tuple[str, Callable[[], nx.DiGraph]]] = {
-    "h100-nvswitch-8": ("H100", nvswitch_node("H100")),
-    "h200-nvswitch-8": ("H200", nvswitch_node("H200")),
-    "a100-nvswitch-8": ("A100", nvswitch_node("A100")),
-    # The paper's machine: NVLink bridges between GPU pairs, PCIe Gen4 across pairs, two sockets.
-    "a6000-nvlink-pairs-pcie-8": ("A6000", pcie_node(per_switch=1, bridges=True)),
-    "a100-pcie-8": ("A100", pcie_node(per_switch=2)),
-    "l40s-pcie-8": ("L40S", pcie_node(per_switch=2)),
-    # GeForce cards have no peer-to-peer: every copy is staged through host memory.
-    "rtx4090-pcie-8": ("RTX4090", pcie_node(per_switch=1, link="pcie4-staged")),
-    # H200s without peer access (PCIe only, or NCCL_P2P_DISABLE=1): copies staged through host memory.
-    "h200-host-staged-8": ("H200", pcie_node(per_switch=1, link="pcie5-staged")),
-    "2x-h100-nvswitch-8-ib": ("H100", nvswitch_node("H100", nodes=2)),
-}
-
-
-def _make(name: str) -> Callable[[], Topology]:
-    gpu, build = _PRESET_SPECS[name]
-    return lambda: Topology(name, gpu, build())
-
-
-PRESETS: dict[str, Callable[[], Topology]] = {name: _make(name) for name in _PRESET_SPECS}
-assert all(g in GPUS for g, _ in _PRESET_SPECS.values())
 
 
 @functools.lru_cache(maxsize=1)

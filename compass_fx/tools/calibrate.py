@@ -1,0 +1,117 @@
+"""Measuring on the machine at hand what the model's constants are fitted to: GEMMs split into
+parts on one GPU, and NCCL's collectives over message sizes on every rank of a group.
+
+Shared by ``compass-fx calibrate`` (which fits the GEMM constants with ``cost.gemm_fit`` and
+writes a calibration file, ``machine.calibration``) and the validation benchmark
+(benchmarks/gemm_model_validation.py).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Iterable, Sequence
+
+from ..cost.gemm_fit import GemmMeasurement
+from .timing import seconds_of_one_call
+
+LLAMA3_WIDTHS = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}  # (hidden, ffn)
+
+
+def grid_shapes(tokens: Iterable[int] = (2048, 4096, 8192, 16384), group_sizes: Iterable[int] = (2, 4, 8),
+                models: Iterable[str] = tuple(LLAMA3_WIDTHS)) -> list[tuple[int, int, int]]:
+    """The distinct per-rank GEMMs of the sweep grid: the MLP's column-parallel GEMM
+    (m, ffn/tp, hidden) and row-parallel GEMM (m, hidden, ffn/tp)."""
+    shapes = []
+    for model in models:
+        hidden, ffn = LLAMA3_WIDTHS[model]
+        for tp in group_sizes:
+            for m in tokens:
+                for shape in ((m, ffn // tp, hidden), (m, hidden, ffn // tp)):
+                    if shape not in shapes:
+                        shapes.append(shape)
+    return shapes
+
+
+def measure_gemms(shapes: Sequence[tuple[int, int, int]], parts: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                  dtype: str = "bfloat16", device: str = "cuda", min_time_s: float = 0.02,
+                  progress: bool = False) -> list[GemmMeasurement]:
+    """Median time of each shape split into each part count (CUDA events on a GPU; a wall clock
+    on CPU, for dry runs)."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    cuda = device.startswith("cuda")
+    out = []
+    for i, (m, n, k) in enumerate(shapes):
+        a = torch.randn(m, k, device=device, dtype=tdtype)
+        b = torch.randn(k, n, device=device, dtype=tdtype)
+        c = torch.empty(m, n, device=device, dtype=tdtype)
+        for d in parts:
+            if m % d:
+                continue
+            rows = m // d
+            pieces = [(a[j * rows:(j + 1) * rows], c[j * rows:(j + 1) * rows]) for j in range(d)]
+
+            def run(pieces=pieces, weight=b) -> None:
+                for x, y in pieces:
+                    torch.mm(x, weight, out=y)
+
+            out.append(GemmMeasurement(m, n, k, d, _median_time(run, cuda, min_time_s)))
+        if progress:
+            print(f"  measured {i + 1}/{len(shapes)}: {m}x{n}x{k}", flush=True)
+        del a, b, c
+    return out
+
+
+def _median_time(fn, cuda: bool, min_time_s: float) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    once = max(time.perf_counter() - t0, 1e-6)
+    reps = max(5, min(100, math.ceil(min_time_s / once)))
+    return statistics.median(seconds_of_one_call(fn, cuda) for _ in range(reps))
+
+
+# ---- collectives over the group at hand ---------------------------------------------------------
+COLLECTIVE_MIB = (1, 4, 16, 64, 256)
+
+
+def measure_collectives(group=None, sizes_mib: Sequence[int] = COLLECTIVE_MIB, dtype=None,
+                        repeats: int = 10) -> list[dict]:
+    """Time NCCL's (or gloo's) all-gather, reduce-scatter and all-reduce over the whole tensor sizes
+    ``sizes_mib`` on every rank of ``group``; every rank returns the same numbers (the slowest
+    rank's median, agreed by an all-reduce), so every rank prices the same."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    element = torch.empty((), dtype=dtype).element_size()
+    points: dict[str, list[list[float]]] = {op: [] for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    for mib in sizes_mib:
+        numel = max(world, (mib << 20) // element // world * world)
+        full = torch.ones(numel, dtype=dtype, device=device)
+        shard = torch.ones(numel // world, dtype=dtype, device=device)
+        calls = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+                 "all_reduce": lambda: dist.all_reduce(full, group=group)}
+        for op, fn in calls.items():
+            fn()
+            times = []
+            for _ in range(repeats):
+                dist.barrier(group=group)
+                times.append(seconds_of_one_call(fn, cuda))
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            points[op].append([numel * element, float(t.item())])
+    return [{"op": op, "group_size": world, "points": pts} for op, pts in points.items()]
