@@ -26,7 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402
+import harness  # noqa: E402  (sets the no-multicast environment first)
+from harness import output  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -163,7 +164,7 @@ def markdown(payload: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default="h200")
-    p.add_argument("--out-dir", default=str(mc.RESULTS))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
@@ -172,10 +173,10 @@ def main(argv=None) -> int:
         t0 = time.time()
         mp.spawn(worker, args=(f"file://{os.path.join(tmp, 'store')}", out), nprocs=WORLD)
         payload = json.load(open(out))
-    payload.update(benchmark=NAME, tag=args.tag, seconds=time.time() - t0, environment=mc.environment(False))
+    payload.update(benchmark=NAME, tag=args.tag, seconds=time.time() - t0, environment=output.environment(False))
     text = markdown(payload)
     print(text)
-    mc.write_results(NAME, args.tag, payload, text, args.out_dir)
+    output.write_results(NAME, args.tag, payload, text, args.out_dir)
     return 0
 
 

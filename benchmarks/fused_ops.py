@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output, pairs, ranks, timing  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -41,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from compass_fx.kernels.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mc.add_launch_args(p, default_worlds="2")
+    launch.add_launch_args(p, default_worlds="2")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    p.add_argument("--kinds", default=",".join(mc.PAIR_KINDS))
+    p.add_argument("--kinds", default=",".join(pairs.PAIR_KINDS))
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--calls", type=int, default=None, help="stress calls per case (default 500; 6 dry run)")
@@ -94,11 +94,11 @@ def fused(kind: str, schedule: str, world: int, group: str):
     return lambda a, b: op(a, b, schedule, group, world)
 
 
-def stress_case(ctx: mc.Ctx, args, s: dict, schedule: str, dtype) -> dict:
+def stress_case(ctx: ranks.Ctx, args, s: dict, schedule: str, dtype) -> dict:
     kind, m, n, k = s["kind"], s["m"], s["n"], s["k"]
     rng = random.Random(1234 + ctx.rank)
-    sets = [mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=i) for i in range(3)]
-    ref_fn = mc.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
+    sets = [pairs.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=i) for i in range(3)]
+    ref_fn = pairs.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
     op = fused(kind, schedule, ctx.world, ctx.group_name)
     refs = [ref_fn(a, b) for a, b in sets]
     firsts = [op(a, b) for a, b in sets]
@@ -112,35 +112,35 @@ def stress_case(ctx: mc.Ctx, args, s: dict, schedule: str, dtype) -> dict:
             time.sleep(rng.uniform(0, 2e-3))
         a, b = sets[i % 3]
         diff += (op(a, b) != firsts[i % 3]).sum()
-    mc.synchronize(ctx)
+    ranks.synchronize(ctx)
     seconds = time.time() - t0
-    differing = int(mc.max_over_ranks(ctx, float(diff.item())))
-    rel = mc.max_over_ranks(ctx, rel)
+    differing = int(ranks.max_over_ranks(ctx, float(diff.item())))
+    rel = ranks.max_over_ranks(ctx, rel)
     return {"kind": kind, "schedule": schedule, "model": s["model"], "tokens": s["tokens"], "m": m, "n": n, "k": k,
             "calls": args.calls, "seconds": round(seconds, 2), "max_rel_error_vs_nccl": rel,
             "elements_differing_between_calls": differing, "ok": rel <= TOL and differing == 0}
 
 
-def speed_case(ctx: mc.Ctx, args, s: dict, dtype) -> dict:
+def speed_case(ctx: ranks.Ctx, args, s: dict, dtype) -> dict:
     kind, m, n, k = s["kind"], s["m"], s["n"], s["k"]
-    a, b = mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=0)
+    a, b = pairs.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=0)
     t = {}
     with torch.no_grad():
-        t["gemm"] = mc.time_back_to_back(ctx, mc.gemm_only_fn(kind, a, b, ctx.world), args.batch, args.batches)
-        t["comm"] = mc.time_back_to_back(ctx, mc.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.batch,
+        t["gemm"] = timing.time_back_to_back(ctx, pairs.gemm_only_fn(kind, a, b, ctx.world), args.batch, args.batches)
+        t["comm"] = timing.time_back_to_back(ctx, pairs.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.batch,
                                       args.batches)
-        seq = mc.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
-        t["sequential"] = mc.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches)
+        seq = pairs.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
+        t["sequential"] = timing.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches)
         for schedule in args.schedules.split(","):
             op = fused(kind, schedule, ctx.world, ctx.group_name)
-            t[f"fuse({schedule})"] = mc.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
+            t[f"fuse({schedule})"] = timing.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
         if kind != "matmul_all_reduce" and ctx.is_cuda and transport() == "peer":  # symm_mem needs peer access
-            sm = mc.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
-            t["symm_mem"] = mc.time_back_to_back(ctx, lambda: sm(a, b), args.batch, args.batches)
+            sm = pairs.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
+            t["symm_mem"] = timing.time_back_to_back(ctx, lambda: sm(a, b), args.batch, args.batches)
         if s["model"] == "small" and ctx.is_cuda:  # the fixed overhead, without the host's launch cost
-            t["sequential, device only"] = mc.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches, True)
+            t["sequential, device only"] = timing.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches, True)
             op = fused(kind, "direct", ctx.world, ctx.group_name)
-            t["fuse(direct), device only"] = mc.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches, True)
+            t["fuse(direct), device only"] = timing.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches, True)
     fused_times = {lbl: v for lbl, v in t.items() if lbl.startswith("fuse(") and "only" not in lbl}
     best = min(fused_times, key=fused_times.get)
     row = dict(s, times_s=t, best_fused=best, best_fused_s=fused_times[best],
@@ -158,24 +158,24 @@ def speed_case(ctx: mc.Ctx, args, s: dict, dtype) -> dict:
     return row
 
 
-def timeout_check(ctx: mc.Ctx, dtype) -> dict:
+def timeout_check(ctx: ranks.Ctx, dtype) -> dict:
     """The last rank stops calling the operator; rank 0's next call must come back (the watchdog
     releases the wait after 3 s) and the call after it must raise a RuntimeError naming the wait."""
     from compass_fx.kernels import watchdog
 
-    a, b = mc.pair_operands("all_gather_matmul", 256 * ctx.world, 512, 512, ctx.world, ctx.rank, dtype,
+    a, b = pairs.pair_operands("all_gather_matmul", 256 * ctx.world, 512, 512, ctx.world, ctx.rank, dtype,
                             ctx.device, seed=5)
     op = fused("all_gather_matmul", "direct", ctx.world, ctx.group_name)
     dog = watchdog.for_device(ctx.device.index)
     dog.timeout = 3.0
     op(a, b)
-    mc.synchronize(ctx)
+    ranks.synchronize(ctx)
     dist.barrier()
     result = {"released_after_s": None, "error": None}
     if ctx.rank != ctx.world - 1:
         t0 = time.time()
         op(a, b)  # the last rank never makes this call
-        mc.synchronize(ctx)
+        ranks.synchronize(ctx)
         result["released_after_s"] = round(time.time() - t0, 1)
         try:
             op(a, b)
@@ -187,13 +187,13 @@ def timeout_check(ctx: mc.Ctx, dtype) -> dict:
     return result
 
 
-def worker(ctx: mc.Ctx, args) -> dict:
+def worker(ctx: ranks.Ctx, args) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     cases = shapes(args, ctx.world)
     out = {"world": ctx.world, "stress": [], "speed": []}
     if not args.skip_stress:
         schedules = args.schedules.split(",")
-        progress = mc.Progress(ctx, len(cases) * len(schedules), f"stress w{ctx.world}")
+        progress = output.Progress(ctx, len(cases) * len(schedules), f"stress w{ctx.world}")
         for s in cases:
             for schedule in schedules:
                 row = stress_case(ctx, args, s, schedule, dtype)
@@ -202,7 +202,7 @@ def worker(ctx: mc.Ctx, args) -> dict:
                               f"{'ok' if row['ok'] else 'FAILED'} (rel err {row['max_rel_error_vs_nccl']:.2e}, "
                               f"{row['elements_differing_between_calls']} differing, {row['seconds']} s)")
     if not args.skip_speed:
-        progress = mc.Progress(ctx, len(cases), f"speed w{ctx.world}")
+        progress = output.Progress(ctx, len(cases), f"speed w{ctx.world}")
         for s in cases:
             row = speed_case(ctx, args, s, dtype)
             out["speed"].append(row)
@@ -269,7 +269,7 @@ def markdown(tag: str, args, summary: dict, stress: list[dict], speed: list[dict
              f"{args.batch}, median of {args.batches} batches, slowest rank.", "", "## Summary", ""]
     for key, value in summary.items():
         if key not in ("goals", "stress_failures"):
-            lines.append(f"* {key}: {mc.fmt(value)}")
+            lines.append(f"* {key}: {output.fmt(value)}")
     lines.append(f"* stress failures: {len(summary['stress_failures'])}")
     for goal, ok in summary["goals"].items():
         verdict = "not judged on a dry run" if args.dry_run else ("-" if ok is None else ("met" if ok else "NOT met"))
@@ -281,11 +281,11 @@ def markdown(tag: str, args, summary: dict, stress: list[dict], speed: list[dict
             row[lbl] = v * 1e3
         rows.append(row)
     labels = list(speed[0]["times_s"]) if speed else []
-    lines += ["", "## Speed (ms)", "", mc.markdown_table(rows, ["model", "kind", "tokens", "m", "n", "k", *labels,
+    lines += ["", "## Speed (ms)", "", output.markdown_table(rows, ["model", "kind", "tokens", "m", "n", "k", *labels,
                                                               "best_fused", "speedup_vs_sequential",
                                                               "speedup_vs_symm_mem", "overlap_efficiency",
                                                               "comm_fraction"])]
-    lines += ["", "## Stress", "", mc.markdown_table(stress, ["kind", "schedule", "model", "tokens", "calls", "ok",
+    lines += ["", "## Stress", "", output.markdown_table(stress, ["kind", "schedule", "model", "tokens", "calls", "ok",
                                                               "max_rel_error_vs_nccl",
                                                               "elements_differing_between_calls", "seconds"])]
     return "\n".join(lines)
@@ -293,7 +293,7 @@ def markdown(tag: str, args, summary: dict, stress: list[dict], speed: list[dict
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    launched = launch.launch(worker, args, launch.parse_worlds(args.worlds, args.dry_run))
     if launched is None:
         return 0
     results, tag, t0 = launched
@@ -301,12 +301,12 @@ def main(argv=None) -> int:
     speed = [r for _, res in results for r in res["speed"]]
     summary = summarize(stress, speed)
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": mc.environment(args.dry_run), "worlds": [w for w, _ in results], "summary": summary,
+               "environment": output.environment(args.dry_run), "worlds": [w for w, _ in results], "summary": summary,
                "seconds": round(time.time() - t0, 1), "stress": stress, "speed": speed,
                "timeout_check": {w: res.get("timeout_check") for w, res in results}}
     text = markdown(tag, args, summary, stress, speed)
     print(text)
-    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    output.write_results(NAME, tag, payload, text, args.out_dir)
     return 1 if summary["stress_failures"] else 0
 
 

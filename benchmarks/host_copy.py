@@ -17,7 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402
+import harness  # noqa: E402  (sets the no-multicast environment first)
+from harness import output  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "host_copy"
@@ -66,7 +67,7 @@ def _time(bufs: list[dict], directions: tuple[str, ...], repeats: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
-    p.add_argument("--out-dir", default=str(mc.RESULTS))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -92,12 +93,12 @@ def main(argv=None) -> int:
                   flush=True)
         del bufs
         torch.cuda.empty_cache()
-    tag = args.tag or mc.device_tag(False, len(devices))
-    payload = {"benchmark": NAME, "environment": mc.environment(False), "rows": rows}
+    tag = args.tag or output.device_tag(False, len(devices))
+    payload = {"benchmark": NAME, "environment": output.environment(False), "rows": rows}
     md = [f"# Copy engines to and from pinned host memory ({tag})", "",
           "GB/s per direction per GPU; host clock around synchronised batches of copies, median of three.", "",
-          mc.markdown_table(rows, ["case", "mib", "seconds", "gb_per_s_per_direction_per_gpu"])]
-    mc.write_results(NAME, tag, payload, "\n".join(md), args.out_dir)
+          output.markdown_table(rows, ["case", "mib", "seconds", "gb_per_s_per_direction_per_gpu"])]
+    output.write_results(NAME, tag, payload, "\n".join(md), args.out_dir)
     return 0
 
 

@@ -7,7 +7,7 @@ forward output and the gradients of both operands are compared with a reference 
 plain ``torch.distributed`` collectives (NCCL on GPUs) and ``torch.mm`` in fp32 (fp64 on CPU).
 
 Two levels:
-* ``ops``: the strategies as operators (``multigpu_common.strategy_fn``: functional collectives
+* ``ops``: the strategies as operators (``harness.pairs.strategy_fn``: functional collectives
   pipelined as the InterDecom lowering emits them, ``torch.ops.compass.*``, ``torch.ops.symm_mem.*``).
 * ``compiled``: one tensor-parallel ``nn.Linear`` per pair kind (DTensor plan: colwise with a
   sequence-sharded input, rowwise to a reduce-scatter, rowwise to an all-reduce) compiled with
@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output, pairs, ranks  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -41,13 +41,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mc.add_launch_args(p)
+    launch.add_launch_args(p)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bfloat16 (float32 with --dry-run)")
     p.add_argument("--m", type=int, default=None, help="rows of the full activation (default 8192; 256 dry run)")
     p.add_argument("--n", type=int, default=None, help="local output columns (default 2048; 32 dry run)")
     p.add_argument("--k", type=int, default=None, help="local inner dim (default 4096; 64 dry run)")
     p.add_argument("--forced-d", default="2,4,8", help="InterDecom part counts forced besides the model's")
-    p.add_argument("--kinds", default=",".join(mc.PAIR_KINDS))
+    p.add_argument("--kinds", default=",".join(pairs.PAIR_KINDS))
     p.add_argument("--levels", default="ops,compiled", help="ops, compiled or both")
     p.add_argument("--compiled-strategies", default="off,auto,decompose,fuse",
                    help="strategies of the compiled level (decompose: the model's d and each forced d; "
@@ -107,7 +107,7 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # strategies
 # ---------------------------------------------------------------------------------------------
-def model_choice(ctx: mc.Ctx, kind: str, args, topo) -> tuple[str, int | None, list]:
+def model_choice(ctx: ranks.Ctx, kind: str, args, topo) -> tuple[str, int | None, list]:
     """(the cost model's pick, its best InterDecom d, the candidates) for this pair."""
     from compass_fx.cost import Workload, plan
     from compass_fx.kernels import fused_schedules_available
@@ -120,7 +120,7 @@ def model_choice(ctx: mc.Ctx, kind: str, args, topo) -> tuple[str, int | None, l
     return dec.label, best_d, [(c.label, c.seconds) for c in dec.candidates]
 
 
-def op_labels(ctx: mc.Ctx, kind: str, args, best_d: int | None) -> list[tuple[str, str]]:
+def op_labels(ctx: ranks.Ctx, kind: str, args, best_d: int | None) -> list[tuple[str, str]]:
     """(label, role) of every strategy to check for ``kind``."""
     from compass_fx.kernels import fused_schedules_available
 
@@ -140,14 +140,14 @@ def op_labels(ctx: mc.Ctx, kind: str, args, best_d: int | None) -> list[tuple[st
     return labels
 
 
-def check_ops(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress) -> list[dict]:
+def check_ops(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progress) -> list[dict]:
     dtype = DTYPES[args.dtype]
     ref_dtype = torch.float64 if not ctx.is_cuda else torch.float32
     tol = args.tolerance or TOLERANCE[dtype]
     pick, best_d, _ = model_choice(ctx, kind, args, topo)
-    a0, b0 = mc.pair_operands(kind, args.m, args.n, args.k, ctx.world, ctx.rank, dtype, ctx.device, seed=1)
+    a0, b0 = pairs.pair_operands(kind, args.m, args.n, args.k, ctx.world, ctx.rank, dtype, ctx.device, seed=1)
     gen = torch.Generator().manual_seed(7 + (0 if kind == "matmul_all_reduce" else ctx.rank))
-    g = torch.randn(mc.output_rows(kind, args.m, ctx.world), args.n, generator=gen).to(dtype=dtype, device=ctx.device)
+    g = torch.randn(pairs.output_rows(kind, args.m, ctx.world), args.n, generator=gen).to(dtype=dtype, device=ctx.device)
     ref = reference(kind, a0.to(ref_dtype), b0.to(ref_dtype), g.to(ref_dtype), ctx.world, ctx.rank)
     rows = []
     for label, role in op_labels(ctx, kind, args, best_d):
@@ -162,14 +162,14 @@ def check_ops(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress) -> list
 
         def run():
             a, b = a0.detach().clone().requires_grad_(not forward_only), b0.detach().clone().requires_grad_(not forward_only)
-            fn = mc.strategy_fn(kind, label, ctx.world, ctx.group_name)
+            fn = pairs.strategy_fn(kind, label, ctx.world, ctx.group_name)
             out = fn(a, b)
             if forward_only:
                 return out.detach(), None, None
             (out.float() * g.float()).sum().backward()
             return out.detach(), a.grad, b.grad
 
-        res, err = mc.guarded(ctx, label, run)
+        res, err = ranks.guarded(ctx, label, run)
         if err:
             row.update(status="error", note=err)
         else:
@@ -178,12 +178,12 @@ def check_ops(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress) -> list
             if not forward_only:
                 errs.update(err_grad_a=rel_err(ga, ref[1]), err_grad_b=rel_err(gb, ref[2]))
             worst = max(errs.values())
-            worst_all = mc.max_over_ranks(ctx, worst)
-            errs = {k: mc.max_over_ranks(ctx, v) for k, v in errs.items()}
+            worst_all = ranks.max_over_ranks(ctx, worst)
+            errs = {k: ranks.max_over_ranks(ctx, v) for k, v in errs.items()}
             row.update(errs, max_err=worst_all, status="pass" if worst_all <= tol else "FAIL",
                        note="forward only" if forward_only else "")
         rows.append(row)
-        progress.step(f"ops {kind} {label}: {row['status']} (max err {mc.fmt(row.get('max_err'))})")
+        progress.step(f"ops {kind} {label}: {row['status']} (max err {output.fmt(row.get('max_err'))})")
     return rows
 
 
@@ -209,7 +209,7 @@ def build_linear(kind: str, args, mesh, dtype):
     return parallelize_module(lin, mesh, style)
 
 
-def compiled_options(args, best_d: int | None, ctx: mc.Ctx, kind: str) -> list[tuple[str, dict]]:
+def compiled_options(args, best_d: int | None, ctx: ranks.Ctx, kind: str) -> list[tuple[str, dict]]:
     from compass_fx.kernels import fused_schedules_available
 
     wanted = [s.strip() for s in args.compiled_strategies.split(",") if s.strip()]
@@ -248,7 +248,7 @@ def _report_summary() -> tuple[str, int]:
     return "; ".join(items), rewritten
 
 
-def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress, mesh) -> list[dict]:
+def check_compiled(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progress, mesh) -> list[dict]:
     import compass_fx  # noqa: F401 - registers the backend
 
     dtype = DTYPES[args.dtype]
@@ -259,7 +259,7 @@ def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress, me
     k_in = args.k
     x0 = torch.randn(rows_in, k_in, generator=gen).to(dtype=dtype, device=ctx.device)
     gseed = torch.Generator().manual_seed(13 + (0 if kind == "matmul_all_reduce" else ctx.rank))
-    g = torch.randn(mc.output_rows(kind, args.m, ctx.world), args.n, generator=gseed).to(ctx.device)
+    g = torch.randn(pairs.output_rows(kind, args.m, ctx.world), args.n, generator=gseed).to(ctx.device)
 
     def step(model_fn, model):
         x = x0.clone().requires_grad_(True)
@@ -284,13 +284,13 @@ def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress, me
             compiled = torch.compile(model, backend="compass", options=opts, fullgraph=True)
             return step(compiled, model)
 
-        res, err = mc.guarded(ctx, label, run)
+        res, err = ranks.guarded(ctx, label, run)
         if err:
             row.update(status="error", note=err)
         else:
             out, gx, gw = res
             errs = {"err_out": rel_err(out, ref[0]), "err_grad_a": rel_err(gx, ref[1]), "err_grad_b": rel_err(gw, ref[2])}
-            errs = {k: mc.max_over_ranks(ctx, v) for k, v in errs.items()}
+            errs = {k: ranks.max_over_ranks(ctx, v) for k, v in errs.items()}
             worst = max(errs.values())
             applied, rewritten = _report_summary()
             ok = worst <= tol and (label == "off" or label == "auto" or rewritten > 0)
@@ -298,18 +298,18 @@ def check_compiled(ctx: mc.Ctx, args, kind: str, topo, progress: mc.Progress, me
                        note="" if (rewritten or label in ("off", "auto")) else "nothing was rewritten")
         row["seconds"] = round(time.time() - t0, 2)
         rows.append(row)
-        progress.step(f"compiled {kind} {label}: {row['status']} (max err {mc.fmt(row.get('max_err'))})")
+        progress.step(f"compiled {kind} {label}: {row['status']} (max err {output.fmt(row.get('max_err'))})")
     return rows
 
 
-def worker(ctx: mc.Ctx, args) -> dict:
+def worker(ctx: ranks.Ctx, args) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     levels = [lv for lv in args.levels.split(",") if lv]
-    topo, how = mc.model_topology(ctx)
+    topo, how = pairs.model_topology(ctx)
     ctx.log(f"world {ctx.world}, {ctx.backend}, {args.dtype}, m={args.m} n={args.n} k={args.k}, topology "
             f"{topo.name} ({how})")
     # progress total: a rough count (ops: ~8 per kind; compiled: ~8 per kind)
-    progress = mc.Progress(ctx, len(kinds) * (9 * ("ops" in levels) + 8 * ("compiled" in levels)), f"w{ctx.world}")
+    progress = output.Progress(ctx, len(kinds) * (9 * ("ops" in levels) + 8 * ("compiled" in levels)), f"w{ctx.world}")
     mesh = None
     if "compiled" in levels:
         from torch.distributed.device_mesh import init_device_mesh
@@ -330,16 +330,16 @@ COLUMNS = ["world", "level", "kind", "strategy", "role", "status", "err_out", "e
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = mc.group_size_worlds(args.worlds, args.dry_run)
+    worlds = launch.group_size_worlds(args.worlds, args.dry_run)
     t0 = time.time()
-    results = mc.run_worlds(worker, args, worlds)
-    if not mc.is_writer():
+    results = launch.run_worlds(worker, args, worlds)
+    if not launch.is_writer():
         return 0
     rows = [r for _, res in results for r in res["rows"]]
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "FAIL", "error", "skipped")}
-    tag = args.tag or mc.device_tag(args.dry_run, max(w for w, _ in results))
+    tag = args.tag or output.device_tag(args.dry_run, max(w for w, _ in results))
     payload = {
-        "benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": mc.environment(args.dry_run),
+        "benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": output.environment(args.dry_run),
         "dtype": args.dtype, "shape": {"m": args.m, "n": args.n, "k": args.k}, "worlds": [w for w, _ in results],
         "topology": {str(w): {"name": res["topology"], "source": res["topology_source"],
                               "description": res["topology_description"]} for w, res in results},
@@ -350,10 +350,10 @@ def main(argv=None) -> int:
            f"reference: torch.distributed collectives + torch.mm in {'fp64' if args.dry_run else 'fp32'}; "
            f"error = max|x - ref| / max|ref| over ranks."), "",
           f"**{counts['pass']} pass, {counts['FAIL']} fail, {counts['error']} error, {counts['skipped']} skipped**", "",
-          mc.markdown_table(rows, COLUMNS)]
+          output.markdown_table(rows, COLUMNS)]
     text = "\n".join(md)
     print(text)
-    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    output.write_results(NAME, tag, payload, text, args.out_dir)
     return 1 if counts["FAIL"] or counts["error"] else 0
 
 

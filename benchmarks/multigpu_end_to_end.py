@@ -37,7 +37,7 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output, profiling, ranks  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -49,7 +49,7 @@ MODES = ("inductor", "async_tp", "compass", "eager", "megatron")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mc.add_launch_args(p)
+    launch.add_launch_args(p)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bfloat16 (float32 with --dry-run)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; 2 with --dry-run)")
     p.add_argument("--dim", type=int, default=None, help="hidden size (default 4096)")
@@ -158,7 +158,7 @@ def inductor_config(**changes):
             setattr(cfg, k, v)
 
 
-def skip_reason(ctx: mc.Ctx, mode: str, sp: bool, args) -> str | None:
+def skip_reason(ctx: ranks.Ctx, mode: str, sp: bool, args) -> str | None:
     if mode == "async_tp":
         if not ctx.is_cuda:
             return "async-TP needs CUDA: symmetric memory allocates only on CUDA and Inductor's " \
@@ -175,7 +175,7 @@ def skip_reason(ctx: mc.Ctx, mode: str, sp: bool, args) -> str | None:
     return None
 
 
-def compile_model(ctx: mc.Ctx, mode: str, model: nn.Module, args, group_name: str):
+def compile_model(ctx: ranks.Ctx, mode: str, model: nn.Module, args, group_name: str):
     if mode == "eager":
         return model
     if mode.startswith("compass"):
@@ -210,20 +210,20 @@ def train_step(fn, opt, inputs: torch.Tensor, labels: torch.Tensor, flags: dict)
     return loss
 
 
-def profile_steps(ctx: mc.Ctx, args, step, batch) -> dict | None:
+def profile_steps(ctx: ranks.Ctx, args, step, batch) -> dict | None:
     """``args.profile`` steps under torch.profiler on every rank; rank 0's GPU time by category."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.is_cuda else [])
-    mc.synchronize(ctx)
+    ranks.synchronize(ctx)
     with profile(activities=activities) as prof:
         for _ in range(args.profile):
             step(*batch)
-        mc.synchronize(ctx)
-    return mc.gpu_time_summary(prof, args.profile) if ctx.is_cuda and ctx.rank == 0 else None
+        ranks.synchronize(ctx)
+    return profiling.gpu_time_summary(prof, args.profile) if ctx.is_cuda and ctx.rank == 0 else None
 
 
-def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
+def run_mode(ctx: ranks.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     """Warm up (compiling), then time ``args.steps`` steps; the slowest rank's time per step."""
     model = build_model(args, mesh, sp, ctx.device)
     opt = make_optimizer(model)
@@ -234,11 +234,11 @@ def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     flags = {"_micro_pipeline_tp": True} if mode == "async_tp" else {}
     for i, (inputs, labels) in enumerate(data):
-        mc.synchronize(ctx)
+        ranks.synchronize(ctx)
         t0 = time.perf_counter()
         loss = train_step(fn, opt, inputs, labels, flags)
-        mc.synchronize(ctx)
-        dt = mc.max_over_ranks(ctx, time.perf_counter() - t0)
+        ranks.synchronize(ctx)
+        dt = ranks.max_over_ranks(ctx, time.perf_counter() - t0)
         step_times.append(dt)
         losses.append(float(loss.detach().float().item()))
         if i == 0:
@@ -274,7 +274,7 @@ def run_mode(ctx: mc.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     return out
 
 
-def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
+def run_megatron(ctx: ranks.Ctx, args, sp: bool, overlap: bool) -> dict:
     """Megatron-core GPT layers (local spec, no Transformer Engine) at the same sizes; best effort.
 
     ``overlap`` turns on the overlap Megatron-core offers without Transformer Engine (the
@@ -313,14 +313,14 @@ def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
     mask = torch.ones(1, 1, args.seq, args.seq, device=ctx.device, dtype=torch.bool).tril().logical_not()
     times, losses = [], []
     for inputs, labels in data:
-        mc.synchronize(ctx)
+        ranks.synchronize(ctx)
         t0 = time.perf_counter()
         loss = model(inputs, pos, mask, labels=labels).float().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        mc.synchronize(ctx)
-        times.append(mc.max_over_ranks(ctx, time.perf_counter() - t0))
+        ranks.synchronize(ctx)
+        times.append(ranks.max_over_ranks(ctx, time.perf_counter() - t0))
         losses.append(float(loss.item()))
     timed = times[args.warmup:]
     step_s = statistics.median(timed)
@@ -329,14 +329,14 @@ def run_megatron(ctx: mc.Ctx, args, sp: bool, overlap: bool) -> dict:
             "step_times_s": timed, "note": "Megatron-core local layers (no Transformer Engine), own init/loss"}
 
 
-def _free(ctx: mc.Ctx) -> None:
+def _free(ctx: ranks.Ctx) -> None:
     torch._dynamo.reset()
     gc.collect()
     if ctx.is_cuda:
         torch.cuda.empty_cache()
 
 
-def worker(ctx: mc.Ctx, args) -> dict:
+def worker(ctx: ranks.Ctx, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     for what, value in (("heads", args.heads), ("kv-heads", args.kv_heads), ("ffn", args.ffn), ("vocab", args.vocab),
@@ -350,7 +350,7 @@ def worker(ctx: mc.Ctx, args) -> dict:
             f"heads {args.heads}/{args.kv_heads}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}; "
             f"{args.warmup} warm-up + {args.steps} timed steps")
     runs = [(sp, m) for sp in sps for m in modes]
-    progress = mc.Progress(ctx, len(runs), f"w{ctx.world}")
+    progress = output.Progress(ctx, len(runs), f"w{ctx.world}")
     rows = []
     for sp, mode in runs:
         base = {"world": ctx.world, "sequence_parallel": sp, "mode": mode}
@@ -361,14 +361,14 @@ def worker(ctx: mc.Ctx, args) -> dict:
             continue
         if mode == "megatron":
             for overlap in (False, True):
-                res, err = mc.guarded(ctx, mode, lambda: run_megatron(ctx, args, sp, overlap))
+                res, err = ranks.guarded(ctx, mode, lambda: run_megatron(ctx, args, sp, overlap))
                 rows.append(dict(base, mode=f"megatron{'+overlap' if overlap else ''}",
                                  **(res or {}), status="error" if err else "ok", note=err or (res or {}).get("note", "")))
                 _free(ctx)
             progress.step(f"SP={sp} megatron")
             continue
         ctx.log(f"  SP={sp} {mode} ...")
-        res, err = mc.guarded(ctx, mode, lambda: run_mode(ctx, args, mode, sp, mesh))
+        res, err = ranks.guarded(ctx, mode, lambda: run_mode(ctx, args, mode, sp, mesh))
         _free(ctx)
         row = dict(base, **(res or {}), status="error" if err else "ok", note=err or "")
         if mode == "async_tp" and not sp and not err:
@@ -398,7 +398,7 @@ COLUMNS = ["world", ("sequence_parallel", "SP"), "mode", "status", ("step_ms", "
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    launched = launch.launch(worker, args, launch.parse_worlds(args.worlds, args.dry_run))
     if launched is None:
         return 0
     results, tag, t0 = launched
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
                 goals[f"w{r['world']} {key} {r['mode']}: >= async-TP"] = r["speedup_vs_async_tp"] >= 0.99
     model = {k: getattr(args, k) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "seq", "batch")}
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": mc.environment(args.dry_run), "dtype": args.dtype, "model": model,
+               "environment": output.environment(args.dry_run), "dtype": args.dtype, "model": model,
                "warmup": args.warmup, "steps": args.steps, "compass_variants": args.compass_variants, "fast": args.fast,
                "worlds": [w for w, _ in results], "goals": goals, "seconds": round(time.time() - t0, 1), "rows": rows}
     md = [f"# End-to-end training step ({tag}{', dry run on CPU: times are meaningless' if args.dry_run else ''})", "",
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
         md += ["* goals: not judged on a dry run"]
     else:
         md += [f"* goal {g}: {'met' if ok else 'NOT met'}" for g, ok in goals.items()]
-    md += ["", mc.markdown_table(rows, COLUMNS)]
+    md += ["", output.markdown_table(rows, COLUMNS)]
     decided = [r for r in rows if r.get("compass_decisions")]
     if decided:
         md += ["", "compass decisions (graph:pair:strategy: count):", ""]
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
                       + "; ".join(f"{k['name'][:48]} {k['ms']:.1f} ({k['count']:g}x)" for k in p["top_kernels"][:5]))
     text = "\n".join(md)
     print(text)
-    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    output.write_results(NAME, tag, payload, text, args.out_dir)
     return 1 if any(r["status"] == "error" and not r["mode"].startswith("megatron") for r in rows) else 0
 
 

@@ -45,7 +45,7 @@ from itertools import product
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output, pairs, ranks, timing  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 
 NAME = "multigpu_operators"
@@ -59,10 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     from compass_fx.tools.sweep import DEFAULT_MODELS, DEFAULT_TOKENS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mc.add_launch_args(p)
+    launch.add_launch_args(p)
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bfloat16 (float32 with --dry-run)")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    p.add_argument("--kinds", default=",".join(mc.PAIR_KINDS))
+    p.add_argument("--kinds", default=",".join(pairs.PAIR_KINDS))
     p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)))
     p.add_argument("--scale", type=int, default=None,
                    help="divide m, n and k of every configuration by this (default 1; 64 with --dry-run)")
@@ -115,16 +115,16 @@ def configurations(args, world: int) -> list[dict]:
     return out
 
 
-def timed(ctx: mc.Ctx, args, fn) -> float:
+def timed(ctx: ranks.Ctx, args, fn) -> float:
     """Seconds per call: each call alone after a barrier (``--timing barrier``: the host's issue
     time of a call is exposed), or back to back (``--timing back-to-back``: the host runs ahead of
     the GPU, as in a training step)."""
     if args.timing in ("back-to-back", "interleaved"):
-        return mc.time_back_to_back(ctx, fn, batch=max(2, args.repeats), batches=3)
-    return mc.time_fn(ctx, fn, args.warmup, args.repeats)
+        return timing.time_back_to_back(ctx, fn, batch=max(2, args.repeats), batches=3)
+    return timing.time_fn(ctx, fn, args.warmup, args.repeats)
 
 
-def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
+def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     from compass_fx.cost import Workload, plan
     from compass_fx.cost.select import fuses_by_default
     from compass_fx.kernels.schedules import distinct_schedules
@@ -146,21 +146,21 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     labels += [f"fuse({s})" for s in distinct_schedules(fused, ctx.world)]  # the operators the model tells apart
     if decision.label not in labels:
         labels.append(decision.label)
-    a, b = mc.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=cfg["tokens"])
+    a, b = pairs.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=cfg["tokens"])
     times, errors, spread = {}, {}, {}
     lowered: dict[str, list[str]] = {}
     with torch.no_grad():
         ready = {}
         for label in labels:
             if args.through == "lowering":
-                fn, outcome = mc.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
+                fn, outcome = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
             else:
-                fn, outcome = mc.strategy_fn(kind, label, ctx.world, ctx.group_name), None
+                fn, outcome = pairs.strategy_fn(kind, label, ctx.world, ctx.group_name), None
             call = (lambda f: lambda: f(a, b))(fn)
             if args.timing == "interleaved":  # compile and warm up now, time below with the others
-                t, err = mc.guarded(ctx, label, lambda: mc.warm_up(ctx, call, args.warmup))
+                t, err = ranks.guarded(ctx, label, lambda: timing.warm_up(ctx, call, args.warmup))
             else:
-                t, err = mc.guarded(ctx, label, lambda: timed(ctx, args, call))
+                t, err = ranks.guarded(ctx, label, lambda: timed(ctx, args, call))
             if outcome is not None:
                 lowered[label] = outcome()
                 if label != "sequential" and not any(o.startswith("rewritten") for o in lowered[label]):
@@ -172,15 +172,15 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
             else:
                 times[label] = t
         if ready:
-            times, spread = mc.time_interleaved(ctx, ready, batch=args.repeats, rounds=args.rounds)
+            times, spread = timing.time_interleaved(ctx, ready, batch=args.repeats, rounds=args.rounds)
         baseline = {}
         if kind != "matmul_all_reduce" and not args.no_symm_mem:
-            fn = mc.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
-            t, err = mc.guarded(ctx, "symm_mem", lambda: timed(ctx, args, lambda: fn(a, b)))
+            fn = pairs.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
+            t, err = ranks.guarded(ctx, "symm_mem", lambda: timed(ctx, args, lambda: fn(a, b)))
             baseline = {"symm_mem_s": t, "symm_mem_error": err,
                         "symm_mem_impl": "torch.ops.symm_mem (CUDA)" if ctx.is_cuda else "Python fallback (not a baseline)"}
-        gemm_s = timed(ctx, args, mc.gemm_only_fn(kind, a, b, ctx.world))
-        comm_s = timed(ctx, args, mc.comm_only_fn(kind, a, b, ctx.world, ctx.group_name))
+        gemm_s = timed(ctx, args, pairs.gemm_only_fn(kind, a, b, ctx.world))
+        comm_s = timed(ctx, args, pairs.comm_only_fn(kind, a, b, ctx.world, ctx.group_name))
     a = b = None  # free the operands before the next configuration
     if ctx.is_cuda:
         torch.cuda.empty_cache()
@@ -211,15 +211,15 @@ def measure_config(ctx: mc.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     return row
 
 
-def worker(ctx: mc.Ctx, args) -> dict:
+def worker(ctx: ranks.Ctx, args) -> dict:
     from compass_fx.kernels import fused_schedules_available
 
-    topo, how = mc.model_topology(ctx)
+    topo, how = pairs.model_topology(ctx)
     fused = fused_schedules_available(ctx.device.type, DTYPES[args.dtype])
     configs = configurations(args, ctx.world)
     ctx.log(f"world {ctx.world}, {ctx.backend}, {args.dtype}, topology {topo.name} ({how}); "
             f"fused schedules {fused or 'none'}; {len(configs)} configurations")
-    progress = mc.Progress(ctx, len(configs), f"w{ctx.world}")
+    progress = output.Progress(ctx, len(configs), f"w{ctx.world}")
     rows = []
     for cfg in configs:
         row = measure_config(ctx, args, cfg, topo, fused)
@@ -298,7 +298,7 @@ def markdown(tag: str, args, results, summary: dict) -> str:
               "measured; overlap eff. = max(GEMM alone, collective alone) / pick.", "", "## Summary", ""]
     for key, value in summary.items():
         if key not in ("goals", "picks", "bests"):
-            lines.append(f"* {key}: {mc.fmt(value)}")
+            lines.append(f"* {key}: {output.fmt(value)}")
     lines.append(f"* picks: {summary['picks']}")
     lines.append(f"* best measured: {summary['bests']}")
     for goal, ok in summary["goals"].items():
@@ -318,7 +318,7 @@ def markdown(tag: str, args, results, summary: dict) -> str:
             ("seq_ms", "seq ms"), "pick", ("pick_ms", "pick ms"), ("pred_ms", "predicted ms"), "best", ("best_ms", "best ms"),
             "hit", ("speedup_vs_sequential", "vs seq"), ("symm_ms", "symm_mem ms"), ("speedup_vs_symm_mem", "vs symm_mem"),
             ("overlap_efficiency", "overlap eff."), ("all_ms", "all candidates (ms)")]
-    lines += ["", "## Configurations", "", mc.markdown_table(rows, cols)]
+    lines += ["", "## Configurations", "", output.markdown_table(rows, cols)]
     return "\n".join(lines)
 
 
@@ -336,16 +336,16 @@ def grid_description(args, worlds: list[int]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = mc.group_size_worlds(args.worlds, args.dry_run)
+    worlds = launch.group_size_worlds(args.worlds, args.dry_run)
     t0 = time.time()
-    results = mc.run_worlds(worker, args, worlds)
-    if not mc.is_writer():
+    results = launch.run_worlds(worker, args, worlds)
+    if not launch.is_writer():
         return 0
     rows = [r for _, res in results for r in res["rows"]]
     summary = summarize(rows)
-    tag = args.tag or mc.device_tag(args.dry_run, max(w for w, _ in results))
+    tag = args.tag or output.device_tag(args.dry_run, max(w for w, _ in results))
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
-               "environment": mc.environment(args.dry_run), "dtype": args.dtype, "scale": args.scale,
+               "environment": output.environment(args.dry_run), "dtype": args.dtype, "scale": args.scale,
                "warmup": args.warmup, "repeats": args.repeats, "timing": args.timing, "worlds": [w for w, _ in results],
                "topology": {str(w): {"name": res["topology"], "source": res["topology_source"],
                                      "description": res["topology_description"],
@@ -354,7 +354,7 @@ def main(argv=None) -> int:
                "summary": summary, "seconds": round(time.time() - t0, 1), "rows": rows}
     text = markdown(tag, args, results, summary)
     print(text)
-    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    output.write_results(NAME, tag, payload, text, args.out_dir)
     return 0
 
 

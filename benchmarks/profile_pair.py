@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import multigpu_common as mc  # noqa: E402
+from harness import launch, output, pairs, ranks, timing  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
@@ -105,16 +105,16 @@ def variant(ctx, module_cls, k, n, rows, label, options):
     before = len(compass_fx.backend.history)
     with torch.no_grad():
         fn(x)
-    done = mc.pair_outcomes(before) if options is not None else None
+    done = pairs.pair_outcomes(before) if options is not None else None
     if not ctx.is_cuda:  # dry run: the rewrite only
         return {"variant": label, "rewritten": done}
     with torch.no_grad():
-        seconds = mc.time_back_to_back(ctx, lambda: fn(x), batch=10, batches=5)
-        mc.barrier(ctx)
+        seconds = timing.time_back_to_back(ctx, lambda: fn(x), batch=10, batches=5)
+        ranks.barrier(ctx)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fn(x)
-            mc.synchronize(ctx)
+            ranks.synchronize(ctx)
     out = {"variant": label, "ms": seconds * 1e3, "rewritten": done}
     out.update(kernel_summary(prof, 5))
     return out
@@ -127,8 +127,8 @@ def nccl_bandwidth(ctx) -> list[dict]:
         dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
         shard = torch.randn(numel // ctx.world, device=ctx.device, dtype=dtype)
         full = torch.empty(numel, device=ctx.device, dtype=dtype)
-        ag = mc.time_fn(ctx, lambda: dist.all_gather_into_tensor(full, shard), 3, 10)
-        rs = mc.time_fn(ctx, lambda: dist.reduce_scatter_tensor(shard, full), 3, 10)
+        ag = timing.time_fn(ctx, lambda: dist.all_gather_into_tensor(full, shard), 3, 10)
+        rs = timing.time_fn(ctx, lambda: dist.reduce_scatter_tensor(shard, full), 3, 10)
         factor = (ctx.world - 1) / ctx.world
         rows.append({"mib": mib, "all_gather_ms": ag * 1e3, "reduce_scatter_ms": rs * 1e3,
                      "all_gather_busbw_gbps": numel * 2 * factor / ag / 1e9,
@@ -136,7 +136,7 @@ def nccl_bandwidth(ctx) -> list[dict]:
     return rows
 
 
-def worker(ctx: mc.Ctx, args) -> dict:
+def worker(ctx: ranks.Ctx, args) -> dict:
     if args.sm_carveout:  # cuBLAS leaves this many SMs free, so NCCL's kernels can run beside a GEMM
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
     out = {"nccl": nccl_bandwidth(ctx) if not args.skip_nccl else [], "pairs": []}
@@ -164,32 +164,32 @@ def worker(ctx: mc.Ctx, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    mc.add_launch_args(p, default_worlds="2")
+    launch.add_launch_args(p, default_worlds="2")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--sm-carveout", type=int, default=0, help="SMs cuBLAS leaves free (0: none)")
     p.add_argument("--decompose-only", action="store_true")
     p.add_argument("--skip-nccl", action="store_true")
     args = p.parse_args(argv)
-    launched = mc.launch(worker, args, mc.parse_worlds(args.worlds, args.dry_run))
+    launched = launch.launch(worker, args, launch.parse_worlds(args.worlds, args.dry_run))
     if launched is None:
         return 0
     results, tag, t0 = launched
     res = results[0][1]
     regime = "host-staged (NCCL_P2P_DISABLE=1)" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "peer-to-peer"
-    payload = {"benchmark": NAME, "environment": mc.environment(args.dry_run), "worlds": [w for w, _ in results],
+    payload = {"benchmark": NAME, "environment": output.environment(args.dry_run), "worlds": [w for w, _ in results],
                "regime": regime,
                "sm_carveout": args.sm_carveout, "nccl_high_priority": os.environ.get("TORCH_NCCL_HIGH_PRIORITY"),
                "tokens": args.tokens, "seconds": round(time.time() - t0, 1), **res}
     lines = [f"# One pair under the profiler ({tag}, {regime}; cuBLAS SM carveout {args.sm_carveout}, "
              f"TORCH_NCCL_HIGH_PRIORITY={os.environ.get('TORCH_NCCL_HIGH_PRIORITY')})", "", "## NCCL alone", "",
-             mc.markdown_table(res["nccl"], ["mib", "all_gather_ms", "reduce_scatter_ms", "all_gather_busbw_gbps",
+             output.markdown_table(res["nccl"], ["mib", "all_gather_ms", "reduce_scatter_ms", "all_gather_busbw_gbps",
                                              "reduce_scatter_busbw_gbps"]),
              "", f"## Pairs ({args.tokens} tokens, Llama-3-8B w1/w2 at TP={results[0][0]}, bf16; per call)", "",
-             mc.markdown_table(res["pairs"], ["kind", "variant", "ms", "comm_us", "gemm_us", "overlap_us",
+             output.markdown_table(res["pairs"], ["kind", "variant", "ms", "comm_us", "gemm_us", "overlap_us",
                                               "comm_hidden_fraction", "kernels_per_call", "streams", "rewritten"])]
     text = "\n".join(lines)
     print(text)
-    mc.write_results(NAME, tag, payload, text, args.out_dir)
+    output.write_results(NAME, tag, payload, text, args.out_dir)
     return 0
 
 

@@ -1,0 +1,157 @@
+"""Launching a benchmark: one process per GPU, spawned here (one launch per world size, one after
+another) or under ``torchrun`` (one world, from the environment); NCCL on CUDA, gloo on CPU
+(``--dry-run``).  Rank 0's result comes back to the process that writes the files."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import NO_MULTICAST_ENV, RESULTS
+from .output import TEARDOWN_WARNINGS, device_tag
+from .ranks import Ctx, barrier
+
+
+def add_launch_args(p, default_worlds: str = "") -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU ranks over gloo, tiny shapes, fp32: checks the script end to end")
+    p.add_argument("--worlds", default=default_worlds,
+                   help="comma-separated world sizes to launch one after another (default: correctness and "
+                        "operators 2,4,8 up to the GPU count, end to end every GPU; 2 with --dry-run). "
+                        "Ignored under torchrun.")
+    p.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and markdown go")
+    p.add_argument("--tag", default=None, help="device tag in the file names (default: e.g. h200x8 or cpu)")
+
+
+def parse_worlds(text: str, dry_run: bool) -> list[int]:
+    if text:
+        return [int(w) for w in text.replace(" ", "").split(",") if w]
+    if dry_run:
+        return [2]
+    n = torch.cuda.device_count()
+    if n < 2:
+        raise SystemExit(f"found {n} GPU(s); these benchmarks need at least 2 (or --dry-run on CPU)")
+    return [n]
+
+
+def group_size_worlds(text: str, dry_run: bool) -> list[int]:
+    """``--worlds`` if given, else every group size of the paper's grid (2, 4, 8) that fits the GPUs."""
+    if text or dry_run:
+        return parse_worlds(text, dry_run)
+    n = torch.cuda.device_count()
+    worlds = [g for g in (2, 4, 8) if g <= n]
+    if not worlds:
+        raise SystemExit(f"found {n} GPU(s); these benchmarks need at least 2 (or --dry-run on CPU)")
+    return worlds
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, local_rank: int, dry_run: bool, init_method: str | None) -> Ctx:
+    for k, v in NO_MULTICAST_ENV.items():
+        os.environ[k] = v
+    if dry_run:
+        backend, device = "gloo", torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: use --dry-run on a CPU machine")
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    kwargs: dict[str, Any] = {"rank": rank, "world_size": world}
+    if init_method:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, **kwargs)
+    return Ctx(rank, world, local_rank, device, backend, dry_run)
+
+
+def _teardown() -> None:
+    """Release finished work objects, then destroy the process group (gloo's worker threads can
+    otherwise hold the last references to tensors while the interpreter shuts down)."""
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, dry_run: bool, fn, args, out_path: str) -> None:
+    ctx = _init(rank, world, rank, dry_run, f"tcp://127.0.0.1:{port}")
+    try:
+        result = fn(ctx, args)
+        barrier(ctx)  # every rank finished its work before rank 0 declares the run complete
+        if rank == 0:
+            with open(out_path + ".tmp", "w") as fh:
+                json.dump(result, fh, default=str)
+            os.replace(out_path + ".tmp", out_path)
+    finally:
+        _teardown()
+
+
+def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> list[tuple[int, Any]]:
+    """Run ``fn(ctx, args)`` on every rank of each world size; return [(world, rank 0's result)].
+
+    Under torchrun this process is one rank: the result list holds this world only, and is
+    meaningful on rank 0 only (other ranks get their own return values)."""
+    if under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        ctx = _init(rank, world, int(os.environ["LOCAL_RANK"]), args.dry_run, None)
+        import atexit
+
+        atexit.register(_teardown)  # after rank 0 has written its files
+        result = fn(ctx, args)
+        barrier(ctx)
+        return [(world, result)]
+    import torch.multiprocessing as mp
+
+    if not args.dry_run and max(worlds) > torch.cuda.device_count():
+        raise SystemExit(f"asked for worlds {list(worlds)} but only {torch.cuda.device_count()} GPU(s) are visible")
+    out = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rank0.json")
+            print(f"== launching {world} ranks ({'gloo/CPU' if args.dry_run else 'NCCL/CUDA'})", flush=True)
+            try:
+                mp.spawn(_spawned, args=(world, _free_port(), args.dry_run, fn, args, path), nprocs=world, join=True)
+            except mp.ProcessExitedException as e:
+                if not os.path.exists(path):
+                    raise
+                # Every rank had finished (rank 0 writes after a final barrier): a crash while
+                # tearing the process group down loses nothing; say so and keep the results.
+                msg = f"world {world}: a rank died while tearing down after the run completed ({e})"
+                TEARDOWN_WARNINGS.append(msg)
+                print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+            with open(path) as fh:
+                out.append((world, json.load(fh)))
+    return out
+
+
+def launch(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> tuple[list[tuple[int, Any]], str, float] | None:
+    """``run_worlds`` plus what every script's writer needs next: (results, device tag, start
+    time); None in a process that does not write the files."""
+    t0 = time.time()
+    results = run_worlds(fn, args, worlds)
+    if not is_writer():
+        return None
+    return results, args.tag or device_tag(args.dry_run, max(w for w, _ in results)), t0
+
+
+def is_writer() -> bool:
+    """The process that writes the files: rank 0 under torchrun, the parent otherwise."""
+    return not under_torchrun() or int(os.environ["RANK"]) == 0

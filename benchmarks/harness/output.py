@@ -1,0 +1,111 @@
+"""What a run leaves behind: the environment it ran in, progress lines, markdown tables and the
+JSON + markdown files (``<name>-<device>.json``/``.md``, e.g. ``-h200x8``, ``-cpu``)."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from . import NO_MULTICAST_ENV, RESULTS, ROOT
+from .ranks import Ctx
+
+# Said by the launcher when a rank died tearing down after its work was done; recorded with the results.
+TEARDOWN_WARNINGS: list[str] = []
+
+
+def device_tag(dry_run: bool, world: int | None = None) -> str:
+    """``cpu`` for a dry run, else e.g. ``h200x8`` (GPU model and the GPU count of the run)."""
+    if dry_run or not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    model = next((tok for tok in name.replace("-", " ").split() if any(ch.isdigit() for ch in tok)), "gpu")
+    return f"{model}x{world or torch.cuda.device_count()}"
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment(dry_run: bool) -> dict:
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "commit": git_commit(), "dry_run": dry_run,
+        "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT")},
+        "teardown_warnings": list(TEARDOWN_WARNINGS),
+    }
+    if not dry_run and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus_visible"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            pass
+    else:
+        env["cpus"] = os.cpu_count()
+    try:
+        import triton  # noqa: F401
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        env["triton"] = None
+    return env
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.{digits}g}"
+        return f"{value:.{digits}f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str]]) -> str:
+    """A GitHub markdown table; a column is a key or (key, header)."""
+    cols = [(c, c) if isinstance(c, str) else c for c in columns]
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, tag: str, payload: dict, markdown: str, out_dir: str | os.PathLike = RESULTS
+                  ) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath, mpath = out / f"{name}-{tag}.json", out / f"{name}-{tag}.md"
+    jpath.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    mpath.write_text(markdown.rstrip() + "\n")
+    print(f"wrote {jpath} and {mpath}", flush=True)
+    return jpath, mpath
+
+
+class Progress:
+    """``[i/n] label (elapsed, eta)`` lines on rank 0."""
+
+    def __init__(self, ctx: Ctx, total: int, what: str) -> None:
+        self.ctx, self.total, self.what, self.t0, self.done = ctx, max(total, 1), what, time.time(), 0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        el = time.time() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        self.ctx.log(f"[{self.what} {self.done}/{self.total}] {label}  ({el:.0f}s elapsed, ~{eta:.0f}s left)")

@@ -1,0 +1,110 @@
+"""Seconds per call of a function on every rank: each call alone after a barrier, batches of
+back-to-back calls, or several functions' batches side by side (interleaved rounds); every rank
+returns the slowest rank's figure."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from compass_fx.tools.timing import seconds_of_one_call
+
+from .ranks import Ctx, barrier, max_over_ranks, synchronize
+
+
+def time_fn(ctx: Ctx, fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` (after ``warmup`` calls), each call started after a
+    barrier; the slowest rank's median (every rank returns the same number).
+
+    CUDA: events around each call; CPU: wall clock."""
+    for _ in range(warmup):
+        fn()
+    synchronize(ctx)
+    times = []
+    for _ in range(repeats):
+        barrier(ctx)
+        if ctx.is_cuda:
+            torch.cuda.synchronize(ctx.device)
+        times.append(seconds_of_one_call(fn, ctx.is_cuda))
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def time_back_to_back(ctx: Ctx, fn, batch: int, batches: int, device_only: bool = False) -> float:
+    """Median over ``batches`` of the mean seconds per call of ``batch`` back-to-back calls; the
+    slowest rank's figure.  ``device_only``: the GPU first sleeps 20 ms so that the host has queued
+    every call before the first starts: the device's time alone, without the host's launch cost."""
+    for _ in range(3):
+        fn()
+    per_call = []
+    for _ in range(batches):
+        barrier(ctx)
+        if ctx.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if device_only:
+                torch.cuda._sleep(int(20e-3 * 1.98e9))
+            start.record()
+            for _ in range(batch):
+                fn()
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / 1e3 / batch)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            per_call.append((time.perf_counter() - t0) / batch)
+    return max_over_ranks(ctx, statistics.median(per_call))
+
+
+def warm_up(ctx: Ctx, fn: Callable[[], Any], calls: int) -> None:
+    """Call ``fn`` (compiling it, building its workspaces) and wait for the device."""
+    for _ in range(max(1, calls)):
+        fn()
+    synchronize(ctx)
+
+
+def _batch_seconds(ctx: Ctx, fn: Callable[[], Any], batch: int) -> float:
+    """Mean seconds per call of ``batch`` back-to-back calls started after a barrier."""
+    barrier(ctx)
+    if not ctx.is_cuda:
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        return (time.perf_counter() - t0) / batch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(batch):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / batch
+
+
+def time_interleaved(ctx: Ctx, fns: dict[str, Callable[[], Any]], batch: int, rounds: int
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per call of each of ``fns`` (warmed up), measured side by side: each of ``rounds``
+    rounds times one back-to-back batch of every function, the order rotated by one per round.
+    Returns (median over rounds, interquartile range over rounds / median), the slowest rank's."""
+    labels = list(fns)
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(rounds):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            samples[label].append(_batch_seconds(ctx, fns[label], max(1, batch)))
+
+    def spread(xs: list[float]) -> float:
+        if len(xs) < 4:
+            return (max(xs) - min(xs)) / statistics.median(xs)
+        q = statistics.quantiles(xs, n=4)
+        return (q[2] - q[0]) / statistics.median(xs)
+
+    figures = torch.tensor([[statistics.median(samples[x]) for x in labels], [spread(samples[x]) for x in labels]],
+                           dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    medians, spreads = figures.tolist()
+    return dict(zip(labels, medians)), dict(zip(labels, spreads))
