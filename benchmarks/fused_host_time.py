@@ -9,7 +9,9 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
 * per command kind, the host cost of the launch alone (``torch.mm(out=)``, ``cuMemcpyAsync``,
   ``cuStreamWriteValue32``, event record / wait ...);
 * per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
-  first checked against plain matmuls) and of the implementation called directly (the difference is the dispatcher's), the plan's commands by
+  first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
+  with other work before its ``wait_tensor``, checked the same way) and of the implementation
+  called directly (the difference is the dispatcher's), the plan's commands by
   kind, and the cost model's ``fused_host_seconds`` for it.
 
     python benchmarks/fused_host_time.py        # one GPU: writes fused_host_time-h200.{json,md}
@@ -113,6 +115,21 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
     dist.barrier()
     res["host_us_impl"] = host_us(lambda: direct(a, *args))
     dist.barrier()
+    if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async)
+        start = getattr(torch.ops.compass, f"{op}_start")
+        wait = torch.ops._c10d_functional.wait_tensor
+        other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+
+        def started():
+            out = start(a, *args)
+            other @ other  # the caller's stream goes on while the pieces travel
+            return wait(out)
+        res["async_relative_error"] = max(relative_error(op, started(), rows, k, n, rank) for _ in range(5))
+        if res["async_relative_error"] > TOLERANCE:
+            raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
+        dist.barrier()
+        res["host_us_async"] = host_us(started)
+        dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     plans = call_plans(op, "direct", WORLD, rank, rows, cols, 1, 2, host=True)
     counts: dict[str, int] = {}

@@ -106,11 +106,13 @@ def _keep_pipelines(report: GraphReport, inductor: bool) -> Iterator[None]:
     reduce-scatter).  So a graph with a decomposed pair is compiled without that reordering;
     its other memory optimisations stay on.  The report says so."""
     decomposed = any(p.status == "rewritten" and p.strategy == "decompose" for p in report.pairs)
-    if not (inductor and decomposed):
+    started = any(p.status == "rewritten" and p.asynchronous for p in report.pairs)
+    if not (inductor and (decomposed or started)):
         yield
         return
     report.notes.append("Inductor's reorder_for_peak_memory turned off for this graph: it would move each "
-                        "collective's wait right behind it and serialize the decomposed parts")
+                        "collective's wait right behind it and serialize the "
+                        + ("decomposed parts" if decomposed else "asynchronous fused calls"))
     with torch._inductor.config.patch(reorder_for_peak_memory=False):
         yield
 

@@ -40,6 +40,11 @@ class CompassOptions:
     mode: Inductor's ``torch.compile`` mode ("max-autotune", "reduce-overhead", ...) for the inner
         Inductor compile; ``torch.compile(..., mode=...)`` sets it too (torch.compile takes either
         ``mode`` or ``options``, not both).  None: Inductor's defaults.
+    fused_async: fused reduce-scatter / all-reduce pairs run as ``*_start`` calls moved up to just
+        after their inputs, with a ``wait_tensor`` just before the first use of the result, so that
+        the work between (a weight gradient beside an input gradient's all-reduce) runs while the
+        pieces travel and are summed on a side stream.  False (default): the call returns with
+        its result complete.
     calibration: a file written by ``compass-fx calibrate`` on this machine; the cost model prices
         with its measured constants (None: ``$COMPASS_FX_CALIBRATION`` if set, else datasheet
         constants).  A file from another version, or measured on another GPU than the topology's,
@@ -56,6 +61,7 @@ class CompassOptions:
     auto_fuse: bool | None = None
     mode: str | None = None
     calibration: str | None = None
+    fused_async: bool = False
 
     def cache_key(self) -> str:
         """A stable digest of everything that changes what the pass produces."""
@@ -146,12 +152,16 @@ def parse_options(options: Mapping[str, Any] | CompassOptions | None = None, **e
     mode = raw.get("mode")
     if mode is not None:
         _check_mode(mode)
+    fused_async = raw.get("fused_async", False)
+    if not isinstance(fused_async, bool):
+        raise ValueError(f"option 'fused_async' must be True or False, got {fused_async!r}")
     calibration = raw.get("calibration")
     if calibration is not None:
         calibration = _check_calibration(calibration, topology)
     return CompassOptions(strategy=strategy, chunks=chunks, inner=inner, dump_dir=dump_dir,
                           group=_group_name(raw.get("group")), topology=topology,
-                          schedule=schedule, auto_fuse=auto_fuse, mode=mode, calibration=calibration)
+                          schedule=schedule, auto_fuse=auto_fuse, mode=mode, calibration=calibration,
+                          fused_async=fused_async)
 
 
 def _check_calibration(path: Any, topology: Any) -> str:

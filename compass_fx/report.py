@@ -34,6 +34,7 @@ class PairRecord:
     gemm_dtype: str | None = None          # the matmuls' dtype when it differs from dtype (float8)
     d_star: float | None = None            # the decomposition model's continuous optimum sqrt(C/A)
     coefficients: list[float] | None = None  # A, B, C of T(d) = A*d + B + C/d
+    asynchronous: bool = False             # a fused reduction started early, waited for at first use
 
 
 @dataclass
@@ -147,5 +148,5 @@ def _decision_label(p: PairRecord) -> str:
     if p.strategy == "decompose":
         return f"decompose(d={p.parts})"
     if p.strategy == "fuse":
-        return f"fuse({p.schedule})"
+        return f"fuse({p.schedule}{', async' if p.asynchronous else ''})"
     return p.strategy

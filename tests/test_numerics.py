@@ -111,3 +111,39 @@ def test_batch_one_sequence_parallel_gathers_are_rewritten(ranks, options):
     which once made every gather pair 'infeasible' for InterDecom (extent 1) on the GPUs."""
     res = ranks(2).run(run_and_compare, 2, "sp1_llama_b1", dict(options, inner="eager"))[0]
     assert res["rewritten"] == res["pairs"] > 0, res["not_rewritten"]
+
+
+def _async_layout(rank: int, world: int, model_name: str, options: dict, dump_dir: str) -> dict:
+    """run_and_compare with the graphs dumped; where each start, weight-gradient mm and wait sits."""
+    import re
+    from pathlib import Path
+
+    res = run_and_compare(rank, world, model_name, dict(options, dump_dir=dump_dir))
+    res["async"] = [p.asynchronous for r in __import__("compass_fx").backend.history for p in r.pairs
+                    if p.status == "rewritten"][-res["rewritten"]:]
+    code = sorted(Path(dump_dir).glob(f"rank{rank}_*_backward_after.py"))[-1].read_text().splitlines()
+    res["lines"] = {what: [i for i, line in enumerate(code) if re.search(pattern, line)]
+                    for what, pattern in (("start", r"compass\.matmul_\w+_start"), ("wait", r"wait_tensor"),
+                                          ("mm", r"aten\.mm\.default"))}
+    return res
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model_name", ["tp_mlp", "sp0_mlp", "sp1_llama"])
+def test_asynchronous_fused_reductions_match_eager(ranks, world, model_name, tmp_path):
+    """fused_async: the reducing fused operators start as soon as their operands exist and are
+    waited for just before the first use; forward and backward still equal eager, and in the
+    backward graph a weight-gradient mm sits between a start and its wait (the overlap)."""
+    options = {"inner": "eager", "strategy": "fuse", "schedule": "direct", "fused_async": True}
+    res = ranks(world).run(_async_layout, world, model_name, options, str(tmp_path / "dump"))[0]
+    assert res["rewritten"] > 0 and any(res["async"]), res
+    lines = res["lines"]
+    assert lines["start"], "no asynchronous start in the backward graph"
+    assert any(s < m < w for s in lines["start"] for m in lines["mm"] for w in lines["wait"]
+               if not any(s < x < w for x in lines["start"] if x != s)), lines
+
+
+def test_asynchronous_fused_reductions_under_inductor(ranks):
+    options = {"strategy": "fuse", "schedule": "direct", "fused_async": True}
+    res = ranks(2).run(run_and_compare, 2, "sp1_llama", options)[0]
+    assert res["rewritten"] == res["pairs"] > 0

@@ -24,9 +24,11 @@ def _weights(gen, n):
     return [torch.randn(K, COLS, generator=gen, dtype=torch.float64) for _ in range(n)]
 
 
-def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_weights=2, staged=False, split=1):
+def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_weights=2, staged=False, split=1,
+                    detach=False):
     plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights, split) for r in range(world)]
     plans = [pr.host_staged(p) for p in plans] if staged else plans
+    plans = [pr.detached(p) for p in plans] if detach else plans
     gen = torch.Generator().manual_seed(seed)
     calls, expect = [], []
     for _ in range(n_calls):
@@ -48,7 +50,8 @@ def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_
                 torch.testing.assert_close(got, want)
 
 
-def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5, staged=False, split=1):
+def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5, staged=False, split=1,
+                  detach=False):
     if kind == "reduce_scatter":
         plans = [pr.reduce_scatter_plan(schedule, world, r, block_rows, split) for r in range(world)]
         rows = world * block_rows
@@ -57,6 +60,7 @@ def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5
         rows = world * block_rows * chunks
         plans = [pr.all_reduce_plan(world, r, rows, chunks) for r in range(world)]
     plans = [pr.host_staged(p) for p in plans] if staged else plans
+    plans = [pr.detached(p) for p in plans] if detach else plans
     gen = torch.Generator().manual_seed(seed)
     calls, expect = [], []
     for _ in range(n_calls):
@@ -272,3 +276,58 @@ def test_call_plans_are_what_a_call_runs():
     assert pr.all_reduce_pull_chunks("direct", 4, 6, 64 * mib, True) == 0  # no chunk count splits 6 rows
     with pytest.raises(ValueError, match="unknown fused operator"):
         pr.call_plans("all_to_all_matmul", "direct", 2, 0, 8, 8, 1, 2, host=False)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("staged", [False, True])
+def test_detached_plans_back_to_back(world, staged):
+    """Reductions whose sums run on a fourth stream (the caller's stream keeps only the GEMMs):
+    the same results, no hang, no stale read, with late ranks, on both transports."""
+    for schedule in SCHEDULES:
+        for seed, split in ((0, 1), (1, 2)):
+            _run_reducing("reduce_scatter", schedule, world, block_rows=6, n_calls=40, seed=seed, staged=staged,
+                          split=split, detach=True)
+    _run_reducing("all_reduce", "direct", world, block_rows=2, n_calls=40, seed=2, staged=staged, detach=True)
+    _run_reducing("reduce_scatter", "direct", world, block_rows=4, n_calls=200, seed=5, lateness=0.9,
+                  staged=staged, detach=True)
+    for schedule in ("ring", "double_ring"):  # the ring all-reduce's second half: a gather without GEMMs
+        _run_all_gather(schedule, world, block_rows=4, n_calls=40, seed=3, n_weights=0, staged=staged, detach=True)
+
+
+def _waits_of_the_caller_for_other_streams(plan):
+    """MAIN's waits, before the join, for events recorded on another stream."""
+    recorded_on, found = {}, []
+    for cmd in plan.commands[:pr.join_start(plan)]:
+        if isinstance(cmd, pr.Record):
+            recorded_on[cmd.event] = cmd.stream
+        if isinstance(cmd, pr.WaitEvent) and cmd.stream == pr.MAIN and recorded_on.get(cmd.event) != pr.MAIN:
+            found.append(cmd)
+    return found
+
+
+def test_detached_caller_stream_waits_for_nothing_but_the_join():
+    """What makes a detached call asynchronous: before the join the caller's stream issues GEMMs
+    and publishes them, and never waits for a pull; the sums run on TAIL; the join waits for
+    TAIL too.  The ordinary plans do wait (or the test would prove nothing)."""
+    checked = 0
+    for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+        for schedule in SCHEDULES:
+            for world in (2, 3, 4):
+                for staged in (False, True):
+                    rows = 8 * world * 4
+                    plain = pr.call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged)
+                    detached = pr.call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged, detach=True)
+                    assert any(_waits_of_the_caller_for_other_streams(p) for p in plain), (op, schedule, world)
+                    for plan in detached:  # the ring all-reduce's gather of its sums (no GEMM) included
+                        assert not _waits_of_the_caller_for_other_streams(plan), (op, schedule, world, staged)
+                        assert all(c.stream == pr.TAIL for c in plan.commands if isinstance(c, pr.Reduce))
+                        assert all(c.stream == pr.MAIN for c in plan.commands if isinstance(c, pr.Matmul))
+                        join = plan.commands[pr.join_start(plan):]
+                        assert pr.WaitEvent(pr.MAIN, "tailed") in join
+                        assert pr.detached(plan) == plan  # nothing left to move
+                        checked += 1
+    assert checked >= 30
+    ag = pr.all_gather_plan("direct", 2, 0, 8, 1)
+    assert pr.call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False, detach=True) == (ag,)
+    with pytest.raises(ValueError, match="guards"):  # its GEMMs need the pulled rows
+        pr.detached(ag)

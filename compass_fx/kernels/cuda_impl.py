@@ -24,8 +24,8 @@ import torch
 from . import driver, watchdog
 from .cpu_impl import resolve_group
 from .host_memory import Layout, SharedHostArena
-from .protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, Copy, Matmul, Plan, Record, Reduce, Region,
-                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans)
+from .protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
+                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, join_start)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
@@ -94,6 +94,8 @@ class _Workspace:
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.comm = _side_stream(index, COMM)
         self.pub = _side_stream(index, PUB)
+        self.tail = _side_stream(index, TAIL)
+        self.pending: "Join | None" = None  # a deferred call whose join has not run yet
         self.dog = watchdog.for_device(index)
         peers = [p for p in range(plan.world_size) if p != self.rank]
         self.peer_buffers: dict[tuple[str, int], torch.Tensor] = {}
@@ -107,6 +109,7 @@ class _Workspace:
                       for _ in range(plan.stage_slots)]
         self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
         self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in (0, 1)]
+        self.join_at = join_start(plan)
         self.watched = watchdog.Watched(self._diagnose)
 
     def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
@@ -190,9 +193,9 @@ class _Workspace:
         the workspace's buffers, the side streams' handles, the driver functions (the host issues
         every call's commands one after another, so each closure keeps its work to the launch)."""
         side = cmd.stream
-        fixed_stream = {COMM: self.comm, PUB: self.pub}.get(side)
-        if isinstance(cmd, (Matmul, Reduce)) and side != MAIN:
-            raise ValueError(f"{cmd} must run on the caller's stream")
+        fixed_stream = {COMM: self.comm, PUB: self.pub, TAIL: self.tail}.get(side)
+        if isinstance(cmd, Matmul) and side != MAIN or isinstance(cmd, Reduce) and side not in (MAIN, TAIL):
+            raise ValueError(f"{cmd} must run on the caller's stream" + (" or TAIL" if isinstance(cmd, Reduce) else ""))
         if fixed_stream is not None:
             handle = fixed_stream.cuda_stream
             stream_of = lambda streams: handle  # noqa: E731
@@ -237,7 +240,13 @@ class _Workspace:
                 for t in terms[1:]:
                     acc += t
                 dst(tensors).copy_(acc)
-            return reduce
+            if fixed_stream is None:
+                return reduce
+
+            def reduce_on_side(tensors, epoch, streams):
+                with torch.cuda.stream(fixed_stream):
+                    reduce(tensors, epoch, streams)
+            return reduce_on_side
         if isinstance(cmd, Record):
             event = self.events[cmd.event]
             if fixed_stream is not None:
@@ -261,7 +270,13 @@ class _Workspace:
         return lambda tensors: tensors[buf][index].stride(0) * tensors[buf][index].element_size()
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, tensors: dict[str, list[torch.Tensor]]) -> None:
+    def run(self, tensors: dict[str, list[torch.Tensor]], deferred: bool = False) -> "Join | None":
+        """Issue one call.  ``deferred``: leave the join out and return it (the caller's stream
+        goes on with other work while the call's side streams finish; the results are valid after
+        ``Join.wait``).  A call still waiting for its join is joined first: at most one call of a
+        workspace is ever outstanding, which the double-buffering argument needs."""
+        if self.pending is not None:
+            self.pending.wait()
         self.dog.check_failed()
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"compass::{self.plan.op} cannot be captured in a CUDA graph (each call has its "
@@ -272,11 +287,18 @@ class _Workspace:
                     raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
         self.epoch += 1
         streams = {MAIN: torch.cuda.current_stream()}
-        for step in self.steps[self.epoch % 2]:
+        steps = self.steps[self.epoch % 2]
+        for step in steps[:self.join_at]:
             step(tensors, self.epoch, streams)
         done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
         done.record(self.comm)
         self.dog.add(self.watched, self.epoch, done)
+        join = Join(self, steps[self.join_at:], tensors, self.epoch)
+        if not deferred:
+            join.wait()
+            return None
+        self.pending = join
+        return join
 
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""
@@ -302,6 +324,36 @@ class _Workspace:
             side.synchronize()
 
         return message, release
+
+
+class Join:
+    """The end of a deferred call: the caller's stream waits for the call's side streams.  Holds
+    the call's tensors until then (the side streams write its outputs)."""
+
+    def __init__(self, workspace: _Workspace, steps: list[Step], tensors: dict, epoch: int) -> None:
+        self.workspace, self.steps, self.tensors, self.epoch = workspace, steps, tensors, epoch
+
+    def wait(self) -> None:
+        if self.steps is None:
+            return
+        streams = {MAIN: torch.cuda.current_stream()}
+        for step in self.steps:
+            step(self.tensors, self.epoch, streams)
+        self.steps = self.tensors = None
+        if self.workspace.pending is self:
+            self.workspace.pending = None
+
+
+def _register_join(out: torch.Tensor, join: Join) -> None:
+    """Let ``_c10d_functional.wait_tensor(out)`` run ``join`` (as it waits for a collective)."""
+    from torch._C._distributed_c10d import Work, _register_work
+
+    class _JoinWork(Work):
+        def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the flag waits are bounded by the watchdog
+            join.wait()
+            return True
+
+    _register_work(out, _JoinWork())
 
 
 def host_piece_bytes() -> int:
@@ -332,44 +384,53 @@ def _rank(group_name: str, group_size: int) -> int:
 
 
 def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: str, group_name: str,
-                      group_size: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """See ``compass::all_gather_matmul``."""
+                      group_size: int, deferred: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """See ``compass::all_gather_matmul``.  ``deferred`` only without weights (the ring
+    all-reduce's gather of its sums): a GEMM needs the gathered rows."""
     m, k = a_shard.shape
     if group_size == 1:
         return a_shard.clone(), [a_shard @ b for b in bs]
+    deferred = deferred and not bs
     rank, host = _rank(group_name, group_size), transport() == "host"
-    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, host)
+    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, host, deferred)
     ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, rank, m, k, len(bs),
-                                            a_shard.element_size(), host, host_piece_bytes())[0],
+                                            a_shard.element_size(), host, host_piece_bytes(), detach=deferred)[0],
                     group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
     outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
-    ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]})
+    join = ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]}, deferred)
+    if join is not None:
+        _register_join(gathered, join)
     return gathered, outs
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
-                          group_size: int) -> torch.Tensor:
-    """See ``compass::matmul_reduce_scatter``."""
+                          group_size: int, deferred: bool = False) -> torch.Tensor:
+    """See ``compass::matmul_reduce_scatter``; ``deferred``: ``compass::matmul_reduce_scatter_start``
+    (returns once the GEMMs are issued; ``_c10d_functional.wait_tensor`` on the result joins)."""
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
     rank, host = _rank(group_name, group_size), transport() == "host"
     a = a.contiguous()
-    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host)
+    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
     ws = _workspace(key, lambda: call_plans("matmul_reduce_scatter", schedule, group_size, rank, rows, n, 1,
-                                            a.element_size(), host, host_piece_bytes())[0],
+                                            a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
-    ws.run({"A": [a], "W": [b], "OUT": [out]})
+    join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
+    if join is not None:
+        _register_join(out, join)
     return out
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
-                      group_size: int) -> torch.Tensor:
+                      group_size: int, deferred: bool = False) -> torch.Tensor:
     """See ``compass::matmul_all_reduce``: direct pulls pipelined over row chunks; the ring
-    schedules run the fused reduce-scatter, then the gather, on the same ring."""
+    schedules run the fused reduce-scatter, then the gather, on the same ring.  ``deferred``: as
+    :func:`matmul_reduce_scatter` (on the ring route only the gather is deferred: it reads the
+    reduce-scatter's sums)."""
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
@@ -378,14 +439,16 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
                                     host_piece_bytes())
     if not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
-        gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size)
+        gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size, deferred)
         return gathered
     rank = _rank(group_name, group_size)
     a = a.contiguous()
-    key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host)
+    key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
     ws = _workspace(key, lambda: call_plans("matmul_all_reduce", schedule, group_size, rank, rows, n, 1,
-                                            a.element_size(), host, host_piece_bytes())[0],
+                                            a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows, n))
-    ws.run({"A": [a], "W": [b], "OUT": [out]})
+    join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
+    if join is not None:
+        _register_join(out, join)
     return out

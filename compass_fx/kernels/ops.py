@@ -200,6 +200,42 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
 # --------------------------------------------------------------------------------------------
+# compass::matmul_reduce_scatter_start, compass::matmul_all_reduce_start
+# --------------------------------------------------------------------------------------------
+def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
+    """The asynchronous form of a reducing fused operator, for rewritten graphs (no autograd):
+    it returns once the GEMMs are issued, and ``_c10d_functional.wait_tensor`` on its result (as
+    for a functional collective) makes the caller's stream wait for the rest; meanwhile the
+    caller's stream is free for work that does not need the result.  Without a CUDA plan
+    (CPU, or a dtype the CUDA path lacks) it runs synchronously and the wait is a no-op."""
+    schema = "(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor"
+
+    @torch.library.custom_op(f"compass::{name}", mutates_args=(), tags=_TAGS, schema=schema)
+    def start(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
+        return sync_op(a, b, schedule, group_name, group_size)
+
+    @start.register_fake
+    def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+        _check_common(a, [b], schedule, group_size)
+        _check_divisible(a.shape[0], group_size)
+        return a.new_empty((out_rows(a.shape[0], group_size), b.shape[1]))
+
+    @start.register_kernel("cuda")
+    def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+        _check_common(a, [b], schedule, group_size)
+        _check_divisible(a.shape[0], group_size)
+        from . import cuda_impl
+
+        if cuda_impl.supported(a.dtype):
+            return getattr(cuda_impl, cuda_fn)(a, b, schedule, group_name, group_size, deferred=True)
+        return sync_op(a, b, schedule, group_name, group_size)
+
+
+_start_op("matmul_reduce_scatter_start", matmul_reduce_scatter, "matmul_reduce_scatter", lambda rows, g: rows // g)
+_start_op("matmul_all_reduce_start", matmul_all_reduce, "matmul_all_reduce", lambda rows, g: rows)
+
+
+# --------------------------------------------------------------------------------------------
 def fused_schedules_available(device_type: str, dtype: torch.dtype) -> tuple[str, ...]:
     """Schedules with a real fused implementation for ``device_type``/``dtype``.
 

@@ -1,8 +1,10 @@
 """The fused operators' cross-GPU protocol as data: per-rank plans of stream commands.
 
 A plan is the list of commands one rank issues for one call of a fused operator, in issue order,
-each bound to one of two streams (``MAIN``: the GEMMs and reductions, the caller's stream;
-``COMM``: copies and flag waits, a high-priority side stream).  The CUDA implementation
+each bound to a stream (``MAIN``: the GEMMs and reductions, the caller's stream; ``COMM``: copies
+and flag waits, a high-priority side stream; ``PUB``: publications through host memory,
+:func:`host_staged`; ``TAIL``: the sums of a :func:`detached` reduction, which leaves the caller's
+stream free once its GEMMs are issued).  The CUDA implementation
 (:mod:`.cuda_impl`) executes plans with peer-to-peer copies (the copy engines), cuBLAS and one
 small flag-waiting kernel; the simulator (:mod:`.simulate`) executes the very same plans for
 several ranks on the CPU under random interleavings.  So the protocol that the tests check is
@@ -42,15 +44,15 @@ that it hangs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal, Union
 
 from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule, refined
 
-MAIN, COMM, PUB = "main", "comm", "pub"
-Stream = Literal["main", "comm", "pub"]
-STREAMS: tuple[str, ...] = (MAIN, COMM, PUB)
+MAIN, COMM, PUB, TAIL = "main", "comm", "pub", "tail"
+Stream = Literal["main", "comm", "pub", "tail"]
+STREAMS: tuple[str, ...] = (MAIN, COMM, PUB, TAIL)
 SELF = -1
 
 # Buffers a region may name.  Symmetric (peers can read them, double-buffered by parity; a plan's
@@ -413,7 +415,8 @@ def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: i
 
 
 def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
-               itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES) -> tuple[Plan, ...]:
+               itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
+               detach: bool = False) -> tuple[Plan, ...]:
     """The plans one call of a fused operator runs, in order, as the CUDA path builds them (the
     cost model counts their commands to price the host's work).
 
@@ -421,9 +424,12 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
     tensor that travels (k for the gather, n for the reduced output); ``host``: host-staged
     transport (pieces cut by :func:`host_split`, plans rewritten by :func:`host_staged`).
     ``matmul_all_reduce`` pulls in chunks where it can (``"direct"`` and a chunk count that
-    splits the rows), else runs the fused reduce-scatter and then the gather of its result."""
+    splits the rows), else runs the fused reduce-scatter and then the gather of its result.
+    ``detach``: the reductions' plans :func:`detached` (not an all-gather's GEMMs: they need what
+    arrives; the all-reduce's gather of its sums has none)."""
     def staged(plan: Plan) -> Plan:
-        return host_staged(plan) if host else plan
+        plan = host_staged(plan) if host else plan
+        return detached(plan) if detach and (plan.op != "all_gather_matmul" or not plan.n_weights) else plan
 
     def split(block_rows: int) -> int:
         return host_split(block_rows * cols * itemsize, piece_bytes) if host else 1
@@ -437,9 +443,10 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
     chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes)
     if chunks:
         return (staged(all_reduce_plan(world, rank, rows, chunks)),)
-    return (call_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host, piece_bytes)
+    return (call_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host, piece_bytes,
+                       detach)
             + call_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,
-                         piece_bytes))
+                         piece_bytes, detach))
 
 
 def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int, host: bool,
@@ -451,3 +458,54 @@ def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int,
     if host:
         return host_all_reduce_chunks(rows, world, out_bytes, piece_bytes)
     return all_reduce_chunks(rows, world, out_bytes=out_bytes)
+
+
+def join_start(plan: Plan) -> int:
+    """Index of the plan's join: the trailing waits of the caller's stream for the side streams.
+    Everything before it can be issued and left running; the join is what makes the results
+    visible to the caller's later work."""
+    at = len(plan.commands)
+    while at and isinstance(plan.commands[at - 1], WaitEvent) and plan.commands[at - 1].stream == MAIN:
+        at -= 1
+    return at
+
+
+def detached(plan: Plan) -> Plan:
+    """``plan`` with the caller's stream freed of every wait for communication before the join.
+
+    The caller's stream keeps the GEMMs (and the flags and events that publish their products);
+    each stretch of its commands that starts by waiting for another stream (a pull, before
+    summing the pulled partials) moves, in order, to a fourth stream ``TAIL``, which first waits
+    for the caller's stream to reach that point.  So the caller's stream is free as soon as its
+    last GEMM is issued: work that does not need the result (a weight gradient beside an input
+    gradient's all-reduce) runs while the pieces travel and are summed, and the caller joins
+    ``TAIL`` with the other side streams at the end (:func:`join_start`).
+
+    Nothing new can deadlock: ``TAIL`` waits only for events of its own rank recorded earlier in
+    issue order (as the caller's stream did), and every command keeps its place in the order of
+    the stream it ran on, so every dependency of the original plan still holds."""
+    join = join_start(plan)
+    recorded_on: dict[str, str] = {}
+    cmds: list[Command] = []
+    in_tail, gates = False, 0
+    for cmd in plan.commands[:join]:
+        if cmd.stream == MAIN:
+            if isinstance(cmd, Matmul):
+                if in_tail and cmd.src.buf != "A":
+                    raise ValueError(f"{plan.op}: {cmd} multiplies rows that a wait for another stream guards; "
+                                     "only GEMMs of the call's own input can run ahead of the pulls")
+                in_tail = False
+            elif isinstance(cmd, WaitEvent) and recorded_on.get(cmd.event, MAIN) != MAIN and not in_tail:
+                gate = f"tailgate{gates}"
+                gates += 1
+                cmds += [Record(MAIN, gate), WaitEvent(TAIL, gate)]
+                in_tail = True
+            if in_tail:
+                cmd = replace(cmd, stream=TAIL)
+        if isinstance(cmd, Record):
+            recorded_on[cmd.event] = cmd.stream
+        cmds.append(cmd)
+    if not gates:
+        return plan
+    cmds += [Record(TAIL, "tailed"), *plan.commands[join:], WaitEvent(MAIN, "tailed")]
+    return replace(plan, commands=tuple(cmds))

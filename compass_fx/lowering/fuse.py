@@ -21,8 +21,13 @@ from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
 aten = torch.ops.aten
 
 
-def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> None:
-    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` with the graph untouched."""
+def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool = False) -> None:
+    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` with the graph untouched.
+
+    ``asynchronous`` (reduce-scatter and all-reduce pairs): the ``*_start`` form of the operator,
+    moved up to just after its inputs, and a ``wait_tensor`` on its result just before the first
+    use, so that the work between them (a weight gradient beside an input gradient's all-reduce)
+    runs while the pieces travel."""
     import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
 
     why = _unsupported(pair)
@@ -31,8 +36,9 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> None:
     b = NodeBuilder(gm.graph, pair.collective)
     build = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
              "matmul_all_reduce": _all_reduce}[pair.kind]
+    asynchronous = asynchronous and pair.kind != "all_gather_matmul"  # its GEMMs need what arrives
     try:
-        replacements = build(b, pair, decision.schedule or "ring")
+        replacements = build(b, pair, decision.schedule or "ring", asynchronous)
     except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: undo it, keep the pair
         for node in reversed(b.created):
             gm.graph.erase_node(node)
@@ -40,6 +46,56 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision) -> None:
     for old, new in replacements:
         old.replace_all_uses_with(new)
     finish_rewrite(gm, b.created, (pair.wait, pair.collective))
+    if asynchronous:
+        _spread(gm.graph, b.created)
+
+
+
+
+def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
+    """Move the start of an asynchronous call (with the nodes that prepare its operands) up to
+    just after the last of its inputs, and its wait (with the views of the result) down to just
+    before the first node that reads the result.  Every rank moves the same nodes the same way."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    alive = [n for n in created if n.graph is graph and n in order]
+    starts = (torch.ops.compass.matmul_reduce_scatter_start.default, torch.ops.compass.matmul_all_reduce_start.default)
+    start = next(n for n in alive if n.target in starts)
+    wait = next(iter(start.users))
+    feeding = _upstream(start, set(alive))
+    outside = {i for n in feeding for i in n.all_input_nodes if i not in feeding}
+    after = max(outside, key=order.__getitem__)
+    if after.op == "placeholder":
+        after = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__)
+    for node in sorted(feeding, key=order.__getitem__):
+        after.append(node)
+        after = node
+    result = _downstream(wait, set(alive))
+    readers = [u for n in result for u in n.users if u not in result]
+    first = min(readers, key=lambda n: order[n]) if readers else None
+    if first is not None:
+        for node in sorted(result, key=order.__getitem__):
+            first.prepend(node)
+    graph.lint()
+
+
+def _upstream(node: fx.Node, among: set[fx.Node]) -> set[fx.Node]:
+    out, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += [i for i in n.all_input_nodes if i in among]
+    return out
+
+
+def _downstream(node: fx.Node, among: set[fx.Node]) -> set[fx.Node]:
+    out, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += [u for u in n.users if u in among]
+    return out
 
 
 def _unsupported(pair: Pair) -> str:
@@ -85,7 +141,7 @@ def _logical_to_rank_major(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
 Replacements = list[tuple[fx.Node, fx.Node]]
 
 
-def _all_gather(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+def _all_gather(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
     cols = pair.layout.shape[-1]
     shard = b.view(pair.shard, [pair.layout.rows // pair.layout.world, cols])
     weights = [mm_operands(rc.mm)[1] for rc in pair.row_consumers]
@@ -117,17 +173,21 @@ def _concat_terms(b: NodeBuilder, pair: Pair) -> tuple[fx.Node, fx.Node]:
     return b.cat(lhs, 1), b.cat(rhs, 0)
 
 
-def _reduce_scatter(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+def _reduce_scatter(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
     a, w = _concat_terms(b, pair)
     if pair.layout.dim > 0:
         a = _logical_to_rank_major(b, a, pair)
-    out = b.call(torch.ops.compass.matmul_reduce_scatter.default, a, w, schedule, pair.group_name,
-                 pair.group_size)
+    op = torch.ops.compass.matmul_reduce_scatter_start if asynchronous else torch.ops.compass.matmul_reduce_scatter
+    out = b.call(op.default, a, w, schedule, pair.group_name, pair.group_size)
+    if asynchronous:
+        out = b.wait(out)
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
 
 
-def _all_reduce(b: NodeBuilder, pair: Pair, schedule: str) -> Replacements:
+def _all_reduce(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
     a, w = _concat_terms(b, pair)
-    out = b.call(torch.ops.compass.matmul_all_reduce.default, a, w, schedule, pair.group_name,
-                 pair.group_size)
+    op = torch.ops.compass.matmul_all_reduce_start if asynchronous else torch.ops.compass.matmul_all_reduce
+    out = b.call(op.default, a, w, schedule, pair.group_name, pair.group_size)
+    if asynchronous:
+        out = b.wait(out)
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]

@@ -88,7 +88,8 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
     log.info("compass_fx: %s graph: %s -> %s", pair.graph, pair.describe(), decision.label)
     try:
         if decision.strategy == "fuse":
-            fuse.lower(gm, pair, decision)
+            fuse.lower(gm, pair, decision, asynchronous=options.fused_async)
+            record.asynchronous = options.fused_async and pair.kind != "all_gather_matmul"
         else:
             decompose(gm, pair, decision.parts)
     except RewriteFailed as e:  # the graph is as it was; the same happens on every rank
