@@ -260,7 +260,7 @@ def run_mode(ctx: ranks.Ctx, args, mode: str, sp: bool, mesh) -> dict:
         out["compass_rewritten"] = sum(p.status == "rewritten" for p in rep.pairs)
         decisions: dict[str, int] = {}
         for p in rep.pairs:
-            label = {"decompose": f"decompose(d={p.parts})", "fuse": f"fuse({p.schedule})"}.get(p.strategy, p.strategy)
+            label = {"decompose": f"decompose(d={p.parts})", "fuse": f"fuse({p.schedule}{', async' if p.asynchronous else ''})"}.get(p.strategy, p.strategy)
             key = f"{p.graph}:{p.kind}:{label}"
             decisions[key] = decisions.get(key, 0) + 1
         out["compass_decisions"] = decisions
