@@ -69,3 +69,39 @@ def test_a_second_regime_is_added_to_the_same_file(tmp_path):
     assert _other_regimes_kept(str(path), "NVIDIA H200", p2p) == []  # measured again: replaced
     assert _other_regimes_kept(str(path), "NVIDIA H100", staged) == []  # another GPU: not mixed
     assert _other_regimes_kept(str(tmp_path / "missing.json"), "NVIDIA H200", staged) == []
+    assert _other_regimes_kept(str(path), "NVIDIA H200", []) == p2p  # a run without --collectives keeps them
+
+
+def test_a_calibrated_host_prices_the_fused_calls(tmp_path):
+    """A calibration that measured this host's launches (compass-fx calibrate's "fused_host")
+    prices the fused calls' host time from them: the fitted host's own launches give back the
+    built-in constants; launches twice as dear give commands twice as dear and the call's fixed
+    work too (the measured dispatch kept as measured); a file without them leaves the constants."""
+    from compass_fx.cost import strategies as st
+
+    staged = Topology.preset("h200-host-staged-8")
+    w = Workload("matmul_all_reduce", 2048, 4096, 7168, "bfloat16", 2)
+    default = st.fused_host_seconds(w, staged, "direct")
+    dispatch = st.FUSED_HOST_CALL_S - st.FUSED_HOST_CALL_REST_S
+
+    def priced(fused_host: dict | None) -> tuple[float, dict, float]:
+        path = tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json"
+        extra = {"device": "NVIDIA H200", **({"fused_host": fused_host} if fused_host else {})}
+        write_calibration(path, [gpu_spec("H200")], extra)
+        with use_calibration(path):
+            call, per_command = st.fused_host_costs()
+            return call, per_command, st.fused_host_seconds(w, staged, "direct")
+
+    call, per_command, same = priced({"launch_s": dict(st._FITTED_LAUNCH_S), "dispatch_s": dispatch})
+    assert call == pytest.approx(st.FUSED_HOST_CALL_S)
+    for kind, cost in st.FUSED_HOST_COMMAND_S.items():
+        assert per_command[kind] == pytest.approx(cost, rel=0.1)
+    assert same == pytest.approx(default, rel=0.05)
+    dear = {k: 2 * v for k, v in st._FITTED_LAUNCH_S.items()}
+    call, per_command, slower = priced({"launch_s": dear, "dispatch_s": dispatch})
+    assert call == pytest.approx(dispatch + 2 * st.FUSED_HOST_CALL_REST_S)
+    assert per_command == pytest.approx({k: st.LAUNCH_INSIDE_CALL * v for k, v in dear.items()})
+    assert 1.7 * default < slower < 2 * default
+    assert priced(None)[2] == default
+    with use_calibration(tmp_path / "cal1.json"):  # the file with dear launches prices the choice too
+        assert select(w, staged, fused_schedules=("direct",)).candidate("fuse(direct)").seconds >= slower

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..machine.calibration import gpu_spec
+from ..machine.calibration import calibrated_fused_host, gpu_spec
 from ..machine.gpus import dtype_bytes
 from ..machine.topology import Topology
 from .collective import CollectiveTime, collective_time, schedule_steps
@@ -42,6 +42,14 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 FUSED_HOST_CALL_S = 78e-6
 FUSED_HOST_COMMAND_S = {"Matmul": 17.6e-6, "Reduce": 9.1e-6, "Copy": 7.9e-6, "SetFlag": 3.0e-6, "WaitFlag": 3.1e-6,
                         "Record": 1.2e-6, "WaitEvent": 1.2e-6}
+# A calibration that measured this machine's launches (compass-fx calibrate: "fused_host") replaces
+# the per-command costs by LAUNCH_INSIDE_CALL times each launch alone, and the per-call cost by the
+# measured dispatch plus the rest of a call's fixed work, scaled with the launches (the same host
+# measured 1.6x dearer launches on another instance of the H200 machine).
+LAUNCH_INSIDE_CALL = 1.6
+FUSED_HOST_CALL_REST_S = 38e-6   # the fixed work of a call besides the dispatch, on the fitted host
+_FITTED_LAUNCH_S = {"Matmul": 11.0e-6, "Reduce": 5.7e-6, "Copy": 4.9e-6, "SetFlag": 1.9e-6, "WaitFlag": 1.9e-6,
+                    "Record": 0.7e-6, "WaitEvent": 0.8e-6}  # the launches alone on the fitted host
 
 _OP = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
        "matmul_all_reduce": "all_reduce"}
@@ -164,6 +172,18 @@ class FusedBreakdown:
     host_staged: bool = False
 
 
+def fused_host_costs() -> tuple[float, dict[str, float]]:
+    """(seconds per call, seconds per command kind) of the host's work in a fused call: this
+    machine's calibration where it measured them, else the constants fitted on the H200 host."""
+    measured = calibrated_fused_host()
+    if measured is None:
+        return FUSED_HOST_CALL_S, FUSED_HOST_COMMAND_S
+    launch = {kind: float(measured["launch_s"].get(kind, _FITTED_LAUNCH_S[kind])) for kind in _FITTED_LAUNCH_S}
+    speed = sorted(launch[k] / _FITTED_LAUNCH_S[k] for k in launch)[len(launch) // 2]  # median ratio
+    call = float(measured.get("dispatch_s", FUSED_HOST_CALL_S - FUSED_HOST_CALL_REST_S)) + FUSED_HOST_CALL_REST_S * speed
+    return call, {kind: LAUNCH_INSIDE_CALL * s for kind, s in launch.items()}
+
+
 def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
     them for this transport) priced by kind, plus the per-call dispatch."""
@@ -175,8 +195,8 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
     cols = w.k if w.kind == "all_gather_matmul" else w.n
     plans = call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
                        host)
-    return sum(FUSED_HOST_CALL_S + sum(FUSED_HOST_COMMAND_S.get(type(c).__name__, 0.0) for c in plan.commands)
-               for plan in plans)
+    per_call, per_command = fused_host_costs()
+    return sum(per_call + sum(per_command.get(type(c).__name__, 0.0) for c in plan.commands) for plan in plans)
 
 
 def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:

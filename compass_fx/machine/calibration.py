@@ -71,6 +71,19 @@ def calibrated_collective(regime: str, op: str, group_size: int) -> tuple[float,
 _collective_lines: dict[str, dict[tuple[str, str, int], tuple[float, float]]] = {}
 
 
+def calibrated_fused_host() -> dict | None:
+    """The host costs of a fused call measured by ``compass-fx calibrate`` on this machine
+    ({"launch_s": {command kind: seconds}, "dispatch_s": seconds}); None when the calibration in
+    force (if any) holds none."""
+    path = calibration_path()
+    if path is None:
+        return None
+    found = _read_calibration(path).get("fused_host")
+    if not isinstance(found, dict) or not isinstance(found.get("launch_s"), dict):
+        return None
+    return found
+
+
 def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
     """The GPU models a calibration file holds constants for."""
     return tuple(load_calibration(path))

@@ -115,3 +115,40 @@ def measure_collectives(group=None, sizes_mib: Sequence[int] = COLLECTIVE_MIB, d
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             points[op].append([numel * element, float(t.item())])
     return [{"op": op, "group_size": world, "points": pts} for op, pts in points.items()]
+
+
+def measure_fused_host(calls: int = 200) -> dict:
+    """What one fused call costs the host on this machine: the host seconds of each kind of launch
+    a plan command makes, alone (a cuBLAS GEMM, a copy and the stream memory operations through the
+    driver, an event record / wait), and of the custom op's dispatch (a one-rank call, which
+    multiplies directly, less the multiplication alone).  Needs a CUDA GPU; the cost model scales
+    its fused host time with these (``cost.strategies.fused_host_seconds``)."""
+    import torch
+
+    from ..kernels import driver, ops  # noqa: F401 - ops registers torch.ops.compass
+
+    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    flag = torch.zeros(4, dtype=torch.int32, device="cuda")
+    side, event = torch.cuda.Stream(), torch.cuda.Event()
+    launches = {"Matmul": lambda: torch.mm(a, a, out=out), "Reduce": lambda: torch.add(a, a, out=out),
+                "Copy": lambda: driver.memcpy(out.data_ptr(), a.data_ptr(), 1024, side.cuda_stream),
+                "SetFlag": lambda: driver.write(flag.data_ptr(), 1, side.cuda_stream),
+                "WaitFlag": lambda: driver.wait_at_least(flag.data_ptr(), 0, side.cuda_stream),
+                "Record": lambda: event.record(side), "WaitEvent": lambda: side.wait_event(event)}
+
+    def host_seconds(fn) -> float:
+        rounds = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            rounds.append((time.perf_counter() - t0) / calls)
+        torch.cuda.synchronize()
+        return statistics.median(rounds)
+
+    launch_s = {kind: host_seconds(fn) for kind, fn in launches.items()}
+    one_rank = host_seconds(lambda: torch.ops.compass.matmul_reduce_scatter(a, a, "direct", "0", 1))
+    dispatch_s = max(one_rank - host_seconds(lambda: a @ a), 0.0)
+    return {"launch_s": launch_s, "dispatch_s": dispatch_s}

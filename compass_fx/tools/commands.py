@@ -134,7 +134,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..cost.gemm_fit import fit_gpu_spec, model_errors
     from ..machine.calibration import gpu_spec, write_calibration
     from ..machine.gpus import gpu_name_from_device
-    from .calibrate import grid_shapes, measure_gemms
+    from .calibrate import grid_shapes, measure_fused_host, measure_gemms
 
     try:
         import torch
@@ -158,9 +158,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     before = model_errors(meas, base)
     fitted = fit_gpu_spec(meas, base)
     after = model_errors(meas, fitted)
-    extra = {"device": device_name, "measurements": len(meas)}
-    if collectives:
-        extra["collectives"] = _other_regimes_kept(args.out, device_name, collectives) + collectives
+    extra = {"device": device_name, "measurements": len(meas), "fused_host": measure_fused_host()}
+    kept = _other_regimes_kept(args.out, device_name, collectives or [])  # a GEMM-only run keeps the tables
+    if kept or collectives:
+        extra["collectives"] = kept + (collectives or [])
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -174,8 +175,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _other_regimes_kept(path: str, device_name: str, tables: list[dict]) -> list[dict]:
-    """The collective tables of other regimes in an existing calibration file of the same GPU, so
-    that one file can hold both regimes (run once with NCCL_P2P_DISABLE=1, once without)."""
+    """The collective tables in an existing calibration file of the same GPU that ``tables`` does not
+    measure again, so that one file can hold both regimes (run once with NCCL_P2P_DISABLE=1, once
+    without) and a run without --collectives keeps them."""
     import json
     from pathlib import Path
 
