@@ -2,8 +2,12 @@
 
 Why: on a single device the collectives of a one-rank group move nothing, so the time of the
 decomposed pipeline over the sequential one is the pure overhead the rewrite adds (smaller GEMMs,
-the row shuffles that put parts back in order).  The cost model must charge exactly this, so the
-script prints the model's predicted GEMM split ratio beside the measured ratio.
+the row shuffles that put parts back in order, the collectives' launches).  The cost model must
+charge exactly this, so the script prints the model's predicted GEMM split ratio beside the
+measured ratio.  Each variant is timed alone (each call synchronised: the host's issue time shows)
+and back to back (the host ahead, as in a step); the per-part overhead (issue 10's goal: <= 15 us)
+is the back-to-back time beyond sequential less what splitting the GEMM alone costs, per extra
+part; and the kernels one call launches are counted (torch.profiler).
 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
     python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
@@ -57,6 +61,41 @@ def timed(fn, args, device: str, iters: int) -> float:
     return statistics.median(seconds_of_one_call(lambda: fn(*args), device == "cuda") for _ in range(iters))
 
 
+def back_to_back(fn, args, device: str, iters: int) -> float:
+    """Seconds per call of ``iters`` calls issued back to back (the host ahead of the device, as in
+    a training step), median of 5 batches: the device's time when the host keeps up."""
+    if device != "cuda":
+        return timed(fn, args, device, iters)
+    batches = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn(*args)
+        end.record()
+        end.synchronize()
+        batches.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(batches)
+
+
+def kernels_per_call(fn, args, device: str) -> int | None:
+    """GPU kernels and copies one call launches (torch.profiler)."""
+    if device != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def split_gemm(a: torch.Tensor, w: torch.Tensor, parts: int):
+    """The pair's GEMM alone as ``parts`` row pieces (what the decomposition multiplies)."""
+    step = a.shape[0] // parts
+    return lambda: [torch.mm(a[i * step:(i + 1) * step], w) for i in range(parts)]
+
+
 def run(args: argparse.Namespace) -> dict:
     device = "cpu" if args.dry_run else "cuda"
     dtype = torch.float32 if args.dry_run else torch.bfloat16
@@ -78,20 +117,31 @@ def run(args: argparse.Namespace) -> dict:
                 fn = torch.compile(pair_fn(kind), backend="compass", options=options)
                 with torch.no_grad():
                     seconds = timed(fn, (a, w), device, args.iters)
+                    streamed = back_to_back(fn, (a, w), device, args.iters)
+                    kernels = kernels_per_call(fn, (a, w), device)
+                    gemm = back_to_back(lambda x, y: split_gemm(x, y, parts or 1)(), (a, w), device, args.iters)
                 rewritten = sum(p.status == "rewritten" for r in list(compass_fx.backend.history)[before:]
                                 for p in r.pairs)
                 if parts is None:
-                    base = seconds
+                    base, base_streamed, base_gemm, base_kernels = seconds, streamed, gemm, kernels
                 gpu = "H200"
                 predicted = (split_gemm_seconds(m, n, k, parts, "bfloat16", gpu=gpu) /
                              gemm_seconds(m, n, k, "bfloat16", gpu=gpu)) if parts else 1.0
+                # what a part costs beyond its share of the GEMM (measured split) when the host keeps up
+                per_part = ((streamed - base_streamed) - (gemm - base_gemm)) / (parts - 1) if parts else 0.0
                 rows.append({"kind": kind, "m": m, "n": n, "k": k, "parts": parts or 1,
                              "rewritten": rewritten, "seconds": seconds, "ratio": seconds / base,
+                             "back_to_back_seconds": streamed, "back_to_back_ratio": streamed / base_streamed,
+                             "split_gemm_seconds": gemm, "per_part_overhead_s": per_part,
+                             "kernels_per_call": kernels,
+                             "kernels_per_extra_part": ((kernels - base_kernels) / (parts - 1)
+                                                        if parts and kernels is not None else None),
                              "model_gemm_ratio": predicted})
                 done += 1
-                print(f"[{done}/{total}] {kind:22s} m={m:<6d} d={parts or 1}: {seconds * 1e6:9.1f} us "
-                      f"({seconds / base:.2f}x of sequential; model's GEMM split ratio {predicted:.2f}x)",
-                      flush=True)
+                print(f"[{done}/{total}] {kind:22s} m={m:<6d} d={parts or 1}: {seconds * 1e6:9.1f} us alone, "
+                      f"{streamed * 1e6:9.1f} us back to back ({streamed / base_streamed:.2f}x of sequential; "
+                      f"split GEMM {gemm / base_gemm:.2f}x, model {predicted:.2f}x); per extra part "
+                      f"{per_part * 1e6:.1f} us, kernels {kernels}", flush=True)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "rows": rows}
 

@@ -79,10 +79,13 @@ class GpuSpec:
 # H200 with torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation-h200.json; median error
 # 4.0% on times, 4.9% on split/unsplit ratios).  The H100 is the same processor: it shares them.
 # part_overhead_s is the median extra time per InterDecom part measured on that H200 with the
-# collectives of a one-rank NCCL group under Inductor, beyond what the split GEMMs explain
-# (benchmarks/results/decompose_overhead-h200.json: 70 us, spread -16..410 us).
+# collectives of a one-rank NCCL group under Inductor, calls issued back to back, beyond what the
+# split GEMMs explain (benchmarks/results/decompose_overhead-h200.json: 182 us, spread 20..396 us;
+# an earlier run timing each call alone: 70 us).  The profile of a decomposed reduce-scatter shows
+# where it goes: the host issues each functional collective in about 150 us (under the profiler),
+# more than the device needs for the part, and each part's rows are copied in and out (clone, cat).
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
-               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6, part_overhead_s=70e-6,
+               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6, part_overhead_s=182e-6,
                tiles=((128, 256, 1.0), (128, 128, 0.55), (64, 128, 0.1)), source="fitted on an H200")
 
 GPUS: dict[str, GpuSpec] = {
