@@ -79,11 +79,43 @@ def scaled_mm_like(b: NodeBuilder, mm: fx.Node, a: fx.Node, mat2: fx.Node | None
     return b.call(aten._scaled_mm.default, *args, **kwargs)
 
 
-def _scaled_row_part(b: NodeBuilder, replay: RowReplay, rc) -> fx.Node:
+def shared_float8_b(mat2: fx.Node) -> fx.Node:
+    """The B of a float8 GEMM that the parts now share, marked so that Inductor keeps its strides.
+
+    A float8 GEMM wants B column-major, and Inductor checks that.  With one user, B's layout
+    follows the traced strides; with several (the parts), Inductor lays a computed B out
+    row-major (``realize_hint``) and then refuses the GEMM; ``inductor_realize_to_strides``
+    makes it realize B, and the views between B and what computes it, with the traced strides."""
+    node = mat2
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        node.meta["inductor_realize_to_strides"] = True
+        if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            break
+        node = node.args[0]
+    return mat2
+
+
+def part_row_scales(scales: fx.Node) -> fx.Node:
+    """A part's [rows, 1] scales of A, marked so that Inductor lays them out as traced: the float8
+    GEMM checks that their last stride is 1, which a layout Inductor picks for a [rows, 1] buffer
+    (or the broadcast of a repeated scale) need not be."""
+    scales.meta["inductor_realize_to_strides"] = True
+    return scales
+
+
+def _as_row_scales(b: NodeBuilder, scales: fx.Node) -> fx.Node:
+    rows = shape_of(scales)[0]
+    return part_row_scales(b.call(aten.as_strided.default, b.contiguous(scales), [rows, 1], [1, 1]))
+
+
+def _scaled_row_part(b: NodeBuilder, replay: RowReplay, rc, mat2: fx.Node) -> fx.Node:
     """Part of a float8 row consumer: its A and scales of A replayed on the part's rows."""
     region = set(rc.region)
     scale_a = rc.mm.args[2] if len(rc.mm.args) > 2 else rc.mm.kwargs["scale_a"]
-    return scaled_mm_like(b, rc.mm, replay.value(rc.view, region), scale_a=replay.scale(scale_a, region))
+    part_scales = replay.scale(scale_a, region)
+    if part_scales is not scale_a:
+        part_scales = _as_row_scales(b, part_scales)
+    return scaled_mm_like(b, rc.mm, replay.value(rc.view, region), mat2, scale_a=part_scales)
 
 
 def _scaled_contraction_part(b: NodeBuilder, cc, rows: fx.Node, other_rows: fx.Node) -> fx.Node:
@@ -128,7 +160,8 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         shard = b.view(b.contiguous(shard), shard_shape)
     c = shard_shape[g] // parts
     flat = [layout.rows // parts, layout.shape[-1]]
-    weights = [batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
+    weights = [shared_float8_b(mm_operands(rc.mm)[1]) if rc.mm.target is aten._scaled_mm.default
+               else batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
 
     # a float8 weight gradient's B is column-major: its rows are cut from one row-major copy
     others_rowmajor = [b.contiguous(cc.other) if cc.mm.target is aten._scaled_mm.default else None
@@ -158,7 +191,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         replay = RowReplay(b, pair, parts, i, plain)
         for j, rc in enumerate(pair.row_consumers):
             if rc.mm.target is aten._scaled_mm.default:
-                row_outs[j].append(_scaled_row_part(b, replay, rc))
+                row_outs[j].append(_scaled_row_part(b, replay, rc, weights[j]))
                 continue
             rows = _rows_as(b, cast_rows, rc.casts)
             row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
@@ -200,6 +233,8 @@ class _PartValues:
     def __init__(self, b: NodeBuilder, pair: Pair, parts: int) -> None:
         self.b, self.pair, self.parts = b, pair, parts
         self.weights = {t: batched_weight_2d(b, w) for t, w in pair.forms.items()}
+        self.weights.update({t: shared_float8_b(mm_operands(t)[1]) for t in pair.terms
+                             if t.target is aten._scaled_mm.default})
         self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def rows_of(self, x: fx.Node, i: int) -> fx.Node:
@@ -221,8 +256,9 @@ class _PartValues:
     def _compute(self, node: fx.Node, i: int) -> fx.Node:
         if node in self.pair.terms:
             a, _ = mm_operands(node)
-            if node.target is aten._scaled_mm.default and _row_scales(node):  # float8, one scale per row
-                return scaled_mm_like(self.b, node, self.rows_of(a, i), scale_a=self.rows_of(node.args[2], i))
+            if node.target is aten._scaled_mm.default:  # float8: row scales are cut with the rows
+                scale_a = _as_row_scales(self.b, self.rows_of(node.args[2], i)) if _row_scales(node) else None
+                return scaled_mm_like(self.b, node, self.rows_of(a, i), self.weights[node], scale_a=scale_a)
             return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
         if node in self.pair.row_factors:  # mul(term, f): the part's rows of f (or f itself, broadcast)
             factor = self.pair.row_factors[node]
