@@ -76,6 +76,7 @@ class ContractionConsumer:
     other: fx.Node          # Y, whose rows pair with V's rows (a float8 _scaled_mm: its column-major B)
     gathered_on_left: bool  # True for mm(t(V), Y) and _scaled_mm(clone(t(V)), Y)
     casts: tuple[torch.dtype, ...] = ()  # dtype conversions between the gathered tensor and V
+    region: tuple[fx.Node, ...] = ()     # float8: the row-local nodes computing V (see RowConsumer)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class Pair:
         consumers = list(self.row_consumers) + list(self.contraction_consumers)
         return (not self.reduce_casts and not self.forms and not self.escapes and self.scatter_perm is None
                 and not self.row_factors and all(not c.casts for c in consumers)
-                and all(not c.region for c in self.row_consumers)
+                and all(not c.region for c in consumers)
                 and all(c.weight is None for c in self.row_consumers)
                 and not any(mm.target is torch.ops.aten._scaled_mm.default for mm in self.matmuls))
 

@@ -82,8 +82,11 @@ def _row_local(node: fx.Node, region: RowRegion) -> bool:
         return False
     shape = shape_of(node)
     src = node.args[0] if node.args else None
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+        return False  # a random op replayed per part would draw other numbers than the whole
     if node.target in _ROW_REDUCTIONS:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+        dims = [dims] if isinstance(dims, int) else list(dims)
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         return src in region.nodes and keepdim and [d % len(shape) for d in dims] == [len(shape) - 1]
     if is_reshape(node):

@@ -196,10 +196,11 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
             rows = _rows_as(b, cast_rows, rc.casts)
             row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
         for j, cc in enumerate(pair.contraction_consumers):
-            rows = _rows_as(b, cast_rows, cc.casts)
             if cc.mm.target is aten._scaled_mm.default:
+                rows = replay.value(cc.view, set(cc.region))
                 part = _scaled_contraction_part(b, cc, rows, select_rows(b, others_rowmajor[j], layout, parts, i))
             else:
+                rows = _rows_as(b, cast_rows, cc.casts)
                 other = select_rows(b, cc.other, layout, parts, i)
                 if cc.gathered_on_left:
                     part = b.call(aten.mm.default, b.call(aten.permute.default, rows, [1, 0]), other)

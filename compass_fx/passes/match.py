@@ -240,9 +240,8 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple, regio
                 for mm in user.users):
             for mm in user.users:
                 contractions.append(ContractionConsumer(mm, view, mm.args[1], gathered_on_left=True, casts=casts))
-        elif two_d and region is not None and _scaled_contractions(user, view, region) is not None:
-            for mm in _scaled_contractions(user, view, region):
-                contractions.append(ContractionConsumer(mm, view, mm.args[1], gathered_on_left=True, casts=casts))
+        elif two_d and region is not None and view in region.nodes and _scaled_contractions(user, region):
+            continue  # float8 weight gradient: found by _scaled_contraction_consumers
         elif (two_d and user.target is aten.mm.default and user.args[1] is view
               and isinstance(user.args[0], fx.Node) and user.args[0].target is aten.permute.default
               and list(user.args[0].args[1]) == [1, 0] and user.args[0].args[0] is not view):
@@ -300,9 +299,10 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
         rows += r
         contractions += c
         others += o
-    scaled = _scaled_row_consumers(region)
-    if scaled:
-        rows += scaled
+    scaled_rows, scaled_contractions = _scaled_row_consumers(region), _scaled_contraction_consumers(region)
+    if scaled_rows or scaled_contractions:
+        rows += scaled_rows
+        contractions += scaled_contractions
         others = _outside_uses(region, rows, contractions)
     for c in contractions:
         other_shape = shape_of(c.other)
@@ -351,37 +351,64 @@ def _scaled_row_consumer(mm: fx.Node, region: RowRegion) -> RowConsumer:
     return RowConsumer(mm, a, region=region.ancestors_in_region(a, scale_a))
 
 
-def _scaled_contractions(permute: fx.Node, view: fx.Node, region: RowRegion) -> list[fx.Node] | None:
+def _scaled_contractions(permute: fx.Node, region: RowRegion) -> list[fx.Node]:
     """The float8 weight-gradient GEMMs ``_scaled_mm(clone(t(V)), B)`` fed by ``permute`` = t(V),
-    when every use of ``permute`` is one (tensorwise scales, B with V's rows, none of them computed
-    from the gathered rows); else None."""
-    if permute.target is not aten.permute.default or list(permute.args[1]) != [1, 0] or not permute.users:
-        return None
-    mms = []
+    if every use of ``permute`` is one (else none): the gathered rows are their contraction dim.
+    Each has one scale per operand and B (column-major, with V's rows) computed without the
+    gathered rows.  A B computed from them (the gradient of a forward recomputed in the backward,
+    activation checkpointing) would wait for every part anyway: that GEMM takes the whole tensor."""
+    if not _is_transpose(permute) or not permute.users:
+        return []
+    found = []
     for clone in permute.users:
         if clone.target is not aten.clone.default or not clone.users:
-            return None
+            return []
         for mm in clone.users:
-            if mm.target is not aten._scaled_mm.default or mm.args[0] is not clone:
-                return None
-            _, b, scale_a, scale_b = _scaled_mm_args(mm)
-            scales_ok = all(isinstance(x, fx.Node) and shape_of(x) is not None and math.prod(shape_of(x)) == 1
-                            and region.independent(x) for x in (scale_a, scale_b))
-            if not scales_ok or not region.independent(b) or _scaled_mm_reason(mm) is not None:
-                return None
-            mms.append(mm)
-    return mms
+            if mm.target is not aten._scaled_mm.default or mm.args[0] is not clone \
+                    or not _tensorwise_contraction(mm, region):
+                return []
+            found.append(mm)
+    return found
+
+
+def _scaled_contraction_consumers(region: RowRegion) -> list[ContractionConsumer]:
+    """Every float8 weight-gradient GEMM over the gathered rows, from any row-local node of them."""
+    found = []
+    for node in region.logical.graph.nodes:
+        shape = shape_of(node) if node in region.nodes else None
+        if shape is None or len(shape) != 2 or shape[0] != region.rows:
+            continue
+        for user in node.users:
+            found += [ContractionConsumer(mm, node, mm.args[1], gathered_on_left=True,
+                                          region=region.ancestors_in_region(node))
+                      for mm in _scaled_contractions(user, region)]
+    return found
+
+
+def _is_transpose(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.target is aten.permute.default and list(node.args[1]) == [1, 0]
+
+
+def _tensorwise_contraction(mm: fx.Node, region: RowRegion) -> bool:
+    """One scale each, and neither the scales nor B computed from the gathered rows."""
+    _, b, scale_a, scale_b = _scaled_mm_args(mm)
+    scales_ok = all(isinstance(x, fx.Node) and shape_of(x) is not None and math.prod(shape_of(x)) == 1
+                    and region.independent(x) for x in (scale_a, scale_b))
+    return scales_ok and region.independent(b) and _scaled_mm_reason(mm) is None
 
 
 def _outside_uses(region: RowRegion, rows: list[RowConsumer], contractions: list[ContractionConsumer]) -> int:
     """Uses of the gathered rows' region by nodes that are neither in it nor a found matmul (nor the
     transposes and copies on a weight-gradient matmul's way): they need the whole gathered tensor."""
     handled = {rc.mm for rc in rows}
-    for cc in contractions:
+    for cc in contractions:  # mm, and t / clone / t between it and the gathered rows
         handled.add(cc.mm)
-        for a in cc.mm.all_input_nodes:
-            handled.add(a)
-            handled.update(a.all_input_nodes if a.target is aten.clone.default else ())
+        stack = list(cc.mm.all_input_nodes)
+        while stack:
+            node = stack.pop()
+            if node not in handled and (node.target is aten.clone.default or _is_transpose(node)):
+                handled.add(node)
+                stack.extend(node.all_input_nodes)
     return sum(1 for n in region.nodes for u in n.users if u not in region.nodes and u not in handled)
 
 
@@ -390,9 +417,9 @@ def _no_consumer_reason(region: RowRegion) -> str:
     after a step that mixes rows (a tensorwise scale computed from the whole gathered tensor)."""
     for node in region.logical.graph.nodes:
         if node.target is aten._scaled_mm.default and node in region.downstream:
-            return (f"the float8 _scaled_mm {node.name} takes the gathered rows only after a step that mixes "
-                    "rows (e.g. a tensorwise scale computed from the whole gathered tensor): no part can be "
-                    "cast to float8 before every part has arrived")
+            return (f"the float8 _scaled_mm {node.name} takes the gathered rows only after a step that is not "
+                    "computed row by row (it mixes rows, e.g. a tensorwise scale computed from the whole "
+                    "gathered tensor, or draws random numbers): no part can be cast to float8 on its own")
     return "gathered tensor feeds no matmul as its row operand"
 
 
