@@ -46,14 +46,20 @@ FOUND = ("tensorwise", "rowwise", "rowwise_f8_styles")
 
 
 class FeedForward(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = False) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(DIM)
         self.w1 = torch.nn.Linear(DIM, HIDDEN, bias=False)
         self.w2 = torch.nn.Linear(HIDDEN, DIM, bias=False)
+        self.checkpointed = checkpointed
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(self.norm(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(torch.relu(self.w1(self.norm(x))))
+        if self.checkpointed:  # activation checkpointing: the backward recomputes the block
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
 
 
 def build(config: str, mesh) -> torch.nn.Module:
@@ -64,9 +70,10 @@ def build(config: str, mesh) -> torch.nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-    recipe, float8_styles = CONFIGS[config]
+    checkpointed = config.endswith("_ac")
+    recipe, float8_styles = CONFIGS[config.removesuffix("_ac")]
     torch.manual_seed(7)
-    model = FeedForward().to(torch.bfloat16)
+    model = FeedForward(checkpointed).to(torch.bfloat16)
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
     colwise, rowwise = (Float8ColwiseParallel, Float8RowwiseParallel) if float8_styles else (ColwiseParallel,
                                                                                              RowwiseParallel)
@@ -178,4 +185,15 @@ def test_torchao_float8_block_decomposed_under_inductor_equals_eager(ranks, conf
     roundings of values its fused casts compute slightly differently.)"""
     res = ranks(2).run(_run, 2, config, "decompose", "inductor")[0]
     assert sorted(_found(res)) == sorted(EXPECTED[config]), res
+    assert {(p[2], p[3]) for p in res["pairs"]} == {("rewritten", 2)}, res
+
+
+@pytest.mark.parametrize("config", ["tensorwise", "rowwise"])
+def test_torchao_float8_block_with_activation_checkpointing_equals_eager(ranks, config):
+    """The backward gathers the tokens again for the recomputed forward: that gather's row GEMM is
+    decomposed, and w1's weight gradient, whose other operand is the recomputed forward's own
+    gradient (it needs every part anyway), takes the whole gathered tensor."""
+    res = ranks(2).run(_run, 2, f"{config}_ac", "decompose")[0]
+    recomputed = ("backward", "all_gather_matmul", 1)
+    assert sorted(_found(res)) == sorted(EXPECTED[config] + [recomputed]), res
     assert {(p[2], p[3]) for p in res["pairs"]} == {("rewritten", 2)}, res
