@@ -59,8 +59,6 @@ def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node, weight: fx.Node | N
         return b.call(aten.addmm.default, mm.args[0], rows, mm.args[2], **mm.kwargs)
     if mm.target is aten.bmm.default:
         return b.call(aten.mm.default, rows, weight)
-    if mm.target is aten._scaled_mm.default:  # tensorwise float8: every part keeps the same scales
-        return scaled_mm_like(b, mm, rows)
     return b.call(aten.mm.default, rows, mm.args[1])
 
 

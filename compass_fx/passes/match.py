@@ -412,11 +412,27 @@ def _outside_uses(region: RowRegion, rows: list[RowConsumer], contractions: list
     return sum(1 for n in region.nodes for u in n.users if u not in region.nodes and u not in handled)
 
 
+def _reaches_without_matmul(node: fx.Node, region: RowRegion) -> bool:
+    """Whether ``node`` is computed from the gathered rows through no matmul (a later layer's
+    float8 GEMM is no reason to name)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is region.logical:
+            return True
+        if n in seen or n not in region.downstream or n.target in MM_OPS or n.target is aten.bmm.default:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _no_consumer_reason(region: RowRegion) -> str:
     """Why no matmul takes the gathered rows: say so precisely when a float8 matmul does, but only
     after a step that mixes rows (a tensorwise scale computed from the whole gathered tensor)."""
     for node in region.logical.graph.nodes:
-        if node.target is aten._scaled_mm.default and node in region.downstream:
+        if node.target is aten._scaled_mm.default and node in region.downstream \
+                and _reaches_without_matmul(node.args[0], region):
             return (f"the float8 _scaled_mm {node.name} takes the gathered rows only after a step that is not "
                     "computed row by row (it mixes rows, e.g. a tensorwise scale computed from the whole "
                     "gathered tensor, or draws random numbers): no part can be cast to float8 on its own")
