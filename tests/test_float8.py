@@ -1,6 +1,9 @@
-"""Float8 pairs (tensorwise ``_scaled_mm``) on real gloo ranks: found, decomposed, equal to eager;
-row-wise scales left alone with the reason; float8 GEMMs priced at the float8 rate.  Forward
-graphs only so far (issue 13 continues).
+"""Hand-built float8 ``_scaled_mm`` pairs (forward graphs) on real gloo ranks: found, decomposed,
+equal to eager; float8 GEMMs priced at the float8 rate.  Tensorwise scales, and row-wise scales
+on both sides: a reduce-scatter's local A splits its row scales with its rows, a gather's rows take
+their scales with them (repeated per row, or computed from each row as torchao's row-wise recipe
+does); a scale computed from all the gathered rows is left alone with the reason.  torchao's own
+forward and backward graphs are in ``test_float8_torchao.py``.
 
 Tolerance: a decomposed part multiplies the very same float8 rows with the same scales, so each
 output element is the same dot product as in eager; only the bf16 output's rounding and the
@@ -14,22 +17,35 @@ F8 = torch.float8_e4m3fn
 
 
 class GatherScaled(torch.nn.Module):
-    """Sequence parallel w1 in float8: gather bf16 tokens, cast to float8, scaled matmul."""
+    """Sequence parallel w1 in float8: gather bf16 tokens, cast to float8, scaled matmul.
 
-    def __init__(self, k: int, n: int, world: int, group: str, rowwise: bool = False) -> None:
+    ``scaling`` of A: "tensorwise" (one scale, from before the gather), "rowwise" (one scale per
+    gathered row, repeated from a buffer), "rowwise_of_gathered" (torchao's row-wise recipe: each
+    gathered row's amax gives its scale) or "tensorwise_of_gathered" (one amax over all the
+    gathered rows: no part can be cast before every part has arrived)."""
+
+    def __init__(self, k: int, n: int, world: int, group: str, scaling: str = "tensorwise") -> None:
         super().__init__()
         g = torch.Generator().manual_seed(3)
         self.register_buffer("w", torch.randn(n, k, generator=g).to(F8))
         self.register_buffer("sa", torch.rand(1, 1, generator=g) + 0.5)
         self.register_buffer("sb", torch.rand(1, 1, generator=g) + 0.5)
-        self.world, self.group, self.rowwise = world, group, rowwise
+        self.world, self.group, self.scaling = world, group, scaling
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
         c10d = torch.ops._c10d_functional
-        x = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, self.world, self.group)).to(F8)
-        sa = self.sa.expand(x.shape[0], 1).contiguous() if self.rowwise else self.sa.reshape(())
-        sb = self.sb.expand(1, self.w.shape[0]).contiguous() if self.rowwise else self.sb.reshape(())
-        return torch._scaled_mm(x, self.w.t(), sa, sb, out_dtype=torch.bfloat16)
+        x = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, self.world, self.group))
+        rowwise = self.scaling != "tensorwise"
+        sb = self.sb.expand(1, self.w.shape[0]).contiguous() if rowwise else self.sb.reshape(())
+        if self.scaling.endswith("_of_gathered"):
+            dim = -1 if self.scaling.startswith("rowwise") else None
+            amax = x.abs().amax(dim=dim, keepdim=True) if dim else x.abs().amax().reshape(1, 1)
+            sa = amax.float().clamp_min(1e-6) / 448.0
+            x8 = (x.float() / sa).to(F8)
+            sa = sa.expand(x.shape[0], 1) if not dim else sa
+            return torch._scaled_mm(x8, self.w.t(), sa.contiguous(), sb, out_dtype=torch.bfloat16)
+        sa = self.sa.expand(x.shape[0], 1).contiguous() if rowwise else self.sa.reshape(())
+        return torch._scaled_mm(x.to(F8), self.w.t(), sa, sb, out_dtype=torch.bfloat16)
 
 
 class ScaledReduceScatter(torch.nn.Module):
@@ -63,7 +79,8 @@ def _run(rank: int, world: int, kind: str, rowwise: bool, options: dict | None =
     group = dist.group.WORLD.group_name
     g = torch.Generator().manual_seed(10 + rank)
     if kind == "all_gather":
-        mod, x = GatherScaled(32, 48, world, group, rowwise), torch.randn(16, 32, generator=g).to(torch.bfloat16)
+        scaling = rowwise if isinstance(rowwise, str) else ("rowwise" if rowwise else "tensorwise")
+        mod, x = GatherScaled(32, 48, world, group, scaling), torch.randn(16, 32, generator=g).to(torch.bfloat16)
     else:
         mod = ScaledReduceScatter(32, 48, world, group, rowwise)
         x = torch.randn(32, 32, generator=g).to(torch.bfloat16)
@@ -112,10 +129,18 @@ def test_rowwise_float8_scales_of_a_local_operand_split_with_its_rows(ranks):
     assert res["pairs"] == [("matmul_reduce_scatter", "rewritten", "decompose", 2)], res
 
 
-def test_rowwise_float8_scales_of_gathered_rows_are_left_alone_with_the_reason(ranks):
-    res = ranks(2).run(_run, 2, "all_gather", True)[0]
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_of_gathered"])
+def test_rowwise_float8_scales_of_gathered_rows_split_with_their_rows(ranks, scaling):
+    """Gather side: one scale per gathered row, repeated from elsewhere or computed from each row
+    (torchao's row-wise recipe): each part takes (or computes) its own rows' scales."""
+    res = ranks(2).run(_run, 2, "all_gather", scaling)[0]
+    assert res["pairs"] == [("all_gather_matmul", "rewritten", "decompose", 2)], res
+
+
+def test_a_float8_scale_from_all_the_gathered_rows_is_left_alone_with_the_reason(ranks):
+    res = ranks(2).run(_run, 2, "all_gather", "tensorwise_of_gathered")[0]
     assert res["pairs"] == [], res
-    assert any("row-wise or block-wise scales" in why for why in res["skipped"]), res
+    assert any("mixes rows" in why for why in res["skipped"]), res
 
 
 def test_the_fused_operators_are_not_offered_for_float8(ranks):

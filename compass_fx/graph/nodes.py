@@ -26,3 +26,25 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
                 return None
         dims.append(d)
     return tuple(dims)
+
+
+aten = torch.ops.aten
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+# Ops that keep every element and the row-major element order (values and rows unchanged):
+# reshapes, and copies (``clone``/``alias``, e.g. from ``.contiguous()``).
+RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                          aten.flatten.using_ints, aten.clone.default, aten.alias.default)
+
+
+def is_reshape(node: fx.Node) -> bool:
+    """Reshapes keep the row-major element order, so rows survive any chain of them.
+
+    A permute that moves only size-1 dims (what einsum traces around its bmm) is one too.
+    """
+    if shape_of(node) is None:
+        return False
+    if node.target is aten.permute.default and isinstance(node.args[0], fx.Node):
+        src = shape_of(node.args[0])
+        kept = [d % len(src) for d in node.args[1] if src is not None and src[d] != 1] if src else None
+        return kept is not None and kept == sorted(kept)
+    return node.target in RESHAPE_OPS

@@ -62,6 +62,9 @@ class RowConsumer:
     view: fx.Node
     casts: tuple[torch.dtype, ...] = ()
     weight: BatchedWeight | None = None
+    # float8 ``_scaled_mm`` only: the row-local nodes (graph order) that compute its A operand
+    # (``view``) and its scales of A from the gathered rows; each part replays them on its rows.
+    region: tuple[fx.Node, ...] = ()
 
 
 @dataclass
@@ -70,9 +73,10 @@ class ContractionConsumer:
 
     mm: fx.Node
     view: fx.Node
-    other: fx.Node          # Y, whose rows pair with V's rows
-    gathered_on_left: bool  # True for mm(t(V), Y)
+    other: fx.Node          # Y, whose rows pair with V's rows (a float8 _scaled_mm: its column-major B)
+    gathered_on_left: bool  # True for mm(t(V), Y) and _scaled_mm(clone(t(V)), Y)
     casts: tuple[torch.dtype, ...] = ()  # dtype conversions between the gathered tensor and V
+    region: tuple[fx.Node, ...] = ()     # float8: the row-local nodes computing V (see RowConsumer)
 
 
 @dataclass
@@ -107,6 +111,7 @@ class Pair:
     escapes: list[fx.Node] = field(default_factory=list)  # nodes of the reduced sum used elsewhere too
     scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
     #                                              output is permute(scatter of reduced on dim, perm)
+    row_factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul(term, f) -> f (f scales rows/cols)
 
     @property
     def plain(self) -> bool:
@@ -118,7 +123,8 @@ class Pair:
         """
         consumers = list(self.row_consumers) + list(self.contraction_consumers)
         return (not self.reduce_casts and not self.forms and not self.escapes and self.scatter_perm is None
-                and all(not c.casts for c in consumers)
+                and not self.row_factors and all(not c.casts for c in consumers)
+                and all(not c.region for c in consumers)
                 and all(c.weight is None for c in self.row_consumers)
                 and not any(mm.target is torch.ops.aten._scaled_mm.default for mm in self.matmuls))
 

@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..graph.pairs import BatchedWeight, Pair, mm_operands
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
+from .replay import RowReplay
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten
@@ -58,9 +59,69 @@ def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node, weight: fx.Node | N
         return b.call(aten.addmm.default, mm.args[0], rows, mm.args[2], **mm.kwargs)
     if mm.target is aten.bmm.default:
         return b.call(aten.mm.default, rows, weight)
-    if mm.target is aten._scaled_mm.default:  # tensorwise float8: every part keeps the same scales
-        return b.call(aten._scaled_mm.default, rows, *mm.args[1:], **mm.kwargs)
     return b.call(aten.mm.default, rows, mm.args[1])
+
+
+def scaled_mm_like(b: NodeBuilder, mm: fx.Node, a: fx.Node, mat2: fx.Node | None = None,
+                   scale_a: fx.Node | None = None, out_dtype: torch.dtype | None = None) -> fx.Node:
+    """The float8 ``_scaled_mm`` ``mm`` with some of its operands (and its output dtype) replaced."""
+    args, kwargs = list(mm.args), dict(mm.kwargs)
+    for pos, name, value in ((1, "mat2", mat2), (2, "scale_a", scale_a), (6, "out_dtype", out_dtype)):
+        if value is None:
+            continue
+        if len(args) > pos:
+            args[pos] = value
+        else:
+            kwargs[name] = value
+    args[0] = a
+    return b.call(aten._scaled_mm.default, *args, **kwargs)
+
+
+def shared_float8_b(mat2: fx.Node) -> fx.Node:
+    """The B of a float8 GEMM that the parts now share, marked so that Inductor keeps its strides.
+
+    A float8 GEMM wants B column-major, and Inductor checks that.  With one user, B's layout
+    follows the traced strides; with several (the parts), Inductor lays a computed B out
+    row-major (``realize_hint``) and then refuses the GEMM; ``inductor_realize_to_strides``
+    makes it realize B, and the views between B and what computes it, with the traced strides."""
+    node = mat2
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        node.meta["inductor_realize_to_strides"] = True
+        if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            break
+        node = node.args[0]
+    return mat2
+
+
+def part_row_scales(scales: fx.Node) -> fx.Node:
+    """A part's [rows, 1] scales of A, marked so that Inductor lays them out as traced: the float8
+    GEMM checks that their last stride is 1, which a layout Inductor picks for a [rows, 1] buffer
+    (or the broadcast of a repeated scale) need not be."""
+    scales.meta["inductor_realize_to_strides"] = True
+    return scales
+
+
+def _as_row_scales(b: NodeBuilder, scales: fx.Node) -> fx.Node:
+    rows = shape_of(scales)[0]
+    return part_row_scales(b.call(aten.as_strided.default, b.contiguous(scales), [rows, 1], [1, 1]))
+
+
+def _scaled_row_part(b: NodeBuilder, replay: RowReplay, rc, mat2: fx.Node) -> fx.Node:
+    """Part of a float8 row consumer: its A and scales of A replayed on the part's rows."""
+    region = set(rc.region)
+    scale_a = rc.mm.args[2] if len(rc.mm.args) > 2 else rc.mm.kwargs["scale_a"]
+    part_scales = replay.scale(scale_a, region)
+    if part_scales is not scale_a:
+        part_scales = _as_row_scales(b, part_scales)
+    return scaled_mm_like(b, rc.mm, replay.value(rc.view, region), mat2, scale_a=part_scales)
+
+
+def _scaled_contraction_part(b: NodeBuilder, cc, rows: fx.Node, other_rows: fx.Node) -> fx.Node:
+    """Part of a float8 weight gradient ``_scaled_mm(clone(t(V)), B)``: the part's rows of V and of B
+    (B column-major, as the original), multiplied into float32 so that the parts add up exactly."""
+    a = b.contiguous(b.call(aten.permute.default, rows, [1, 0]))
+    mat2 = b.call(aten.permute.default, b.contiguous(b.call(aten.permute.default, other_rows, [1, 0])), [1, 0])
+    return scaled_mm_like(b, cc.mm, a, mat2, out_dtype=torch.float32)
 
 
 def batched_weight_2d(b: NodeBuilder, weight: BatchedWeight | None) -> fx.Node | None:
@@ -97,8 +158,12 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         shard = b.view(b.contiguous(shard), shard_shape)
     c = shard_shape[g] // parts
     flat = [layout.rows // parts, layout.shape[-1]]
-    weights = [batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
+    weights = [shared_float8_b(mm_operands(rc.mm)[1]) if rc.mm.target is aten._scaled_mm.default
+               else batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
 
+    # a float8 weight gradient's B is column-major: its rows are cut from one row-major copy
+    others_rowmajor = [b.contiguous(cc.other) if cc.mm.target is aten._scaled_mm.default else None
+                       for cc in pair.contraction_consumers]
     shard_parts = []
     for i in range(parts):
         piece = b.slice(shard, g, i * c, (i + 1) * c)
@@ -121,16 +186,24 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         logical_parts.append(gathered)
         plain = gathered if len(layout.shape) == 2 else b.view(gathered, flat)
         cast_rows: dict[tuple, fx.Node] = {(): plain}  # each distinct cast chain once per part
+        replay = RowReplay(b, pair, parts, i, plain)
         for j, rc in enumerate(pair.row_consumers):
+            if rc.mm.target is aten._scaled_mm.default:
+                row_outs[j].append(_scaled_row_part(b, replay, rc, weights[j]))
+                continue
             rows = _rows_as(b, cast_rows, rc.casts)
             row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
         for j, cc in enumerate(pair.contraction_consumers):
-            rows = _rows_as(b, cast_rows, cc.casts)
-            other = select_rows(b, cc.other, layout, parts, i)
-            if cc.gathered_on_left:
-                part = b.call(aten.mm.default, b.call(aten.permute.default, rows, [1, 0]), other)
+            if cc.mm.target is aten._scaled_mm.default:
+                rows = replay.value(cc.view, set(cc.region))
+                part = _scaled_contraction_part(b, cc, rows, select_rows(b, others_rowmajor[j], layout, parts, i))
             else:
-                part = b.call(aten.mm.default, b.call(aten.permute.default, other, [1, 0]), rows)
+                rows = _rows_as(b, cast_rows, cc.casts)
+                other = select_rows(b, cc.other, layout, parts, i)
+                if cc.gathered_on_left:
+                    part = b.call(aten.mm.default, b.call(aten.permute.default, rows, [1, 0]), other)
+                else:
+                    part = b.call(aten.mm.default, b.call(aten.permute.default, other, [1, 0]), rows)
             sums[j] = part if sums[j] is None else b.add(sums[j], part)
 
     for rc, outs in zip(pair.row_consumers, row_outs):
@@ -139,6 +212,8 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
             out = b.view(out, list(shape_of(rc.mm)))
         rc.mm.replace_all_uses_with(out)
     for cc, total in zip(pair.contraction_consumers, sums):
+        if cc.mm.target is aten._scaled_mm.default:  # float32 sum of the parts, then the output dtype
+            total = b.call(prims.convert_element_type.default, total, cc.mm.meta["val"].dtype)
         cc.mm.replace_all_uses_with(total)
     if pair.other_users:
         full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
@@ -157,6 +232,8 @@ class _PartValues:
     def __init__(self, b: NodeBuilder, pair: Pair, parts: int) -> None:
         self.b, self.pair, self.parts = b, pair, parts
         self.weights = {t: batched_weight_2d(b, w) for t, w in pair.forms.items()}
+        self.weights.update({t: shared_float8_b(mm_operands(t)[1]) for t in pair.terms
+                             if t.target is aten._scaled_mm.default})
         self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
 
     def rows_of(self, x: fx.Node, i: int) -> fx.Node:
@@ -178,11 +255,14 @@ class _PartValues:
     def _compute(self, node: fx.Node, i: int) -> fx.Node:
         if node in self.pair.terms:
             a, _ = mm_operands(node)
-            if node.target is aten._scaled_mm.default and _row_scales(node):  # float8, one scale per row
-                scales = self.rows_of(node.args[2], i)
-                return self.b.call(aten._scaled_mm.default, self.rows_of(a, i), node.args[1], scales,
-                                   *node.args[3:], **node.kwargs)
+            if node.target is aten._scaled_mm.default:  # float8: row scales are cut with the rows
+                scale_a = _as_row_scales(self.b, self.rows_of(node.args[2], i)) if _row_scales(node) else None
+                return scaled_mm_like(self.b, node, self.rows_of(a, i), self.weights[node], scale_a=scale_a)
             return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
+        if node in self.pair.row_factors:  # mul(term, f): the part's rows of f (or f itself, broadcast)
+            factor = self.pair.row_factors[node]
+            term = node.args[1] if node.args[0] is factor else node.args[0]
+            return self.b.call(aten.mul.Tensor, self.value(term, i), self._factor(factor, i))
         if node.target is aten.add.Tensor:  # a sum of terms, or a term plus a column bias
             a, c = (self.value(x, i) if shape_of(x) == shape_of(node) else self._bias(x) for x in node.args)
             return self.b.add(a, c)
@@ -191,6 +271,12 @@ class _PartValues:
         if node.target is aten._to_copy.default:
             return _cast(self.b, self.value(node.args[0], i), (node.kwargs["dtype"],))
         return self.value(node.args[0], i)  # a reshape: the row blocks are the same
+
+    def _factor(self, factor: fx.Node, i: int) -> fx.Node:
+        shape = shape_of(factor)
+        if all(d == 1 for d in shape[:-1]):
+            return self._bias(factor) if shape else factor
+        return self.rows_of(self.b.contiguous(factor), i)
 
     def _bias(self, bias: fx.Node) -> fx.Node:
         """A [..1, N] bias as [N], so that it broadcasts over a 2-D row block."""

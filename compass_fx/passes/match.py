@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..graph.nodes import PART_MARK, shape_of
+from ..graph.nodes import PART_MARK, is_reshape as _is_reshape, shape_of
 from ..graph.pairs import (
     BatchedWeight,
     ContractionConsumer,
@@ -24,6 +24,7 @@ from ..graph.pairs import (
     mm_operands,
 )
 from ..report import SkipRecord
+from ..graph.row_local import RowRegion, row_region
 
 log = logging.getLogger("compass_fx")
 
@@ -32,11 +33,6 @@ c10d = torch.ops._c10d_functional
 
 prims = torch.ops.prims
 
-VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-# Ops that keep every element and the row-major element order (values and rows unchanged):
-# reshapes, and copies (``clone``/``alias``, e.g. from ``.contiguous()``).
-RESHAPE_OPS = VIEW_OPS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-                          aten.flatten.using_ints, aten.clone.default, aten.alias.default)
 MM_OPS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
 
 
@@ -169,20 +165,6 @@ def _cast_dtype(node: fx.Node) -> torch.dtype | None:
     return None
 
 
-def _is_reshape(node: fx.Node) -> bool:
-    """Reshapes keep the row-major element order, so rows survive any chain of them.
-
-    A permute that moves only size-1 dims (what einsum traces around its bmm) is one too.
-    """
-    if shape_of(node) is None:
-        return False
-    if node.target is aten.permute.default and isinstance(node.args[0], fx.Node):
-        src = shape_of(node.args[0])
-        kept = [d % len(src) for d in node.args[1] if src is not None and src[d] != 1] if src else None
-        return kept is not None and kept == sorted(kept)
-    return node.target in RESHAPE_OPS
-
-
 def _row_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[tuple[fx.Node, tuple]], int]:
     """Nodes that hold the gathered rows, with the dtype casts on the way, and the count of other users.
 
@@ -233,7 +215,8 @@ def _batched_weight(node: object) -> BatchedWeight | None:
     return None
 
 
-def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tuple[list[RowConsumer], list[ContractionConsumer], int]:
+def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple, region: RowRegion | None = None,
+                         ) -> tuple[list[RowConsumer], list[ContractionConsumer], int]:
     rows: list[RowConsumer] = []
     contractions: list[ContractionConsumer] = []
     others = 0
@@ -243,11 +226,9 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tu
             continue  # followed by the walk in _row_views
         if two_d and user.target is aten.mm.default and user.args[0] is view and user.args[1] is not view:
             rows.append(RowConsumer(user, view, casts))
-        elif two_d and user.target is aten._scaled_mm.default and user.args[0] is view and user.args[1] is not view:
-            why = _scaled_mm_reason(user)
-            if why:
-                raise NoMatch(why)
-            rows.append(RowConsumer(user, view, casts))
+        elif user.target is aten._scaled_mm.default and user.args[0] is view and region is not None \
+                and view in region.nodes:
+            continue  # float8: found with its scales by _scaled_row_consumers
         elif two_d and user.target is aten.addmm.default and user.args[1] is view and user.args[2] is not view \
                 and _row_broadcast_bias(user.args[0]) and _unscaled(user):
             rows.append(RowConsumer(user, view, casts))
@@ -259,6 +240,8 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple) -> tu
                 for mm in user.users):
             for mm in user.users:
                 contractions.append(ContractionConsumer(mm, view, mm.args[1], gathered_on_left=True, casts=casts))
+        elif two_d and region is not None and view in region.nodes and _scaled_contractions(user, region):
+            continue  # float8 weight gradient: found by _scaled_contraction_consumers
         elif (two_d and user.target is aten.mm.default and user.args[1] is view
               and isinstance(user.args[0], fx.Node) and user.args[0].target is aten.permute.default
               and list(user.args[0].args[1]) == [1, 0] and user.args[0].args[0] is not view):
@@ -308,22 +291,152 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
         raise NoMatch("gather on the last dim (the matmul's inner dim) is not a row gather")
     found, others = _row_views(logical, shape)
     views = {v for v, _ in found}
+    region = row_region(logical, math.prod(shape[:-1]))
     rows: list[RowConsumer] = []
     contractions: list[ContractionConsumer] = []
     for view, casts in found:
-        r, c, o = _classify_view_users(view, views, casts)
+        r, c, o = _classify_view_users(view, views, casts, region)
         rows += r
         contractions += c
         others += o
+    scaled_rows, scaled_contractions = _scaled_row_consumers(region), _scaled_contraction_consumers(region)
+    if scaled_rows or scaled_contractions:
+        rows += scaled_rows
+        contractions += scaled_contractions
+        others = _outside_uses(region, rows, contractions)
     for c in contractions:
         other_shape = shape_of(c.other)
         if other_shape is None or len(other_shape) != 2 or other_shape[0] != math.prod(shape[:-1]):
             raise NoMatch(f"weight-gradient operand {c.other.name} does not have the gathered rows")
     if not rows and not contractions:
-        raise NoMatch("gathered tensor feeds no matmul as its row operand")
+        raise NoMatch(_no_consumer_reason(region))
     return Pair("all_gather_matmul", graph_kind, ag, wait, RowLayout(*_merged_slab(shape, dim), world),
                 str(ag.args[2]), world, _dtype(logical), shard=shard, logical=logical,
                 row_consumers=rows, contraction_consumers=contractions, other_users=others)
+
+
+def _scaled_mm_args(mm: fx.Node) -> tuple[object, object, object, object]:
+    """A, B, scale_a, scale_b of a ``_scaled_mm`` (positional or keyword)."""
+    names = ("self", "mat2", "scale_a", "scale_b")
+    return tuple(mm.args[i] if len(mm.args) > i else mm.kwargs.get(n) for i, n in enumerate(names))
+
+
+def _scaled_row_consumers(region: RowRegion) -> list[RowConsumer]:
+    """Every float8 ``_scaled_mm`` whose A is computed row by row from the gathered rows."""
+    return [_scaled_row_consumer(n, region) for n in region.logical.graph.nodes
+            if n.target is aten._scaled_mm.default and n in region.downstream and n.args[0] in region.nodes]
+
+
+def _scaled_row_consumer(mm: fx.Node, region: RowRegion) -> RowConsumer:
+    """``mm`` as a row consumer whose parts replay the region's quantization, or NoMatch with why.
+
+    Its scales of A must be one scale (from before the gather) or one per gathered row, computed
+    row by row from the rows (a row-wise amax) or independently of them; B and its scales must not
+    depend on the gathered rows."""
+    a, b, scale_a, scale_b = _scaled_mm_args(mm)
+    if shape_of(a) is None or len(shape_of(a)) != 2 or shape_of(a)[0] != region.rows:
+        raise NoMatch(f"{mm.name} is a float8 _scaled_mm whose A is not the gathered rows as one 2-D matrix")
+    if not (region.independent(b) and region.independent(scale_b)):
+        raise NoMatch(f"{mm.name} is a float8 _scaled_mm whose B or scale of B is computed from the gathered rows")
+    extra = list(mm.args[4:6]) + [mm.kwargs.get("bias"), mm.kwargs.get("scale_result")]
+    if any(isinstance(x, fx.Node) for x in extra):
+        raise NoMatch(f"{mm.name} is a float8 _scaled_mm with a bias or an output scale (not split yet)")
+    shape = shape_of(scale_a) if isinstance(scale_a, fx.Node) else None
+    one_scale = shape is not None and math.prod(shape) == 1 and region.independent(scale_a)
+    row_scales = shape == (region.rows, 1) and (scale_a in region.nodes or region.independent(scale_a))
+    if not (one_scale or row_scales):
+        raise NoMatch(f"{mm.name} is a float8 _scaled_mm whose scales of A (shape {shape}) are neither one "
+                      "scale from before the gather nor one per gathered row computed row by row "
+                      "(block-wise scales, or a scale from all the gathered rows): left alone")
+    return RowConsumer(mm, a, region=region.ancestors_in_region(a, scale_a))
+
+
+def _scaled_contractions(permute: fx.Node, region: RowRegion) -> list[fx.Node]:
+    """The float8 weight-gradient GEMMs ``_scaled_mm(clone(t(V)), B)`` fed by ``permute`` = t(V),
+    if every use of ``permute`` is one (else none): the gathered rows are their contraction dim.
+    Each has one scale per operand and B (column-major, with V's rows) computed without the
+    gathered rows.  A B computed from them (the gradient of a forward recomputed in the backward,
+    activation checkpointing) would wait for every part anyway: that GEMM takes the whole tensor."""
+    if not _is_transpose(permute) or not permute.users:
+        return []
+    found = []
+    for clone in permute.users:
+        if clone.target is not aten.clone.default or not clone.users:
+            return []
+        for mm in clone.users:
+            if mm.target is not aten._scaled_mm.default or mm.args[0] is not clone \
+                    or not _tensorwise_contraction(mm, region):
+                return []
+            found.append(mm)
+    return found
+
+
+def _scaled_contraction_consumers(region: RowRegion) -> list[ContractionConsumer]:
+    """Every float8 weight-gradient GEMM over the gathered rows, from any row-local node of them."""
+    found = []
+    for node in region.logical.graph.nodes:
+        shape = shape_of(node) if node in region.nodes else None
+        if shape is None or len(shape) != 2 or shape[0] != region.rows:
+            continue
+        for user in node.users:
+            found += [ContractionConsumer(mm, node, mm.args[1], gathered_on_left=True,
+                                          region=region.ancestors_in_region(node))
+                      for mm in _scaled_contractions(user, region)]
+    return found
+
+
+def _is_transpose(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.target is aten.permute.default and list(node.args[1]) == [1, 0]
+
+
+def _tensorwise_contraction(mm: fx.Node, region: RowRegion) -> bool:
+    """One scale each, and neither the scales nor B computed from the gathered rows."""
+    _, b, scale_a, scale_b = _scaled_mm_args(mm)
+    scales_ok = all(isinstance(x, fx.Node) and shape_of(x) is not None and math.prod(shape_of(x)) == 1
+                    and region.independent(x) for x in (scale_a, scale_b))
+    return scales_ok and region.independent(b) and _scaled_mm_reason(mm) is None
+
+
+def _outside_uses(region: RowRegion, rows: list[RowConsumer], contractions: list[ContractionConsumer]) -> int:
+    """Uses of the gathered rows' region by nodes that are neither in it nor a found matmul (nor the
+    transposes and copies on a weight-gradient matmul's way): they need the whole gathered tensor."""
+    handled = {rc.mm for rc in rows}
+    for cc in contractions:  # mm, and t / clone / t between it and the gathered rows
+        handled.add(cc.mm)
+        stack = list(cc.mm.all_input_nodes)
+        while stack:
+            node = stack.pop()
+            if node not in handled and (node.target is aten.clone.default or _is_transpose(node)):
+                handled.add(node)
+                stack.extend(node.all_input_nodes)
+    return sum(1 for n in region.nodes for u in n.users if u not in region.nodes and u not in handled)
+
+
+def _reaches_without_matmul(node: fx.Node, region: RowRegion) -> bool:
+    """Whether ``node`` is computed from the gathered rows through no matmul (a later layer's
+    float8 GEMM is no reason to name)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is region.logical:
+            return True
+        if n in seen or n not in region.downstream or n.target in MM_OPS or n.target is aten.bmm.default:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _no_consumer_reason(region: RowRegion) -> str:
+    """Why no matmul takes the gathered rows: say so precisely when a float8 matmul does, but only
+    after a step that mixes rows (a tensorwise scale computed from the whole gathered tensor)."""
+    for node in region.logical.graph.nodes:
+        if node.target is aten._scaled_mm.default and node in region.downstream \
+                and _reaches_without_matmul(node.args[0], region):
+            return (f"the float8 _scaled_mm {node.name} takes the gathered rows only after a step that is not "
+                    "computed row by row (it mixes rows, e.g. a tensorwise scale computed from the whole "
+                    "gathered tensor, or draws random numbers): no part can be cast to float8 on its own")
+    return "gathered tensor feeds no matmul as its row operand"
 
 
 # ------------------------------------------------------------------------ matmul -> collectives
@@ -336,6 +449,7 @@ class _Sum:
     forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)
     escapes: list[fx.Node] = field(default_factory=list)
     casts: tuple[torch.dtype, ...] = ()
+    factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul node -> its row factor
 
 
 def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node) -> _Sum:
@@ -370,12 +484,47 @@ def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node
             if len(full) == 1 and len(bias) == 1 and _row_bias_of(bias[0], shape[-1]):
                 walk(full[0], node)  # x + bias[N]: a bias added after a bmm-form matmul
                 return None
+        factored = _factored_term(node)
+        if factored is not None:  # float8 row-wise: the unit-scale product times the outer product of scales
+            found.factors[node] = factored[1]
+            walk(factored[0], node)
+            return None
         found.terms.append(_term(node, shape, found))
         return None
 
     walk(root, collective_side)
     found.casts = tuple(reversed(casts))
     return found
+
+
+def _factored_term(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """``mul(x, f)`` where x leads to a matmul and f scales rows, columns or everything (its shape
+    is x's, [..1, c] or [rows.., 1]): each part multiplies its rows by f's rows.  torchao's
+    row-wise float8 backward computes ``_scaled_mm`` with unit scales, then multiplies by the
+    outer product of the row and column scales; (term, factor), or None."""
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    for x, f in (node.args, node.args[::-1]):
+        if isinstance(x, fx.Node) and isinstance(f, fx.Node) and _leads_to_matmul(x) and not _leads_to_matmul(f) \
+                and shape_of(x) == shape_of(node) and _row_factor_shape(shape_of(f), shape_of(x)):
+            return x, f
+    return None
+
+
+def _leads_to_matmul(node: fx.Node) -> bool:
+    while _cast_dtype(node) is not None or _is_reshape(node):
+        node = node.args[0]
+    return node.target in MM_OPS or node.target is aten.bmm.default
+
+
+def _row_factor_shape(factor: tuple[int, ...] | None, term: tuple[int, ...] | None) -> bool:
+    """f scales everything or columns ([..1, c]), or rows (the term's leading dims, last dim 1 or c)."""
+    if factor is None or term is None or len(factor) > len(term):
+        return False
+    if factor and factor[-1] not in (1, term[-1]):
+        return False
+    lead = tuple(factor[:-1])
+    return all(d == 1 for d in lead) or (len(factor) == len(term) and lead == tuple(term[:-1]))
 
 
 def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
@@ -468,7 +617,7 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Pair:
     return Pair("matmul_reduce_scatter", graph_kind, rs, wait, RowLayout(shape, dim, world),
                 str(rs.args[3]), world, _dtype(logical), reduce_op=op, terms=found.terms, reduced=logical,
                 reduce_casts=found.casts, forms=found.forms, escapes=found.escapes,
-                scatter_perm=scatter.perm)
+                scatter_perm=scatter.perm, row_factors=found.factors)
 
 
 def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
@@ -488,4 +637,4 @@ def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
         raise NoMatch(f"cannot resolve process group {ar.args[2]!r}: {e}") from None
     return Pair("matmul_all_reduce", graph_kind, ar, wait, RowLayout(shape, 0, world),
                 str(ar.args[2]), world, _dtype(inp), reduce_op=op, terms=found.terms, reduced=inp,
-                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes)
+                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes, row_factors=found.factors)
