@@ -39,8 +39,8 @@ MM_OPS = (aten.mm.default, aten.addmm.default, aten._scaled_mm.default)
 def _scaled_mm_reason(node: fx.Node, row_scales_ok: bool = False) -> str | None:
     """Why a float8 ``_scaled_mm`` cannot have its rows split, or None: it can when A has one
     scale (tensorwise), or one per row where A is local (``row_scales_ok``: a reduce-scatter's
-    or all-reduce's producer), and there is no bias and no output scale.  Row-wise scales of a
-    gathered A would have to travel with the rows; such pairs are left alone with this reason."""
+    or all-reduce's producer), and there is no bias and no output scale.  (The gather side checks
+    its consumers with ``_scaled_row_consumer``: their row scales come from the gathered rows.)"""
     scale_a = node.args[2] if len(node.args) > 2 else node.kwargs.get("scale_a")
     shape = shape_of(scale_a) if isinstance(scale_a, fx.Node) else None
     rows = shape_of(node.args[0])
