@@ -14,7 +14,6 @@ Timing: CUDA events around 20 back-to-back repetitions, median of 7; bf16; one G
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RESULTS, output  # noqa: E402
+from harness import output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 
 NAME = "chunked_gemm"
@@ -100,10 +99,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tag", default="h200")
-    p.add_argument("--out-dir", default=str(RESULTS))
-    args = p.parse_args(argv)
+    args = output.one_gpu_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("chunked_gemm measures cuBLAS on a CUDA GPU")
     t0 = time.time()

@@ -18,7 +18,6 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -28,8 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402  (sets the no-multicast environment first)
-from harness import output  # noqa: E402
+from harness import output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -61,19 +59,11 @@ def host_us(fn, calls: int = 4, rounds: int = 15) -> float:
 
 
 def launch_costs() -> dict[str, float]:
-    """Host microseconds of each kind of launch a plan command makes, alone."""
-    from compass_fx.kernels import driver
+    """Host microseconds of each kind of launch a plan command makes, alone (what
+    ``compass-fx calibrate`` measures for the cost model)."""
+    from compass_fx.tools.calibrate import measure_fused_host
 
-    a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(a)
-    flag = torch.zeros(4, dtype=torch.int32, device="cuda")
-    side, event = torch.cuda.Stream(), torch.cuda.Event()
-    kinds = {"Matmul": lambda: torch.mm(a, a, out=out), "Reduce": lambda: torch.add(a, a, out=out),
-             "Copy": lambda: driver.memcpy(out.data_ptr(), a.data_ptr(), 1024, side.cuda_stream),
-             "SetFlag": lambda: driver.write(flag.data_ptr(), 1, side.cuda_stream),
-             "WaitFlag": lambda: driver.wait_at_least(flag.data_ptr(), 0, side.cuda_stream),
-             "Record": lambda: event.record(side), "WaitEvent": lambda: side.wait_event(event)}
-    return {kind: host_us(fn, calls=50, rounds=5) for kind, fn in kinds.items()}
+    return {kind: s * 1e6 for kind, s in measure_fused_host(calls=50)["launch_s"].items()}
 
 
 def operands(op: str, rows: int, k: int, n: int, rank: int):
@@ -179,10 +169,7 @@ def markdown(payload: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tag", default="h200")
-    p.add_argument("--out-dir", default=str(harness.RESULTS))
-    args = p.parse_args(argv)
+    args = output.one_gpu_parser(__doc__).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
     with tempfile.TemporaryDirectory() as tmp:

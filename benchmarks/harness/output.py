@@ -87,6 +87,17 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str]
     return "\n".join(lines)
 
 
+def one_gpu_parser(doc: str, tag: str = "h200"):
+    """The command line of a one-GPU benchmark: its docstring as help, ``--tag`` (the device in the
+    file names) and ``--out-dir``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tag", default=tag, help=f"device tag in the file names (default {tag})")
+    p.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and markdown go")
+    return p
+
+
 def write_results(name: str, tag: str, payload: dict, markdown: str, out_dir: str | os.PathLike = RESULTS
                   ) -> tuple[Path, Path]:
     out = Path(out_dir)

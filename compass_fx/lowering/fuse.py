@@ -79,22 +79,22 @@ def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
 
 
 def _upstream(node: fx.Node, among: set[fx.Node]) -> set[fx.Node]:
-    out, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo += [i for i in n.all_input_nodes if i in among]
-    return out
+    """``node`` and the nodes of ``among`` it is computed from."""
+    return _reachable(node, among, lambda n: n.all_input_nodes)
 
 
 def _downstream(node: fx.Node, among: set[fx.Node]) -> set[fx.Node]:
+    """``node`` and the nodes of ``among`` computed from it."""
+    return _reachable(node, among, lambda n: n.users)
+
+
+def _reachable(node: fx.Node, among: set[fx.Node], step) -> set[fx.Node]:
     out, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n not in out:
             out.add(n)
-            todo += [u for u in n.users if u in among]
+            todo += [m for m in step(n) if m in among]
     return out
 
 
