@@ -162,3 +162,25 @@ def test_a_failed_rewrite_restores_the_graph_and_the_next_pairs_still_rewrite(me
     first = report.graphs[0]
     assert first.collectives_after - first.collectives_before == sum(s == "rewritten" for s in
                                                                      (p.status for p in first.pairs))
+
+
+def test_asynchronous_fused_calls_are_reported_and_survive_a_failed_move(mesh, monkeypatch, caplog):
+    """fused_async marks the fused reductions (not the gathers) asynchronous in the report; if
+    moving a start or its wait fails, the call stays where the rewrite put it, the graph stays
+    valid and the reason is logged."""
+    import compass_fx.lowering.fuse as fuse
+
+    options = dict(strategy="fuse", schedule="direct", fused_async=True)
+    report = compass_fx.explain(demo(mesh, True, 1), TOKENS, **options)
+    rewritten = [p for p in report.pairs if p.status == "rewritten"]
+    assert rewritten and all(p.asynchronous == (p.kind != "all_gather_matmul") for p in rewritten)
+    assert "async" in str(report)
+
+    def fails(graph, created):
+        raise RuntimeError("injected failure while moving")
+
+    monkeypatch.setattr(fuse, "_spread", fails)
+    with caplog.at_level(logging.WARNING, logger="compass_fx"):
+        report = compass_fx.explain(demo(mesh, False, 1), TOKENS, **options)
+    assert all(p.status == "rewritten" for p in report.pairs if p.kind == "matmul_all_reduce" and "bias" not in p.reason)
+    assert "left where it was" in caplog.text and "injected failure" in caplog.text

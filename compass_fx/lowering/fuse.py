@@ -8,6 +8,7 @@ concatenated inner dim.
 """
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -16,9 +17,10 @@ import torch.fx as fx
 from ..cost.decision import Decision
 from ..graph.pairs import Pair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
+from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite, stable_toposort
 
 aten = torch.ops.aten
+log = logging.getLogger("compass_fx")
 
 
 def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool = False) -> None:
@@ -33,6 +35,7 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
     why = _unsupported(pair)
     if why:
         raise RewriteFailed(why)
+    described = pair.describe()  # the pair's nodes are gone once it is rewritten
     b = NodeBuilder(gm.graph, pair.collective)
     build = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
              "matmul_all_reduce": _all_reduce}[pair.kind]
@@ -47,7 +50,11 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
         old.replace_all_uses_with(new)
     finish_rewrite(gm, b.created, (pair.wait, pair.collective))
     if asynchronous:
-        _spread(gm.graph, b.created)
+        try:
+            _spread(gm.graph, b.created)
+        except Exception as e:  # noqa: BLE001 - the call is correct wherever it sits; only overlap is lost
+            stable_toposort(gm.graph)
+            log.warning("compass_fx: asynchronous fused call of %s left where it was: %s", described, e)
 
 
 
