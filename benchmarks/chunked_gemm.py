@@ -89,19 +89,15 @@ def markdown(payload: dict) -> str:
              f"* worst efficiency at 8 pieces: {payload['summary']['worst_8']:.3f}; median "
              f"{payload['summary']['median_8']:.3f}; goal met on {payload['summary']['met_8']} of "
              f"{len(payload['rows'])} shapes", "",
-             "| model | proj | m | n | k | unsplit ms | eff. 2 | eff. 4 | eff. 8 | model eff. 8 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["rows"]:
-        lines.append(f"| {r['model']} | {r['proj']} | {r['m']} | {r['n']} | {r['k']} | {r['unsplit_ms']:.3f} | "
-                     f"{r['pieces2_efficiency']:.3f} | {r['pieces4_efficiency']:.3f} | {r['pieces8_efficiency']:.3f} | "
-                     f"{r['pieces8_model_efficiency']:.3f} |")
+             output.markdown_table(payload["rows"], [
+                 "model", "proj", "m", "n", "k", ("unsplit_ms", "unsplit ms"), ("pieces2_efficiency", "eff. 2"),
+                 ("pieces4_efficiency", "eff. 4"), ("pieces8_efficiency", "eff. 8"),
+                 ("pieces8_model_efficiency", "model eff. 8")])]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = output.one_gpu_parser(__doc__).parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("chunked_gemm measures cuBLAS on a CUDA GPU")
+    args = output.one_gpu_args(__doc__, argv, "chunked_gemm measures cuBLAS on a CUDA GPU")
     t0 = time.time()
     rows = [measure(s) for s in shapes()]
     eff8 = [r["pieces8_efficiency"] for r in rows]
@@ -109,10 +105,7 @@ def main(argv=None) -> int:
                "seconds": time.time() - t0, "rows": rows,
                "summary": {"worst_8": min(eff8), "median_8": statistics.median(eff8),
                            "met_8": sum(e >= GOAL for e in eff8)}}
-    text = markdown(payload)
-    print(text)
-    output.write_results(NAME, args.tag, payload, text, args.out_dir)
-    return 0
+    return output.print_and_write(NAME, args, payload, markdown(payload))
 
 
 if __name__ == "__main__":

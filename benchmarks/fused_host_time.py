@@ -159,29 +159,24 @@ def markdown(payload: dict) -> str:
              "Host microseconds of one fused call (2 ranks sharing one GPU, host-staged transport, schedule "
              "direct, bf16); median of 15 rounds of 4 calls issued after the device went idle.", "",
              "Launch alone (us): " + ", ".join(f"{k} {v:.1f}" for k, v in payload["launch_us"].items()), "",
-             "| op | rows | k | n | commands | host us (op) | host us (impl) | model us | model / op |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["rows"]:
-        lines.append(f"| {r['op']} | {r['rows']} | {r['k']} | {r['n']} | {sum(r['commands'].values())} | "
-                     f"{r['host_us_op']:.0f} | {r['host_us_impl']:.0f} | {r['model_us']:.0f} | "
-                     f"{r['model_us'] / r['host_us_op']:.2f} |")
+             output.markdown_table(
+                 [dict(r, n_commands=sum(r["commands"].values()), model_over_op=r["model_us"] / r["host_us_op"])
+                  for r in payload["rows"]],
+                 ["op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
+                  ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
+                  ("model_us", "model us"), ("model_over_op", "model / op")])]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = output.one_gpu_parser(__doc__).parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
+    args = output.one_gpu_args(__doc__, argv, "fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         t0 = time.time()
         mp.spawn(worker, args=(f"file://{os.path.join(tmp, 'store')}", out), nprocs=WORLD)
         payload = json.load(open(out))
     payload.update(benchmark=NAME, tag=args.tag, seconds=time.time() - t0, environment=output.environment(False))
-    text = markdown(payload)
-    print(text)
-    output.write_results(NAME, args.tag, payload, text, args.out_dir)
-    return 0
+    return output.print_and_write(NAME, args, payload, markdown(payload))
 
 
 if __name__ == "__main__":

@@ -87,15 +87,26 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str | tuple[str, str]
     return "\n".join(lines)
 
 
-def one_gpu_parser(doc: str, tag: str = "h200"):
-    """The command line of a one-GPU benchmark: its docstring as help, ``--tag`` (the device in the
-    file names) and ``--out-dir``."""
+def one_gpu_args(doc: str, argv, why_cuda: str, tag: str = "h200"):
+    """The command line of a one-GPU benchmark (its docstring as help, ``--tag``: the device in the
+    file names, ``--out-dir``), parsed; exits with ``why_cuda`` where there is no CUDA GPU."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tag", default=tag, help=f"device tag in the file names (default {tag})")
     p.add_argument("--out-dir", default=str(RESULTS), help="where the JSON and markdown go")
-    return p
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(why_cuda)
+    return args
+
+
+def print_and_write(name: str, args, payload: dict, markdown: str) -> int:
+    """Print the markdown and write both files as ``write_results`` does (``args.tag``,
+    ``args.out_dir``); 0, the exit status of a benchmark that got this far."""
+    print(markdown)
+    write_results(name, args.tag, payload, markdown, args.out_dir)
+    return 0
 
 
 def write_results(name: str, tag: str, payload: dict, markdown: str, out_dir: str | os.PathLike = RESULTS
