@@ -47,7 +47,8 @@ def _device_index(device: torch.device) -> int:
 
 def _side_stream(index: int, role: str) -> torch.cuda.Stream:
     """The high-priority stream of ``role`` on device ``index`` (COMM: pulls and flag waits; PUB:
-    host-staged publications), one per process, shared by every workspace."""
+    host-staged publications; TAIL: a detached call's sums), one per process, shared by every
+    workspace."""
     key = (index, role)
     if key not in _side_streams:
         _side_streams[key] = torch.cuda.Stream(device=index, priority=-1)

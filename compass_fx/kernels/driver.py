@@ -43,17 +43,12 @@ def _lib() -> dict:
     }
 
 
-def _check(result: int, what: str) -> None:
+def check(result: int, what: str) -> None:
+    """Raise :class:`DriverError` for a non-zero result of a driver call (also of a :func:`raw` one)."""
     if result:
         name = ctypes.c_char_p()
         _lib()["error_name"](result, ctypes.byref(name))
         raise DriverError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
-
-
-def check(result: int, what: str) -> None:
-    """Raise :class:`DriverError` for a non-zero result of a raw call (see :func:`raw`)."""
-    if result:
-        _check(result, what)
 
 
 def raw(name: str):
@@ -65,17 +60,17 @@ def raw(name: str):
 
 def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (copy engine)."""
-    _check(_lib()["memcpy"](dst, src, nbytes, stream), "cuMemcpyAsync")
+    check(_lib()["memcpy"](dst, src, nbytes, stream), "cuMemcpyAsync")
 
 
 def wait_at_least(addr: int, value: int, stream: int) -> None:
     """Hold ``stream`` until the int32 at ``addr`` is >= ``value`` (wrap-around safe)."""
-    _check(_lib()["wait"](stream, addr, value & 0xFFFFFFFF, WAIT_GEQ), "cuStreamWaitValue32")
+    check(_lib()["wait"](stream, addr, value & 0xFFFFFFFF, WAIT_GEQ), "cuStreamWaitValue32")
 
 
 def write(addr: int, value: int, stream: int) -> None:
     """Once ``stream``'s earlier work is done and visible: store ``value`` at ``addr``."""
-    _check(_lib()["write"](stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+    check(_lib()["write"](stream, addr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
 
 
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_DEVICEMAP = 0x01, 0x02
@@ -84,8 +79,8 @@ _HOST_REGISTER_PORTABLE, _HOST_REGISTER_DEVICEMAP = 0x01, 0x02
 def host_register(addr: int, nbytes: int) -> int:
     """Page-lock the host memory at ``addr`` for every context and map it for the device; returns
     the address a GPU uses for it (DMA for copies, in-place flag reads and writes)."""
-    _check(_lib()["host_register"](addr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP),
+    check(_lib()["host_register"](addr, nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_DEVICEMAP),
            "cuMemHostRegister")
     dptr = _u64()
-    _check(_lib()["host_device_pointer"](ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
+    check(_lib()["host_device_pointer"](ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
     return dptr.value

@@ -186,7 +186,7 @@ def reduce_scatter_schedule(schedule: str, world_size: int, rank: int) -> Schedu
 
 def _same_steps(a: str, b: str, world_size: int) -> bool:
     def steps(name: str, make) -> list:
-        return [(make(name, world_size, r).steps, make(name, world_size, r).order) for r in range(world_size)]
+        return [(s.steps, s.order) for s in (make(name, world_size, r) for r in range(world_size))]
     return all(steps(a, make) == steps(b, make) for make in (all_gather_schedule, reduce_scatter_schedule))
 
 

@@ -78,10 +78,14 @@ def calibrated_fused_host() -> dict | None:
     path = calibration_path()
     if path is None:
         return None
-    found = _read_calibration(path).get("fused_host")
-    if not isinstance(found, dict) or not isinstance(found.get("launch_s"), dict):
-        return None
-    return found
+    if str(path) not in _fused_host:  # read once per file, as the collectives and the GPU constants
+        found = _read_calibration(path).get("fused_host")
+        ok = isinstance(found, dict) and isinstance(found.get("launch_s"), dict)
+        _fused_host[str(path)] = found if ok else None
+    return _fused_host[str(path)]
+
+
+_fused_host: dict[str, dict | None] = {}
 
 
 def calibrated_gpus(path: "str | os.PathLike") -> tuple[str, ...]:
