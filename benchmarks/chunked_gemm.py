@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness import output, timing  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 
 NAME = "chunked_gemm"
@@ -46,16 +46,7 @@ def seconds(fn, reps: int = 20, rounds: int = 7) -> float:
     """Median over rounds of the mean seconds of ``reps`` back-to-back calls."""
     for _ in range(3):
         fn()
-    per = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        per.append(start.elapsed_time(end) / 1e3 / reps)
-    return statistics.median(per)
+    return timing.median_batch_seconds(fn, reps, rounds)
 
 
 def measure(shape: dict) -> dict:

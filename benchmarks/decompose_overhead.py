@@ -27,10 +27,12 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
 from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
+from harness.timing import median_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
@@ -66,16 +68,7 @@ def back_to_back(fn, args, device: str, iters: int) -> float:
     a training step), median of 5 batches: the device's time when the host keeps up."""
     if device != "cuda":
         return timed(fn, args, device, iters)
-    batches = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn(*args)
-        end.record()
-        end.synchronize()
-        batches.append(start.elapsed_time(end) / 1e3 / iters)
-    return statistics.median(batches)
+    return median_batch_seconds(lambda: fn(*args), iters, rounds=5)
 
 
 def kernels_per_call(fn, args, device: str) -> int | None:

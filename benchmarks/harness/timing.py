@@ -43,22 +43,32 @@ def time_back_to_back(ctx: Ctx, fn, batch: int, batches: int, device_only: bool 
     per_call = []
     for _ in range(batches):
         barrier(ctx)
-        if ctx.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if device_only:
-                torch.cuda._sleep(int(20e-3 * 1.98e9))
-            start.record()
-            for _ in range(batch):
-                fn()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / 1e3 / batch)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            per_call.append((time.perf_counter() - t0) / batch)
+        if ctx.is_cuda and device_only:
+            torch.cuda._sleep(int(20e-3 * 1.98e9))
+        per_call.append(batch_seconds(fn, batch, ctx.is_cuda))
     return max_over_ranks(ctx, statistics.median(per_call))
+
+
+def batch_seconds(fn: Callable[[], Any], calls: int, cuda: bool) -> float:
+    """Mean seconds per call of ``calls`` back-to-back calls: CUDA events around them on a GPU
+    (the device's time once the host keeps ahead), a wall clock on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def median_batch_seconds(fn: Callable[[], Any], calls: int, rounds: int, cuda: bool = True) -> float:
+    """One process's :func:`batch_seconds`, median of ``rounds`` batches (one-GPU benchmarks)."""
+    return statistics.median(batch_seconds(fn, calls, cuda) for _ in range(rounds))
 
 
 def warm_up(ctx: Ctx, fn: Callable[[], Any], calls: int) -> None:
@@ -71,18 +81,7 @@ def warm_up(ctx: Ctx, fn: Callable[[], Any], calls: int) -> None:
 def _batch_seconds(ctx: Ctx, fn: Callable[[], Any], batch: int) -> float:
     """Mean seconds per call of ``batch`` back-to-back calls started after a barrier."""
     barrier(ctx)
-    if not ctx.is_cuda:
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        return (time.perf_counter() - t0) / batch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(batch):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / batch
+    return batch_seconds(fn, batch, ctx.is_cuda)
 
 
 def time_interleaved(ctx: Ctx, fns: dict[str, Callable[[], Any]], batch: int, rounds: int
