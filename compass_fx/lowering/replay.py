@@ -1,7 +1,7 @@
 """Replay, on one part's gathered rows, the row-local nodes between a gather and a float8 matmul.
 
 torchao's row-wise float8 recipe quantizes the gathered rows (per-row amax, scale, cast) before
-its ``_scaled_mm``; each step computes a row from the same row only (``passes.row_local``), so a
+its ``_scaled_mm``; each step computes a row from the same row only (``graph.row_local``), so a
 part's rows give exactly the part's float8 rows and per-row scales.  Operands computed without the
 gathered rows come in whole when they broadcast over the rows, or as the part's rows when they
 have one row per gathered row (scales repeated per row).
