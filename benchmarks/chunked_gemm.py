@@ -5,10 +5,15 @@ caller's stream (``compass_fx.kernels.protocol``: ``world_size`` pieces, more wh
 It only pays if those calls together are nearly as fast as one call over all rows.  Goal (issue 9):
 >= 0.90 of the unsplit ``torch.mm`` on the 12 TP=8 Llama-3 shapes (tokens 4096 and 16384; QKV
 N=(H+2*KV)/8, gate+up N=2*I/8 with K=H, down K=I/8 with N=H; 8B: H=4096, KV=1024, I=14336; 70B:
-H=8192, KV=1024, I=28672), at 8 pieces (TP=8) and, for reference, 2 and 4.  The cost model's
-prediction of the same ratio (``compass_fx.cost.split_gemm_seconds``) is printed beside it.
+H=8192, KV=1024, I=28672).  Measured: N equal pieces (2, 4, 8), and the consumer as the fused
+all-gather runs it at TP = 8 (``consumer``): the own block, then the 7 arriving blocks in the
+groups that ``protocol.consumer_groups`` forms (GEMMs of at least two waves of tiles; one wave
+for comparison), the rows and
+GEMM calls of rank 0's plan.  The cost model's prediction of the 8-piece ratio
+(``compass_fx.cost.split_gemm_seconds``) is printed beside it.
 
-Timing: CUDA events around 20 back-to-back repetitions, median of 7; bf16; one GPU.
+Timing: CUDA events around 20 back-to-back repetitions, median of 9 rounds in which every
+candidate is timed once (interleaved, so clock drift hits them alike); bf16; one GPU.
 
     python benchmarks/chunked_gemm.py        # writes chunked_gemm-h200.{json,md}
 """
@@ -42,48 +47,84 @@ def shapes() -> list[dict]:
     return out
 
 
-def seconds(fn, reps: int = 20, rounds: int = 7) -> float:
-    """Median over rounds of the mean seconds of ``reps`` back-to-back calls."""
-    for _ in range(3):
-        fn()
-    return timing.median_batch_seconds(fn, reps, rounds)
+def interleaved_seconds(fns: dict, reps: int = 20, rounds: int = 9) -> dict:
+    """Per candidate, the median over ``rounds`` of the mean seconds of ``reps`` back-to-back
+    calls; every round times each candidate once, so that clock drift hits them all alike."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timing.batch_seconds(fn, reps, True))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def pieces_fn(a, w, out, spans):
+    views = [(a[lo:hi], out[lo:hi]) for lo, hi in spans]
+
+    def run():
+        for x, y in views:
+            torch.mm(x, w, out=y)
+    return run
+
+
+def consumer_spans(m: int, n: int, sms: int, waves: int | None = None) -> list[tuple[int, int]]:
+    """Output rows of each GEMM of rank 0's fused all-gather plan at TP = 8, its arrivals grouped
+    into GEMMs of at least ``waves`` waves of tiles (default: the rule the CUDA path uses)."""
+    from compass_fx.kernels import protocol
+
+    group_rows = protocol.consumer_group_rows(n, sms, waves or protocol.CONSUMER_WAVES)
+    plan = protocol.all_gather_plan("direct", TP, 0, m // TP, 1, 1, group_rows)
+    return [(c.dst.start, c.dst.stop) for c in plan.commands if isinstance(c, protocol.Matmul)]
 
 
 def measure(shape: dict) -> dict:
     from compass_fx.cost import gemm_seconds, split_gemm_seconds
 
     m, n, k = shape["m"], shape["n"], shape["k"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # nn.Linear's layout, used transposed
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    whole = seconds(lambda: torch.mm(a, w, out=out))
+    spans = {"unsplit": [(0, m)]}
+    spans.update({f"pieces{p}": [(i * m // p, (i + 1) * m // p) for i in range(p)] for p in PIECES})
+    spans["consumer"] = consumer_spans(m, n, sms)
+    spans["consumer_1wave"] = consumer_spans(m, n, sms, 1)
+    t = interleaved_seconds({name: pieces_fn(a, w, out, s) for name, s in spans.items()})
+    whole = t["unsplit"]
     row = dict(shape, unsplit_ms=whole * 1e3)
-    for pieces in PIECES:
-        step = m // pieces
-        views = [(a[i * step:(i + 1) * step], out[i * step:(i + 1) * step]) for i in range(pieces)]
-
-        def chunked():
-            for x, y in views:
-                torch.mm(x, w, out=y)
-        t = seconds(chunked)
-        row[f"pieces{pieces}_ms"] = t * 1e3
-        row[f"pieces{pieces}_efficiency"] = whole / t
-        row[f"pieces{pieces}_model_efficiency"] = (gemm_seconds(m, n, k, "bfloat16", "H200")
-                                                   / split_gemm_seconds(m, n, k, pieces, "bfloat16", "H200"))
+    for name in spans:
+        if name == "unsplit":
+            continue
+        row[f"{name}_ms"] = t[name] * 1e3
+        row[f"{name}_efficiency"] = whole / t[name]
+    for p in PIECES:
+        row[f"pieces{p}_model_efficiency"] = (gemm_seconds(m, n, k, "bfloat16", "H200")
+                                              / split_gemm_seconds(m, n, k, p, "bfloat16", "H200"))
+    for name in ("consumer", "consumer_1wave"):
+        row[f"{name}_groups"] = "+".join(str((hi - lo) // (m // TP)) for lo, hi in spans[name])
     return row
 
 
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"Efficiency = one torch.mm over all rows / the same product as N row pieces (goal >= {GOAL} at "
-             "8 pieces); bf16, median of 7 x 20 back-to-back calls; model = cost model's prediction.", "",
+             "8 pieces); bf16, median of 9 rounds of 20 back-to-back calls, the candidates interleaved in each round; "
+             "model = cost model's prediction; consumer: own block + arrivals grouped into GEMMs of >= 2 waves of "
+             "tiles (the CUDA path's rule, protocol.consumer_group_rows), 1-wave: the same with >= 1 wave.", "",
              f"* worst efficiency at 8 pieces: {payload['summary']['worst_8']:.3f}; median "
              f"{payload['summary']['median_8']:.3f}; goal met on {payload['summary']['met_8']} of "
              f"{len(payload['rows'])} shapes", "",
+             f"* the consumer as grouped (own block, then groups of arrivals): worst "
+             f"{payload['summary']['worst_consumer']:.3f}; median {payload['summary']['median_consumer']:.3f}; "
+             f"goal met on {payload['summary']['met_consumer']} of {len(payload['rows'])} shapes", "",
              output.markdown_table(payload["rows"], [
                  "model", "proj", "m", "n", "k", ("unsplit_ms", "unsplit ms"), ("pieces2_efficiency", "eff. 2"),
                  ("pieces4_efficiency", "eff. 4"), ("pieces8_efficiency", "eff. 8"),
-                 ("pieces8_model_efficiency", "model eff. 8")])]
+                 ("pieces8_model_efficiency", "model eff. 8"), ("consumer_groups", "consumer GEMMs (blocks)"),
+                 ("consumer_efficiency", "consumer eff."), ("consumer_1wave_groups", "1-wave groups"),
+                 ("consumer_1wave_efficiency", "1-wave eff.")])]
     return "\n".join(lines)
 
 
@@ -92,10 +133,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     rows = [measure(s) for s in shapes()]
     eff8 = [r["pieces8_efficiency"] for r in rows]
+    grouped = [r["consumer_efficiency"] for r in rows]
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(False),
                "seconds": time.time() - t0, "rows": rows,
                "summary": {"worst_8": min(eff8), "median_8": statistics.median(eff8),
-                           "met_8": sum(e >= GOAL for e in eff8)}}
+                           "met_8": sum(e >= GOAL for e in eff8),
+                           "worst_consumer": min(grouped), "median_consumer": statistics.median(grouped),
+                           "met_consumer": sum(e >= GOAL for e in grouped)}}
     return output.print_and_write(NAME, args, payload, markdown(payload))
 
 

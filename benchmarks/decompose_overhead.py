@@ -5,9 +5,11 @@ decomposed pipeline over the sequential one is the pure overhead the rewrite add
 the row shuffles that put parts back in order, the collectives' launches).  The cost model must
 charge exactly this, so the script prints the model's predicted GEMM split ratio beside the
 measured ratio.  Each variant is timed alone (each call synchronised: the host's issue time shows)
-and back to back (the host ahead, as in a step); the per-part overhead (issue 10's goal: <= 15 us)
-is the back-to-back time beyond sequential less what splitting the GEMM alone costs, per extra
-part; and the kernels one call launches are counted (torch.profiler).
+and back to back; the per-part overhead (issue 10's goal: <= 15 us) is the back-to-back time
+beyond sequential less what splitting the GEMM alone costs, per extra part, once as issued
+(where the host's issue is slower than the GPU, that is what shows) and once on the device
+alone (every call queued behind a GPU sleep first: the cost when the host runs ahead, as it does
+in a training step of long GEMMs); and the kernels one call launches are counted (torch.profiler).
 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
     python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
 from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
-from harness.timing import median_batch_seconds  # noqa: E402
+from harness.timing import batch_seconds, median_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
@@ -69,6 +71,22 @@ def back_to_back(fn, args, device: str, iters: int) -> float:
     if device != "cuda":
         return timed(fn, args, device, iters)
     return median_batch_seconds(lambda: fn(*args), iters, rounds=5)
+
+
+def device_only(fn, args, device: str, iters: int) -> float | None:
+    """Seconds per call of ``iters`` back-to-back calls that the host has all queued before the
+    first starts (the GPU sleeps first), median of 5 batches: the device's time alone, whatever
+    the host costs (in a training step the host runs ahead of long GEMMs)."""
+    if device != "cuda":
+        return None
+    for _ in range(3):
+        fn(*args)
+    per_call = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(40e-3 * 1.98e9))  # ~40 ms at the H200's clock: longer than the issue
+        per_call.append(batch_seconds(lambda: fn(*args), iters, True))
+    return statistics.median(per_call)
 
 
 def kernels_per_call(fn, args, device: str) -> int | None:
@@ -113,19 +131,27 @@ def run(args: argparse.Namespace) -> dict:
                     streamed = back_to_back(fn, (a, w), device, args.iters)
                     kernels = kernels_per_call(fn, (a, w), device)
                     gemm = back_to_back(lambda x, y: split_gemm(x, y, parts or 1)(), (a, w), device, args.iters)
+                    queued = device_only(fn, (a, w), device, args.iters)
+                    gemm_queued = device_only(lambda x, y: split_gemm(x, y, parts or 1)(), (a, w), device, args.iters)
                 rewritten = sum(p.status == "rewritten" for r in list(compass_fx.backend.history)[before:]
                                 for p in r.pairs)
                 if parts is None:
                     base, base_streamed, base_gemm, base_kernels = seconds, streamed, gemm, kernels
+                    base_queued, base_gemm_queued = queued, gemm_queued
                 gpu = "H200"
                 predicted = (split_gemm_seconds(m, n, k, parts, "bfloat16", gpu=gpu) /
                              gemm_seconds(m, n, k, "bfloat16", gpu=gpu)) if parts else 1.0
                 # what a part costs beyond its share of the GEMM (measured split) when the host keeps up
                 per_part = ((streamed - base_streamed) - (gemm - base_gemm)) / (parts - 1) if parts else 0.0
+                # the same on the device alone (every call queued before the first runs)
+                per_part_device = (((queued - base_queued) - (gemm_queued - base_gemm_queued)) / (parts - 1)
+                                   if parts and queued is not None else (0.0 if queued is not None else None))
                 rows.append({"kind": kind, "m": m, "n": n, "k": k, "parts": parts or 1,
                              "rewritten": rewritten, "seconds": seconds, "ratio": seconds / base,
                              "back_to_back_seconds": streamed, "back_to_back_ratio": streamed / base_streamed,
                              "split_gemm_seconds": gemm, "per_part_overhead_s": per_part,
+                             "device_only_seconds": queued, "split_gemm_device_only_seconds": gemm_queued,
+                             "per_part_device_overhead_s": per_part_device,
                              "kernels_per_call": kernels,
                              "kernels_per_extra_part": ((kernels - base_kernels) / (parts - 1)
                                                         if parts and kernels is not None else None),
@@ -134,7 +160,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"[{done}/{total}] {kind:22s} m={m:<6d} d={parts or 1}: {seconds * 1e6:9.1f} us alone, "
                       f"{streamed * 1e6:9.1f} us back to back ({streamed / base_streamed:.2f}x of sequential; "
                       f"split GEMM {gemm / base_gemm:.2f}x, model {predicted:.2f}x); per extra part "
-                      f"{per_part * 1e6:.1f} us, kernels {kernels}", flush=True)
+                      f"{per_part * 1e6:.1f} us (device alone: "
+                      f"{'-' if per_part_device is None else f'{per_part_device * 1e6:.1f} us'}), kernels {kernels}",
+                      flush=True)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "rows": rows}
 

@@ -25,8 +25,8 @@ def _weights(gen, n):
 
 
 def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_weights=2, staged=False, split=1,
-                    detach=False):
-    plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights, split) for r in range(world)]
+                    detach=False, group_rows=0):
+    plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights, split, group_rows) for r in range(world)]
     plans = [pr.host_staged(p) for p in plans] if staged else plans
     plans = [pr.detached(p) for p in plans] if detach else plans
     gen = torch.Generator().manual_seed(seed)
@@ -125,6 +125,43 @@ def test_host_staged_late_rank():
 def test_split_pieces_on_the_peer_path_too():
     _run_all_gather("double_ring", 3, block_rows=5, n_calls=30, seed=4, split=2)
     _run_reducing("reduce_scatter", "ring", 3, block_rows=5, n_calls=30, seed=4, split=2)
+
+
+@pytest.mark.parametrize("world", [3, 5, 8])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grouped_consumer_gemms_back_to_back(schedule, world):
+    """Arrivals multiplied in groups (fewer, larger GEMMs at TP = 8): each GEMM waits for every
+    piece it reads, so back-to-back calls with late ranks still give every rank the right rows."""
+    for seed, (split, group_rows) in enumerate(((1, 8), (2, 12), (1, 10 ** 6))):
+        _run_all_gather(schedule, world, block_rows=4, n_calls=25, seed=seed, split=split, group_rows=group_rows)
+
+
+def _gemm_rows(plan):
+    return [(c.dst.start, c.dst.stop) for c in plan.commands if isinstance(c, pr.Matmul) and c.weight == 0]
+
+
+def test_consumer_groups_follow_arrival_order_and_adjoining_rows():
+    # world 8, rank 3: own rows (block 3), then blocks 2, 1, 0, 7, 6, 5, 4 in arrival order; two
+    # blocks a GEMM, and the wrap from block 0 to block 7 starts a new group (its rows do not adjoin)
+    for schedule in ("direct", "ring"):
+        plan = pr.all_gather_plan(schedule, 8, 3, 4, 1, 1, group_rows=8)
+        assert _gemm_rows(plan) == [(12, 16), (4, 12), (0, 4), (24, 32), (16, 24)]
+    plan = pr.all_gather_plan("ring", 4, 0, 4, 1, 1, group_rows=8)
+    assert _gemm_rows(plan) == [(0, 4), (8, 16), (4, 8)]
+    assert len(_gemm_rows(pr.all_gather_plan("direct", 8, 3, 4, 1))) == 8  # ungrouped by default
+    assert pr.consumer_groups([(0, 2), (2, 4), (4, 6)], 0) == [[0], [1], [2]]
+    assert pr.consumer_groups([(0, 2), (2, 4), (4, 6)], 3) == [[0, 1], [2]]
+
+
+def test_consumer_group_rows_is_waves_of_tiles():
+    assert pr.consumer_group_rows(768, 132, waves=1) == 5632  # Llama-3 8B QKV at TP = 8: 11 pieces of 512 rows
+    assert pr.consumer_group_rows(7168, 132, waves=1) == 604
+    assert pr.consumer_group_rows(7168, 132) == 1207  # two waves by default
+    # peer-to-peer plans group, host-staged pieces stay one GEMM each
+    (peer,) = pr.call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=False, group_rows=1024)
+    assert len(_gemm_rows(peer)) == 3
+    (host,) = pr.call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=True, group_rows=1024)
+    assert len(_gemm_rows(host)) == 4
 
 
 def test_host_split_sizes():

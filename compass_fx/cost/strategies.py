@@ -219,10 +219,32 @@ def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdow
     if w.kind != "all_gather_matmul":  # add the incoming partial sum: read two, write one
         chunk += 3 * rows * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
     step_s = tuple(l + t for l, t in steps)
-    total = FUSED_SETUP_S + chunk + sum(max(chunk, s) for s in step_s)
+    if w.kind == "all_gather_matmul":
+        total = FUSED_SETUP_S + _grouped_consumer_seconds(w, topo, rows, chunk, step_s, rate)
+    else:
+        total = FUSED_SETUP_S + chunk + sum(max(chunk, s) for s in step_s)
     if w.kind == "matmul_all_reduce":
         total += sum(step_s) + FUSED_SETUP_S
     return FusedBreakdown(chunk, step_s, total)
+
+
+def _grouped_consumer_seconds(w: Workload, topo: Topology, rows: int, own: float, step_s: tuple[float, ...],
+                              rate: float) -> float:
+    """The fused all-gather's GEMMs as the CUDA path groups them: the own block first, then each
+    group of arriving blocks (:func:`compass_fx.kernels.protocol.consumer_groups`) once its last
+    block is in; one block arrives per step."""
+    from ..kernels.protocol import consumer_group_rows, consumer_groups
+
+    spec = gpu_spec(topo.gpu)
+    min_rows = consumer_group_rows(max(w.n // max(w.matmuls, 1), 1), spec.sms)
+    spans = [(i * rows, (i + 1) * rows) for i in range(1, len(step_s) + 1)]
+    done, arrived = own, []
+    for s in step_s:
+        arrived.append((arrived[-1] if arrived else 0.0) + s)
+    for group in consumer_groups(spans, min_rows):
+        gemm = _gemms_seconds(w, rows * len(group), topo, 0, rate) / FUSED_GEMM_EFFICIENCY
+        done = max(done, arrived[group[-1]]) + gemm
+    return done
 
 
 def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:

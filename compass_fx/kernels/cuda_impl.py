@@ -15,6 +15,7 @@ CUDA graph: the epoch is an argument that changes every call.
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Callable
@@ -25,7 +26,8 @@ from . import driver, watchdog
 from .cpu_impl import resolve_group
 from .host_memory import Layout, SharedHostArena
 from .protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
-                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, join_start)
+                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, consumer_group_rows,
+                       join_start)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
@@ -380,6 +382,11 @@ def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols:
     return ws
 
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _rank(group_name: str, group_size: int) -> int:
     return resolve_group(group_name, group_size)[1]
 
@@ -393,9 +400,12 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
         return a_shard.clone(), [a_shard @ b for b in bs]
     deferred = deferred and not bs
     rank, host = _rank(group_name, group_size), transport() == "host"
-    key = ("ag", schedule, group_name, group_size, m, k, len(bs), a_shard.dtype, a_shard.device, host, deferred)
+    cols = tuple(int(b.shape[1]) for b in bs)
+    key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.device, host, deferred)
+    group_rows = consumer_group_rows(sum(cols) // len(cols), _sms(a_shard.device)) if cols else 0
     ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, rank, m, k, len(bs),
-                                            a_shard.element_size(), host, host_piece_bytes(), detach=deferred)[0],
+                                            a_shard.element_size(), host, host_piece_bytes(), detach=deferred,
+                                            group_rows=group_rows)[0],
                     group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))

@@ -171,15 +171,52 @@ def _framed(cmds: list[Command]) -> tuple[Command, ...]:
     return (Record(MAIN, "start"), WaitEvent(COMM, "start"), *cmds, Record(COMM, "end"), WaitEvent(MAIN, "end"))
 
 
+WAVE_TILE_ELEMENTS = 128 * 256  # output elements of cuBLAS's largest bf16 tile on Hopper
+CONSUMER_WAVES = 2
+
+
+def consumer_group_rows(cols: int, sms: int, waves: int = CONSUMER_WAVES) -> int:
+    """Fewest rows a consumer GEMM of ``cols`` output columns should multiply: ``waves`` full
+    waves of the largest tile over ``sms`` multiprocessors.
+
+    Why: one GEMM per arriving piece leaves most of the GPU idle when a piece is thin (at TP = 8,
+    a 512-row piece of Llama-3 8B's QKV projection fills 12 of 132 SMs).  On one H200, over the 12
+    TP = 8 Llama-3 shapes, eight piece-sized cuBLAS calls reached 0.28-1.02 of one call over all
+    rows (median 0.92), arrivals grouped into GEMMs of at least one wave 0.78-1.0 (median 0.93),
+    of two waves 0.79-1.0 (median 0.96) (``benchmarks/results/chunked_gemm-h200.json``)."""
+    return -(-waves * sms * WAVE_TILE_ELEMENTS // max(cols, 1))
+
+
+def consumer_groups(spans: "list[tuple[int, int]]", min_rows: int) -> list[list[int]]:
+    """Indices of the arriving pieces (rows ``spans``, in arrival order) that each consumer GEMM
+    multiplies together: consecutive arrivals whose rows adjoin, until a group has ``min_rows``.
+
+    A group waits for its last piece, so grouping trades overlap for GEMM efficiency; the groups
+    fill from the front, so the GEMM left after the last arrival is never larger than one group.
+    ``min_rows`` 0: one GEMM per piece."""
+    groups: list[list[int]] = []
+    lo = hi = 0
+    for i, (plo, phi) in enumerate(spans):
+        if groups and hi - lo < min_rows and (plo == hi or phi == lo):
+            groups[-1].append(i)
+            lo, hi = min(lo, plo), max(hi, phi)
+        else:
+            groups.append([i])
+            lo, hi = plo, phi
+    return groups
+
+
 @lru_cache(maxsize=256)
 def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_weights: int,
-                    split: int = 1) -> Plan:
+                    split: int = 1, group_rows: int = 0) -> Plan:
     """``GATHERED = all_gather(A)``; ``OUT[j] = GATHERED @ W[j]``, own rows first.
 
     The own block is copied into ``G`` (symmetric) and published; each received piece is pulled
     from the peer the schedule names, once that peer has published it.  A piece that some other
     rank pulls from this one (a ring relay) lands in ``G`` and is published again; others land
-    straight in ``GATHERED``.  ``split`` cuts every piece further (:func:`.schedules.refined`)."""
+    straight in ``GATHERED``.  ``split`` cuts every piece further (:func:`.schedules.refined`);
+    ``group_rows``: the received pieces are multiplied in groups of at least that many rows
+    (:func:`consumer_groups`), each once its last piece has arrived."""
     sched = refined(all_gather_schedule(schedule, world, rank), split)
     parts = sched.parts
     slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
@@ -207,9 +244,11 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
                 cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
             cmds.append(Record(COMM, f"got{slot[t.piece]}"))
     cmds.append(Copy(COMM, Region("GATHERED", own_lo, own_hi), own))
-    for piece in sched.order[parts:]:
-        lo, hi = piece_rows(blocks, parts, piece)
-        cmds.append(WaitEvent(MAIN, f"got{slot[piece]}"))
+    arrivals = sched.order[parts:]
+    spans = [piece_rows(blocks, parts, piece) for piece in arrivals]
+    for group in consumer_groups(spans, group_rows):
+        lo, hi = min(spans[i][0] for i in group), max(spans[i][1] for i in group)
+        cmds += [WaitEvent(MAIN, f"got{slot[arrivals[i]]}") for i in group]
         cmds += [Matmul(MAIN, Region("OUT", lo, hi, index=j), Region("GATHERED", lo, hi), j)
                  for j in range(n_weights)]
     return Plan("all_gather_matmul", rank, world, _framed(cmds), len(slot),
@@ -416,7 +455,7 @@ def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: i
 
 def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
-               detach: bool = False) -> tuple[Plan, ...]:
+               detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
     """The plans one call of a fused operator runs, in order, as the CUDA path builds them (the
     cost model counts their commands to price the host's work).
 
@@ -426,7 +465,10 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
     ``matmul_all_reduce`` pulls in chunks where it can (``"direct"`` and a chunk count that
     splits the rows), else runs the fused reduce-scatter and then the gather of its result.
     ``detach``: the reductions' plans :func:`detached` (not an all-gather's GEMMs: they need what
-    arrives; the all-reduce's gather of its sums has none)."""
+    arrives; the all-reduce's gather of its sums has none).  ``group_rows``: the all-gather's
+    consumer GEMMs over peer-to-peer pulls multiply arrivals in groups of that many rows
+    (:func:`consumer_group_rows`); host-staged pieces stay one GEMM each (their size is chosen
+    for the transfer's pipeline, and the transfer is the slower side there)."""
     def staged(plan: Plan) -> Plan:
         plan = host_staged(plan) if host else plan
         return detached(plan) if detach and (plan.op != "all_gather_matmul" or not plan.n_weights) else plan
@@ -435,7 +477,8 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
         return host_split(block_rows * cols * itemsize, piece_bytes) if host else 1
 
     if op == "all_gather_matmul":
-        return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows))),)
+        return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows),
+                                       0 if host else group_rows)),)
     if op == "matmul_reduce_scatter":
         return (staged(reduce_scatter_plan(schedule, world, rank, rows // world, split(rows // world))),)
     if op != "matmul_all_reduce":
