@@ -8,11 +8,14 @@ output is compared on the device, without synchronising, with the operator's fir
 same inputs (must be bitwise equal: a race shows as a difference) and that first output with
 NCCL + ``torch.mm`` (tolerance 2e-2 of the largest element in bf16).
 
-Speed: per configuration, the GEMM alone, the collective alone (NCCL), sequential NCCL + cuBLAS,
+Speed: per configuration, the GEMM alone, the collective alone (NCCL), sequential NCCL + cuBLAS
+as compass_fx emits it (the one-pair graph ``harness.pairs.PairGraph`` compiled with
+``backend="compass"``, strategy off, ``--inner`` eager by default; the row's
+``sequential_compiler`` says what the compiler did with the pair: kept it), the fused operators
 ``torch.ops.compass.*`` with each schedule and ``torch.ops.symm_mem.fused_*`` (all-gather and
-reduce-scatter kinds).  Timing: back-to-back calls between two CUDA events (as in a training step,
-where the host runs ahead of the GPU), the per-call mean of a batch, the median of batches, the
-slowest rank.
+reduce-scatter kinds), both called directly.  Timing: back-to-back calls between two CUDA events
+(as in a training step, where the host runs ahead of the GPU), the per-call mean of a batch, the
+median of batches, the slowest rank.
 
     python benchmarks/fused_ops.py                 # 2 GPUs: writes fused_ops-h200x2.{json,md}
     python benchmarks/fused_ops.py --dry-run       # 2 gloo ranks on CPU (the p2p reference ops)
@@ -49,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=None, help="stress calls per case (default 500; 6 dry run)")
     p.add_argument("--batch", type=int, default=None, help="calls per timed batch (default 20; 2 dry run)")
     p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--inner", default="eager", choices=("eager", "inductor"),
+                   help="compiler of the sequential pair, compiled with backend='compass', strategy off "
+                        "(default eager)")
     p.add_argument("--skip-stress", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--timeout-check", action="store_true",
@@ -86,19 +92,15 @@ def transport() -> str:
 
 
 def fused(kind: str, schedule: str, world: int, group: str):
-    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
-
-    if kind == "all_gather_matmul":
-        return lambda a, b: torch.ops.compass.all_gather_matmul(a, [b], schedule, group, world)[1][0]
-    op = getattr(torch.ops.compass, kind)
-    return lambda a, b: op(a, b, schedule, group, world)
+    """``torch.ops.compass.<kind>`` with ``schedule``, called directly."""
+    return pairs.strategy_fn(kind, f"fuse({schedule})", world, group)
 
 
 def stress_case(ctx: ranks.Ctx, args, s: dict, schedule: str, dtype) -> dict:
     kind, m, n, k = s["kind"], s["m"], s["n"], s["k"]
     rng = random.Random(1234 + ctx.rank)
     sets = [pairs.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=i) for i in range(3)]
-    ref_fn = pairs.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
+    ref_fn = pairs.PairGraph(kind, ctx.world, ctx.group_name)  # uncompiled: functional collective + torch.mm
     op = fused(kind, schedule, ctx.world, ctx.group_name)
     refs = [ref_fn(a, b) for a, b in sets]
     firsts = [op(a, b) for a, b in sets]
@@ -129,8 +131,11 @@ def speed_case(ctx: ranks.Ctx, args, s: dict, dtype) -> dict:
         t["gemm"] = timing.time_back_to_back(ctx, pairs.gemm_only_fn(kind, a, b, ctx.world), args.batch, args.batches)
         t["comm"] = timing.time_back_to_back(ctx, pairs.comm_only_fn(kind, a, b, ctx.world, ctx.group_name), args.batch,
                                       args.batches)
-        seq = pairs.strategy_fn(kind, "sequential", ctx.world, ctx.group_name)
+        seq, outcomes = pairs.lowered_fn(kind, "sequential", ctx.world, ctx.group_name, args.inner)
         t["sequential"] = timing.time_back_to_back(ctx, lambda: seq(a, b), args.batch, args.batches)
+        compiler = outcomes()
+        if pairs.not_applied("sequential", compiler):  # the pair is not what was meant to be timed
+            raise RuntimeError(pairs.not_applied("sequential", compiler))
         for schedule in args.schedules.split(","):
             op = fused(kind, schedule, ctx.world, ctx.group_name)
             t[f"fuse({schedule})"] = timing.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches)
@@ -143,7 +148,7 @@ def speed_case(ctx: ranks.Ctx, args, s: dict, dtype) -> dict:
             t["fuse(direct), device only"] = timing.time_back_to_back(ctx, lambda: op(a, b), args.batch, args.batches, True)
     fused_times = {lbl: v for lbl, v in t.items() if lbl.startswith("fuse(") and "only" not in lbl}
     best = min(fused_times, key=fused_times.get)
-    row = dict(s, times_s=t, best_fused=best, best_fused_s=fused_times[best],
+    row = dict(s, times_s=t, sequential_compiler=compiler, best_fused=best, best_fused_s=fused_times[best],
                comm_fraction=t["comm"] / (t["comm"] + t["gemm"]),
                overlap_efficiency=max(t["gemm"], t["comm"]) / fused_times[best],
                speedup_vs_sequential=t["sequential"] / fused_times[best],

@@ -7,8 +7,16 @@ forward output and the gradients of both operands are compared with a reference 
 plain ``torch.distributed`` collectives (NCCL on GPUs) and ``torch.mm`` in fp32 (fp64 on CPU).
 
 Two levels:
-* ``ops``: the strategies as operators (``harness.pairs.strategy_fn``: functional collectives
-  pipelined as the InterDecom lowering emits them, ``torch.ops.compass.*``, ``torch.ops.symm_mem.*``).
+* ``ops``: one pair alone.  Sequential and InterDecom(d) run as compass_fx's own rewrite emits
+  them: the one-pair module ``harness.pairs.PairGraph`` (functional collective + wait + mm)
+  compiled with ``backend="compass"`` and the strategy forced (``harness.pairs.lowered_fn``;
+  inner compiler ``--inner``), operands requiring grad, so that the backward graph holds the
+  mirror pair (mm -> reduce_scatter for a gather, all_gather -> mm for a reduce-scatter) and is
+  rewritten too; the all-reduce's row-parallel backward has no collective, so only its forward
+  pair is.  The ``applied`` column lists what the compiler did with each pair of each graph; a
+  forced strategy it did not apply to every pair (or a backward pair it did not find) is a FAIL
+  whatever the numbers.  IntraFusion and symm_mem are the operators called directly
+  (``torch.ops.compass.*``, ``torch.ops.symm_mem.*``).
 * ``compiled``: one tensor-parallel ``nn.Linear`` per pair kind (DTensor plan: colwise with a
   sequence-sharded input, rowwise to a reduce-scatter, rowwise to an all-reduce) compiled with
   ``backend="compass"`` and options strategy off / auto / decompose(chunks) / fuse(schedule),
@@ -53,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="strategies of the compiled level (decompose: the model's d and each forced d; "
                         "fuse: every schedule)")
     p.add_argument("--inner", default=None, choices=("inductor", "eager"),
-                   help="compass' inner compiler at the compiled level (default inductor; eager with --dry-run)")
+                   help="compass' inner compiler, both levels (default inductor; eager with --dry-run)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max |x - ref| / max |ref| allowed (default by dtype: bf16 2e-2, fp32 1e-4)")
     args = p.parse_args(argv)
@@ -140,6 +148,18 @@ def op_labels(ctx: ranks.Ctx, kind: str, args, best_d: int | None) -> list[tuple
     return labels
 
 
+def lowering_missed(kind: str, label: str, outcomes: list[str]) -> str | None:
+    """Why the compiled pair is not ``label`` in both directions, or None: every pair the backend
+    found took the strategy, and it found the forward pair and, but for the all-reduce (whose
+    row-parallel backward has no collective), the backward one."""
+    missed = pairs.not_applied(label, outcomes)
+    graphs = {o.split(":", 1)[0] for o in outcomes}
+    wanted = {"forward"} if kind == "matmul_all_reduce" else {"forward", "backward"}
+    if not missed and not wanted <= graphs:
+        missed = f"{label}: no pair found in the {' and '.join(sorted(wanted - graphs))} graph"
+    return missed
+
+
 def check_ops(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progress) -> list[dict]:
     dtype = DTYPES[args.dtype]
     ref_dtype = torch.float64 if not ctx.is_cuda else torch.float32
@@ -159,29 +179,36 @@ def check_ops(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progress) 
             progress.step(f"ops {kind} {label}: skipped")
             continue
         forward_only = label == "symm_mem"
+        compiled = label == "sequential" or label.startswith("decompose(")
 
         def run():
             a, b = a0.detach().clone().requires_grad_(not forward_only), b0.detach().clone().requires_grad_(not forward_only)
-            fn = pairs.strategy_fn(kind, label, ctx.world, ctx.group_name)
+            if compiled:  # as compass_fx's rewrite emits it, forward and backward graphs
+                fn, outcomes = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
+            else:  # the operator called directly
+                fn, outcomes = pairs.strategy_fn(kind, label, ctx.world, ctx.group_name), None
             out = fn(a, b)
             if forward_only:
-                return out.detach(), None, None
+                return out.detach(), None, None, None
             (out.float() * g.float()).sum().backward()
-            return out.detach(), a.grad, b.grad
+            return out.detach(), a.grad, b.grad, outcomes() if outcomes else None
 
         res, err = ranks.guarded(ctx, label, run)
         if err:
             row.update(status="error", note=err)
         else:
-            out, ga, gb = res
+            out, ga, gb, outcomes = res
             errs = {"err_out": rel_err(out, ref[0])}
             if not forward_only:
                 errs.update(err_grad_a=rel_err(ga, ref[1]), err_grad_b=rel_err(gb, ref[2]))
             worst = max(errs.values())
             worst_all = ranks.max_over_ranks(ctx, worst)
             errs = {k: ranks.max_over_ranks(ctx, v) for k, v in errs.items()}
-            row.update(errs, max_err=worst_all, status="pass" if worst_all <= tol else "FAIL",
-                       note="forward only" if forward_only else "")
+            missing = compiled and lowering_missed(kind, label, outcomes)
+            row.update(errs, max_err=worst_all, status="pass" if worst_all <= tol and not missing else "FAIL",
+                       note=missing or ("forward only" if forward_only else ""))
+            if compiled:
+                row["applied"] = "; ".join(outcomes)
         rows.append(row)
         progress.step(f"ops {kind} {label}: {row['status']} (max err {output.fmt(row.get('max_err'))})")
     return rows

@@ -3,12 +3,16 @@ hand: the topology is the detected one (``Topology.detect()``, recorded in the J
 size is the world size of each launch, and the grid of ``compass_fx.tools.sweep`` (pair kinds x
 token counts x group sizes x Llama-3 8B/70B widths) supplies the shapes.
 
-For every configuration every candidate is measured — sequential (NCCL then cuBLAS), InterDecom(d)
-for each feasible d in {2, 4, ..., 64} and the cost model's d, IntraFusion with each fused schedule
-this device has, each as compass_fx's own rewrite emits it (a one-pair graph compiled with
-``backend="compass"`` and the strategy forced; ``--through hand`` measures the benchmark's own
-InterDecom instead; the JSON records what the compiler did with each) — plus PyTorch's own ``torch.ops.symm_mem.fused_all_gather_matmul`` /
-``fused_matmul_reduce_scatter`` as a baseline column, the GEMM alone and the collective alone.
+For every configuration every candidate is measured — sequential, InterDecom(d) for each feasible
+d in {2, 4, ..., 64} and the cost model's d, IntraFusion with each fused schedule this device has —
+each as compass_fx's own rewrite emits it: the one-pair graph ``harness.pairs.PairGraph``
+(functional collective + wait + mm) compiled with ``backend="compass"`` and the strategy forced
+(strategy off for sequential), ``--inner`` compiling the rewritten graph (default eager: the parts
+launch as the rewrite emits them).  Each candidate's ``compiler`` entry in the JSON says what the
+compiler did with the pair; a strategy it did not apply is recorded as that candidate's error and
+is not timed (never a sequential pair timed under another name).  Besides: PyTorch's own
+``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter`` called directly,
+as a baseline column, the GEMM alone and the collective alone.
 Reported: the cost model's pick, the best measured candidate, the hit rate (pick within 3% of the
 best; goal >= 95%), the worst regression of the pick against sequential (goal <= 2%), the model's
 prediction error, speedup over symm_mem (goal >= 1.1x) and over sequential where communication is
@@ -79,11 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pick-fused", default="auto", choices=("auto", "all"),
                    help="auto (default): the model's pick prices the fused operators only where strategy='auto' "
                         "does by default (no peer access); all: everywhere (as auto_fuse=True)")
-    p.add_argument("--through", default="lowering", choices=("lowering", "hand"),
-                   help="lowering (default): each strategy as compass_fx's rewrite emits it (torch.compile, "
-                        "backend='compass', the strategy forced); hand: the benchmark's own InterDecom")
-    p.add_argument("--inner", default="eager", help="compiler of the rewritten graphs with --through lowering "
-                                                     "(default eager: one pair has nothing for Inductor to fuse)")
+    p.add_argument("--inner", default="eager", choices=("eager", "inductor"),
+                   help="compiler of the rewritten one-pair graphs (default eager: one pair has nothing for "
+                        "Inductor to fuse, and the decomposed parts run as the rewrite emits them)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("float32" if args.dry_run else "bfloat16")
     args.scale = args.scale or (64 if args.dry_run else 1)
@@ -151,20 +153,16 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     lowered: dict[str, list[str]] = {}
     with torch.no_grad():
         ready = {}
-        for label in labels:
-            if args.through == "lowering":
-                fn, outcome = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
-            else:
-                fn, outcome = pairs.strategy_fn(kind, label, ctx.world, ctx.group_name), None
+        for label in labels:  # each strategy as compass_fx's rewrite emits it
+            fn, outcomes = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
             call = (lambda f: lambda: f(a, b))(fn)
             if args.timing == "interleaved":  # compile and warm up now, time below with the others
                 t, err = ranks.guarded(ctx, label, lambda: timing.warm_up(ctx, call, args.warmup))
             else:
                 t, err = ranks.guarded(ctx, label, lambda: timed(ctx, args, call))
-            if outcome is not None:
-                lowered[label] = outcome()
-                if label != "sequential" and not any(o.startswith("rewritten") for o in lowered[label]):
-                    err = err or f"the rewrite did not apply: {lowered[label]}"
+            lowered[label] = outcomes()
+            # a strategy the compiler did not apply is not that candidate: an error, never timed under its name
+            err = err or pairs.not_applied(label, lowered[label])
             if err:
                 errors[label] = err
             elif args.timing == "interleaved":
@@ -187,10 +185,11 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
 
     row = dict(cfg)
     row.update(candidates={lbl: {"measured_s": times.get(lbl), "predicted_s": predicted.get(lbl),
-                                 "error": errors.get(lbl), "spread": spread.get(lbl)} for lbl in labels},
+                                 "error": errors.get(lbl), "spread": spread.get(lbl), "compiler": lowered.get(lbl)}
+                           for lbl in labels},
                gemm_s=gemm_s, comm_s=comm_s, comm_fraction=comm_s / (comm_s + gemm_s),
                pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_d, d_star=decision.d_star,
-               predicted_sequential_s=predicted.get("sequential"), through=args.through, lowered=lowered,
+               predicted_sequential_s=predicted.get("sequential"), inner=args.inner,
                **baseline)
     seq = times.get("sequential")
     pick_s = times.get(decision.label)
@@ -309,7 +308,8 @@ def markdown(tag: str, args, results, summary: dict) -> str:
     rows = []
     for _, res in results:
         for r in res["rows"]:
-            cand = ", ".join(f"{_short(lbl)} {ms(c['measured_s'])}" if c["measured_s"] is not None else f"{_short(lbl)} err"
+            cand = ", ".join(f"{_short(lbl)} {ms(c['measured_s'])}" if c["measured_s"] is not None else
+                             f"{_short(lbl)} {'not applied' if 'not applied' in (c['error'] or '') else 'err'}"
                              for lbl, c in r["candidates"].items())
             rows.append(dict(r, seq_ms=ms(r["candidates"]["sequential"]["measured_s"]), pick_ms=ms(r.get("pick_s")),
                              best_ms=ms(r.get("best_s")), symm_ms=ms(r.get("symm_mem_s")), gemm_ms=ms(r["gemm_s"]),

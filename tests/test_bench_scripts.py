@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,15 @@ def test_correctness_dry_run(tmp_path):
         assert {"sequential", "fuse(ring)", "fuse(double_ring)", "fuse(direct)"} <= ops, (kind, ops)
         assert any(s.startswith("decompose(d=") for s in ops), (kind, ops)
         assert any(r["role"] == "model's d" for r in rows if r["kind"] == kind and r["level"] == "ops")
+        # sequential and InterDecom ran as compass_fx's rewrite emits them, the backward pair (the
+        # mirror collective; the all-reduce's row-parallel backward has none) rewritten as well
+        graphs = ["forward"] if kind == "matmul_all_reduce" else ["forward", "backward"]
+        for r in rows:
+            if r["kind"] == kind and r["level"] == "ops" and (r["strategy"] == "sequential"
+                                                             or r["strategy"].startswith("decompose")):
+                want = ("kept sequential(1): strategy='off'" if r["strategy"] == "sequential"
+                        else f"rewritten decompose({r['strategy'][12:-1]})")
+                assert sorted(r["applied"].split("; ")) == sorted(f"{g}: {want}" for g in graphs), r
         compiled = [r for r in rows if r["kind"] == kind and r["level"] == "compiled"]
         assert compiled and all(r["status"] == "pass" and r["rewritten"] > 0 for r in compiled), compiled
         for r in rows:
@@ -68,9 +78,12 @@ def test_operators_dry_run(tmp_path):
         assert "fuse(ring)" not in measured
         # measured side by side (interleaved rounds), each with its spread over the rounds
         assert all(c["spread"] is not None and c["spread"] >= 0 for c in r["candidates"].values())
-        # measured as the compiler's own rewrite emits each strategy, and it did rewrite the pair
-        assert r["through"] == "lowering" and r["lowered"]["decompose(d=2)"] == ["rewritten decompose(2)"], r["lowered"]
-        assert r["lowered"]["fuse(direct)"] == ["rewritten fuse(direct)"], r["lowered"]
+        # measured as the compiler's own rewrite emits each strategy, and it did apply the strategy
+        compiler = {k: c["compiler"] for k, c in r["candidates"].items()}
+        assert compiler["sequential"] == ["inference: kept sequential(1): strategy='off'"], compiler
+        assert compiler["decompose(d=2)"] == ["inference: rewritten decompose(2)"], compiler
+        assert compiler["fuse(direct)"] == ["inference: rewritten fuse(direct)"], compiler
+        assert all(c["error"] is None for c in r["candidates"].values()), r["candidates"]
         assert r["gemm_s"] > 0 and r["comm_s"] > 0 and r["overlap_efficiency"] > 0
         assert isinstance(r["hit"], bool) and r["pred_err"] is not None
         if r["kind"] != "matmul_all_reduce":
@@ -106,10 +119,43 @@ def test_fused_ops_dry_run(tmp_path):
     assert all(r["ok"] and r["elements_differing_between_calls"] == 0 for r in data["stress"])
     assert {r["kind"] for r in data["speed"]} == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"}
     assert all(set(r["times_s"]) >= {"gemm", "comm", "sequential", "fuse(ring)", "fuse(direct)"} for r in data["speed"])
+    # the sequential pair timed is the one compass_fx compiles with strategy off (kept as it is)
+    assert all(r["sequential_compiler"] == ["inference: kept sequential(1): strategy='off'"] for r in data["speed"])
 
 
 def test_profile_pair_dry_run(tmp_path):
     data = _run("profile_pair.py", tmp_path, "--skip-nccl", "--decompose-only")
     decomposed = [r for r in data["pairs"] if r["variant"].startswith("decompose")]
-    assert len(decomposed) == 6 and all(r["rewritten"] == [f"rewritten decompose({r['variant'][-1]})"]
-                                        for r in decomposed), decomposed
+    assert len(decomposed) == 6 and all(r["rewritten"] == [f"inference: rewritten decompose({r['variant'][-1]})"]
+                                        and "not_applied" not in r for r in decomposed), decomposed
+
+
+def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
+    # one process, a fake group of 2: what harness.pairs reports for a forced d the pair takes and
+    # for one it cannot take (the scripts record the latter as the candidate's error, untimed)
+    script = textwrap.dedent("""
+        import json, sys, torch, torch.distributed as dist
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        sys.path.insert(0, sys.argv[1])
+        from harness import pairs
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        group = dist.group.WORLD.group_name
+        a, b = pairs.pair_operands("matmul_reduce_scatter", 12, 8, 8, 2, 0, torch.float32, torch.device("cpu"))
+        out = {}
+        for label in ("sequential", "decompose(d=2)", "decompose(d=4)"):  # 12 rows: 2 x 2 parts divide them, 2 x 4 not
+            fn, outcomes = pairs.lowered_fn("matmul_reduce_scatter", label, 2, group)
+            with torch.no_grad():
+                fn(a, b)
+            out[label] = [outcomes(), pairs.not_applied(label, outcomes())]
+        print(json.dumps(out))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", script, str(BENCH)], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["sequential"] == [["inference: kept sequential(1): strategy='off'"], None]
+    assert out["decompose(d=2)"] == [["inference: rewritten decompose(2)"], None]
+    (outcome,), why = out["decompose(d=4)"]
+    assert outcome.startswith("inference: skipped sequential(1): chunks=4"), outcome
+    assert why == f"decompose(d=4) not applied by the compiler: {outcome}"

@@ -11,10 +11,10 @@
 * ``profiling``: a torch.profiler run's GPU time by category (GEMM, NCCL, copies, other, idle).
 * ``output``: the environment, progress lines, markdown tables and the JSON + markdown files (the
   device in the file name: ``-h200x8``, ``-cpu``).  Only rank 0 writes files or prints tables.
-* ``pairs``: the three pair kinds as operator-level functions, one per strategy (sequential,
-  InterDecom(d) written with functional collectives exactly as ``compass_fx.lowering.decompose``
-  emits it, IntraFusion through ``torch.ops.compass.*``, PyTorch's ``torch.ops.symm_mem`` fused ops),
-  each with its backward, and the same pair compiled through compass_fx's own rewrite.
+* ``pairs``: the three pair kinds: the one-pair graph compiled through compass_fx's own rewrite with
+  a strategy forced (sequential, InterDecom(d), IntraFusion; forward and backward), what the compiler
+  did with it, and the operators called directly (``torch.ops.compass.*``, PyTorch's
+  ``torch.ops.symm_mem`` fused ops); operands, the GEMM alone and the collective alone.
 
 Importing the package first keeps NVLink multicast (NVLS / multimem) off in this process and every
 process it launches (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), before torch

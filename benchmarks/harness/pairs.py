@@ -1,8 +1,9 @@
-"""The three pair kinds as operator-level functions, one per strategy: sequential and InterDecom(d)
-written with functional collectives exactly as ``compass_fx.lowering.decompose`` emits them,
-IntraFusion through ``torch.ops.compass.*``, PyTorch's ``torch.ops.symm_mem`` fused ops, each with
-its backward; the same pair compiled through compass_fx's own rewrite (``lowered_fn``); operands,
-the GEMM and the collective alone, and the topology the model plans for."""
+"""The three pair kinds for the benchmarks.  Sequential and InterDecom(d) exist only as compass_fx's
+own rewrite emits them (``lowered_fn``: a one-pair module compiled with ``backend="compass"``,
+the strategy forced; differentiable, the backward graph rewritten too), and ``pair_outcomes`` /
+``not_applied`` say what the compiler actually did with the pair.  Operators called directly
+(``strategy_fn``): IntraFusion through ``torch.ops.compass.*`` and PyTorch's ``torch.ops.symm_mem``
+fused ops.  Also operands, the GEMM and the collective alone, and the topology the model plans for."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,121 +34,17 @@ def _wait(x: torch.Tensor) -> torch.Tensor:
     return c10d.wait_tensor(x)
 
 
-def ag_mm_decomposed(a_shard: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
-    """InterDecom of all_gather -> mm on dim 0: the gather of part i+1 is issued before the mm of
-    part i; the outputs are interleaved back to rank-major rows (as the lowering's interleave_rows)."""
-    rows = a_shard.shape[0]
-    if rows % d:
-        raise ValueError(f"d={d} does not divide the {rows} local rows")
-    if d == 1:
-        return _wait(_ag(a_shard, world, group)) @ b
-    c = rows // d
-    pending = [_ag(a_shard[:c], world, group)]
-    outs = []
-    for i in range(d):
-        if i + 1 < d:
-            pending.append(_ag(a_shard[(i + 1) * c:(i + 2) * c], world, group))
-        outs.append(_wait(pending[i]) @ b)  # [world * c, n], rank-major blocks of part i
-    n = b.shape[1]
-    return torch.stack(outs).view(d, world, c, n).transpose(0, 1).reshape(world * rows, n)
-
-
-def _part_rows(a: torch.Tensor, world: int, d: int, i: int) -> torch.Tensor:
-    """Rows of part i for a reduce-scatter on dim 0: sub-block i of every rank's block."""
-    m, k = a.shape
-    c = m // (world * d)
-    return a.view(world, d, c, k)[:, i].reshape(world * c, k)
-
-
-def mm_rs_decomposed(a: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
-    """InterDecom of mm -> reduce_scatter on dim 0: the collective of part i is issued right
-    after its mm, so it travels while the mm of part i+1 runs; waits at the end."""
-    m = a.shape[0]
-    if m % (world * d):
-        raise ValueError(f"d={d} x world={world} does not divide the {m} rows")
-    if d == 1:
-        return _wait(_rs(a @ b, world, group))
-    pending = [_rs(_part_rows(a, world, d, i) @ b, world, group) for i in range(d)]
-    return torch.cat([_wait(p) for p in pending], 0)
-
-
-def mm_ar_decomposed(a: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
-    m = a.shape[0]
-    if m % d:
-        raise ValueError(f"d={d} does not divide the {m} rows")
-    if d == 1:
-        return _wait(_ar(a @ b, group))
-    c = m // d
-    pending = [_ar(a[i * c:(i + 1) * c] @ b, group) for i in range(d)]
-    return torch.cat([_wait(p) for p in pending], 0)
-
-
-class _AgMmDecomposed(torch.autograd.Function):
-    """Forward InterDecom(d) of all_gather->mm; backward: its mirror pair, mm->reduce_scatter,
-    decomposed the same way (d a = RS(g @ b^T)), and d b = gathered^T @ g."""
-
-    @staticmethod
-    def forward(ctx, a_shard, b, d, world, group):
-        ctx.save_for_backward(a_shard, b)
-        ctx.args = (d, world, group)
-        return ag_mm_decomposed(a_shard, b, d, world, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        a_shard, b = ctx.saved_tensors
-        d, world, group = ctx.args
-        grad_a = mm_rs_decomposed(g, b.t(), d, world, group)
-        grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_b = _wait(_ag(a_shard, world, group)).t() @ g
-        return grad_a, grad_b, None, None, None
-
-
-class _MmRsDecomposed(torch.autograd.Function):
-    """Forward InterDecom(d) of mm->reduce_scatter; backward: all_gather->mm decomposed the same way."""
-
-    @staticmethod
-    def forward(ctx, a, b, d, world, group):
-        ctx.save_for_backward(a, b)
-        ctx.args = (d, world, group)
-        return mm_rs_decomposed(a, b, d, world, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        d, world, group = ctx.args
-        g_gathered = _wait(_ag(g, world, group))
-        grad_a = ag_mm_decomposed(g, b.t(), d, world, group)
-        return grad_a, a.t() @ g_gathered, None, None, None
-
-
-class _MmArDecomposed(torch.autograd.Function):
-    """Forward InterDecom(d) of mm->all_reduce; backward in the row-parallel convention (the
-    replicated output gradient needs no collective), as compass::matmul_all_reduce does."""
-
-    @staticmethod
-    def forward(ctx, a, b, d, world, group):
-        ctx.save_for_backward(a, b)
-        return mm_ar_decomposed(a, b, d, world, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        return g @ b.t(), a.t() @ g, None, None, None
-
-
 def strategy_fn(kind: str, label: str, world: int, group: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The pair ``kind`` run by strategy ``label``: "sequential", "decompose(d=4)", "fuse(ring)",
-    "symm_mem" (PyTorch's fused op; CUDA, or its Python fallback elsewhere).  Differentiable
-    (symm_mem: forward only).  Operands: all_gather_matmul (a_shard [m/w, k], b [k, n]) -> [m, n];
-    matmul_reduce_scatter (a [m, k], b) -> [m/w, n]; matmul_all_reduce (a [m, k], b) -> [m, n]."""
+    """The pair ``kind`` as an operator called directly: "fuse(ring)" (``torch.ops.compass.*``,
+    differentiable) or "symm_mem" (PyTorch's fused op, forward only; CUDA, or its Python fallback
+    elsewhere).  Sequential and InterDecom(d) have no operator of their own: they exist as what
+    compass_fx's rewrite emits, ``lowered_fn``.  Operands: all_gather_matmul (a_shard [m/w, k],
+    b [k, n]) -> [m, n]; matmul_reduce_scatter (a [m, k], b) -> [m/w, n]; matmul_all_reduce
+    (a [m, k], b) -> [m, n]."""
     if kind not in PAIR_KINDS:
         raise ValueError(kind)
     if label == "sequential" or label.startswith("decompose"):
-        d = 1 if label == "sequential" else int(label.split("=")[1].rstrip(")"))
-        fn = {"all_gather_matmul": _AgMmDecomposed, "matmul_reduce_scatter": _MmRsDecomposed,
-              "matmul_all_reduce": _MmArDecomposed}[kind]
-        return lambda a, b: fn.apply(a, b, d, world, group)
+        raise ValueError(f"{label!r} is not an operator: run it as compass_fx lowers it (lowered_fn)")
     if label.startswith("fuse("):
         import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
         schedule = label[5:-1]
@@ -171,12 +68,33 @@ def strategy_fn(kind: str, label: str, world: int, group: str) -> Callable[[torc
     raise ValueError(f"unknown strategy label {label!r}")
 
 
+class _RowParallelAllReduce(torch.autograd.Function):
+    """all_reduce(x) whose backward is the identity: the row-parallel convention (Megatron's,
+    DTensor's Partial -> Replicate, ``compass::matmul_all_reduce``'s), where the output and its
+    gradient are replicated.  (The functional collective's own backward, the literal adjoint,
+    all-reduces the gradient again.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _wait(_ar(x, group))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
 class PairGraph(torch.nn.Module):
     """One pair as a model would trace it: functional collective + wait + mm, so that
-    ``backend="compass"`` finds it and rewrites it exactly as in a real graph."""
+    ``backend="compass"`` finds it and rewrites it exactly as in a real graph.  Differentiable:
+    the gathers' and reduce-scatters' backward is the mirror pair (mm -> reduce_scatter,
+    all_gather -> mm), which the backend rewrites in the backward graph; the all-reduce's is the
+    identity (row-parallel), so its backward graph has no pair.  Run uncompiled, it is the plain
+    sequential pair."""
 
     def __init__(self, kind: str, world: int, group: str) -> None:
         super().__init__()
+        if kind not in PAIR_KINDS:
+            raise ValueError(kind)
         self.kind, self.world, self.group = kind, world, group
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -184,7 +102,7 @@ class PairGraph(torch.nn.Module):
             return _wait(_ag(a, self.world, self.group)) @ b
         if self.kind == "matmul_reduce_scatter":
             return _wait(_rs(a @ b, self.world, self.group))
-        return _wait(_ar(a @ b, self.group))
+        return _RowParallelAllReduce.apply(a @ b, self.group)
 
 
 def lowered_options(label: str) -> dict:
@@ -201,9 +119,11 @@ def lowered_options(label: str) -> dict:
 def lowered_fn(kind: str, label: str, world: int, group: str, inner: str = "eager"
                ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], Callable[[], list[str]]]:
     """The pair run as compass_fx's own rewrite emits it for strategy ``label`` (``torch.compile``
-    with backend="compass" forcing that strategy, ``inner`` compiling the result), and a function
-    that returns what the compiler did with the pair once it has been called (e.g. "rewritten
-    decompose(4)" or "left alone ...": a forced strategy the pair cannot take shows there)."""
+    of ``PairGraph`` with backend="compass" forcing that strategy, ``inner`` compiling the result),
+    and a function that returns what the compiler did with the pair in every graph compiled so far
+    (``pair_outcomes``): call it after the calls (and the backward) of interest, since each graph
+    is compiled on its first use.  Operands that require grad give a forward and a backward graph,
+    both rewritten; under ``torch.no_grad`` one inference graph."""
     import compass_fx
 
     torch._dynamo.reset()
@@ -215,12 +135,34 @@ def lowered_fn(kind: str, label: str, world: int, group: str, inner: str = "eage
 
 def pair_outcomes(before: int) -> list[str]:
     """What the compiler did with each pair of the graphs compiled since ``len(backend.history)``
-    was ``before``: "rewritten decompose(4)", "rewritten fuse(direct)", "kept sequential(1): why"."""
+    was ``before``, as "<graph>: <status> <strategy>(<parts or schedule>)[: why]", e.g.
+    "forward: rewritten decompose(4)", "backward: rewritten fuse(direct)",
+    "inference: kept sequential(1): strategy='off'", "forward: skipped sequential(1): <why>"."""
     import compass_fx
 
-    return [f"{p.status} {p.strategy}({p.schedule if p.strategy == 'fuse' else p.parts})"
+    return [f"{p.graph}: {p.status} {p.strategy}({p.schedule if p.strategy == 'fuse' else p.parts})"
             + (f": {p.reason}" if p.status != "rewritten" else "")
             for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
+
+
+def expected_outcome(label: str) -> str:
+    """What ``pair_outcomes`` says (after the graph) for a pair that took strategy ``label``."""
+    opts = lowered_options(label)
+    if opts["strategy"] == "off":
+        return "kept sequential(1)"
+    if opts["strategy"] == "decompose":
+        return f"rewritten decompose({opts['chunks']})"
+    return f"rewritten fuse({opts['schedule']})"
+
+
+def not_applied(label: str, outcomes: list[str]) -> str | None:
+    """None when the compiler did to every pair it found what ``label`` forces (and found one);
+    otherwise why not: such a candidate is not ``label`` and must not be timed or checked as it."""
+    if not outcomes:
+        return f"{label} not applied: the compiler found no pair in the graph"
+    want = expected_outcome(label)
+    off = [o for o in outcomes if o.split(": ", 1)[1].split(":", 1)[0] != want]
+    return f"{label} not applied by the compiler: {'; '.join(off)}" if off else None
 
 
 def pair_operands(kind: str, m: int, n: int, k: int, world: int, rank: int, dtype: torch.dtype,
