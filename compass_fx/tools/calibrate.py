@@ -125,7 +125,8 @@ def measure_fused_host(calls: int = 200) -> dict:
     its fused host time with these (``cost.strategies.fused_host_seconds``)."""
     import torch
 
-    from ..kernels import driver, ops  # noqa: F401 - ops registers torch.ops.compass
+    from ..kernels import ops  # noqa: F401 - registers torch.ops.compass
+    from ..kernels.cuda import driver
 
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)
