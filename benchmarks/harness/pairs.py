@@ -33,52 +33,52 @@ def _wait(x: torch.Tensor) -> torch.Tensor:
     return c10d.wait_tensor(x)
 
 
-def ag_mm_decomposed(a_shard: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
+def ag_mm_decomposed(a_shard: torch.Tensor, b: torch.Tensor, parts: int, world: int, group: str) -> torch.Tensor:
     """InterDecom of all_gather -> mm on dim 0: the gather of part i+1 is issued before the mm of
     part i; the outputs are interleaved back to rank-major rows (as the lowering's interleave_rows)."""
     rows = a_shard.shape[0]
-    if rows % d:
-        raise ValueError(f"d={d} does not divide the {rows} local rows")
-    if d == 1:
+    if rows % parts:
+        raise ValueError(f"parts={parts} does not divide the {rows} local rows")
+    if parts == 1:
         return _wait(_ag(a_shard, world, group)) @ b
-    c = rows // d
+    c = rows // parts
     pending = [_ag(a_shard[:c], world, group)]
     outs = []
-    for i in range(d):
-        if i + 1 < d:
+    for i in range(parts):
+        if i + 1 < parts:
             pending.append(_ag(a_shard[(i + 1) * c:(i + 2) * c], world, group))
         outs.append(_wait(pending[i]) @ b)  # [world * c, n], rank-major blocks of part i
     n = b.shape[1]
-    return torch.stack(outs).view(d, world, c, n).transpose(0, 1).reshape(world * rows, n)
+    return torch.stack(outs).view(parts, world, c, n).transpose(0, 1).reshape(world * rows, n)
 
 
-def _part_rows(a: torch.Tensor, world: int, d: int, i: int) -> torch.Tensor:
+def _part_rows(a: torch.Tensor, world: int, parts: int, i: int) -> torch.Tensor:
     """Rows of part i for a reduce-scatter on dim 0: sub-block i of every rank's block."""
     m, k = a.shape
-    c = m // (world * d)
-    return a.view(world, d, c, k)[:, i].reshape(world * c, k)
+    c = m // (world * parts)
+    return a.view(world, parts, c, k)[:, i].reshape(world * c, k)
 
 
-def mm_rs_decomposed(a: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
+def mm_rs_decomposed(a: torch.Tensor, b: torch.Tensor, parts: int, world: int, group: str) -> torch.Tensor:
     """InterDecom of mm -> reduce_scatter on dim 0: the collective of part i is issued right
     after its mm, so it travels while the mm of part i+1 runs; waits at the end."""
     m = a.shape[0]
-    if m % (world * d):
-        raise ValueError(f"d={d} x world={world} does not divide the {m} rows")
-    if d == 1:
+    if m % (world * parts):
+        raise ValueError(f"parts={parts} x world={world} does not divide the {m} rows")
+    if parts == 1:
         return _wait(_rs(a @ b, world, group))
-    pending = [_rs(_part_rows(a, world, d, i) @ b, world, group) for i in range(d)]
+    pending = [_rs(_part_rows(a, world, parts, i) @ b, world, group) for i in range(parts)]
     return torch.cat([_wait(p) for p in pending], 0)
 
 
-def mm_ar_decomposed(a: torch.Tensor, b: torch.Tensor, d: int, world: int, group: str) -> torch.Tensor:
+def mm_ar_decomposed(a: torch.Tensor, b: torch.Tensor, parts: int, world: int, group: str) -> torch.Tensor:
     m = a.shape[0]
-    if m % d:
-        raise ValueError(f"d={d} does not divide the {m} rows")
-    if d == 1:
+    if m % parts:
+        raise ValueError(f"parts={parts} does not divide the {m} rows")
+    if parts == 1:
         return _wait(_ar(a @ b, group))
-    c = m // d
-    pending = [_ar(a[i * c:(i + 1) * c] @ b, group) for i in range(d)]
+    c = m // parts
+    pending = [_ar(a[i * c:(i + 1) * c] @ b, group) for i in range(parts)]
     return torch.cat([_wait(p) for p in pending], 0)
 
 
@@ -87,16 +87,16 @@ class _AgMmDecomposed(torch.autograd.Function):
     decomposed the same way (d a = RS(g @ b^T)), and d b = gathered^T @ g."""
 
     @staticmethod
-    def forward(ctx, a_shard, b, d, world, group):
+    def forward(ctx, a_shard, b, parts, world, group):
         ctx.save_for_backward(a_shard, b)
-        ctx.args = (d, world, group)
-        return ag_mm_decomposed(a_shard, b, d, world, group)
+        ctx.args = (parts, world, group)
+        return ag_mm_decomposed(a_shard, b, parts, world, group)
 
     @staticmethod
     def backward(ctx, g):
         a_shard, b = ctx.saved_tensors
-        d, world, group = ctx.args
-        grad_a = mm_rs_decomposed(g, b.t(), d, world, group)
+        parts, world, group = ctx.args
+        grad_a = mm_rs_decomposed(g, b.t(), parts, world, group)
         grad_b = None
         if ctx.needs_input_grad[1]:
             grad_b = _wait(_ag(a_shard, world, group)).t() @ g
@@ -107,17 +107,17 @@ class _MmRsDecomposed(torch.autograd.Function):
     """Forward InterDecom(d) of mm->reduce_scatter; backward: all_gather->mm decomposed the same way."""
 
     @staticmethod
-    def forward(ctx, a, b, d, world, group):
+    def forward(ctx, a, b, parts, world, group):
         ctx.save_for_backward(a, b)
-        ctx.args = (d, world, group)
-        return mm_rs_decomposed(a, b, d, world, group)
+        ctx.args = (parts, world, group)
+        return mm_rs_decomposed(a, b, parts, world, group)
 
     @staticmethod
     def backward(ctx, g):
         a, b = ctx.saved_tensors
-        d, world, group = ctx.args
+        parts, world, group = ctx.args
         g_gathered = _wait(_ag(g, world, group))
-        grad_a = ag_mm_decomposed(g, b.t(), d, world, group)
+        grad_a = ag_mm_decomposed(g, b.t(), parts, world, group)
         return grad_a, a.t() @ g_gathered, None, None, None
 
 
@@ -126,9 +126,9 @@ class _MmArDecomposed(torch.autograd.Function):
     replicated output gradient needs no collective), as compass::matmul_all_reduce does."""
 
     @staticmethod
-    def forward(ctx, a, b, d, world, group):
+    def forward(ctx, a, b, parts, world, group):
         ctx.save_for_backward(a, b)
-        return mm_ar_decomposed(a, b, d, world, group)
+        return mm_ar_decomposed(a, b, parts, world, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -144,10 +144,10 @@ def strategy_fn(kind: str, label: str, world: int, group: str) -> Callable[[torc
     if kind not in PAIR_KINDS:
         raise ValueError(kind)
     if label == "sequential" or label.startswith("decompose"):
-        d = 1 if label == "sequential" else int(label.split("=")[1].rstrip(")"))
+        parts = 1 if label == "sequential" else int(label.split("=")[1].rstrip(")"))
         fn = {"all_gather_matmul": _AgMmDecomposed, "matmul_reduce_scatter": _MmRsDecomposed,
               "matmul_all_reduce": _MmArDecomposed}[kind]
-        return lambda a, b: fn.apply(a, b, d, world, group)
+        return lambda a, b: fn.apply(a, b, parts, world, group)
     if label.startswith("fuse("):
         import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
         schedule = label[5:-1]
