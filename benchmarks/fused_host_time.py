@@ -87,12 +87,12 @@ def relative_error(op: str, result, rows: int, k: int, n: int, rank: int) -> flo
 def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
-    from compass_fx.kernels import cuda_impl
+    from compass_fx.kernels.cuda import impl as cuda
     from compass_fx.kernels.protocol import call_plans
 
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
-    direct = getattr(cuda_impl, op)
+    direct = getattr(cuda, op)
     args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, WORLD)
     err = relative_error(op, through_op(a, *args), rows, k, n, rank)
     if err > TOLERANCE:

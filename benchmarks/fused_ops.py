@@ -86,7 +86,7 @@ def shapes(args, world: int) -> list[dict]:
 
 
 def transport() -> str:
-    from compass_fx.kernels.cuda_impl import transport as chosen
+    from compass_fx.kernels.cuda.impl import transport as chosen
 
     return chosen()
 
@@ -166,7 +166,7 @@ def speed_case(ctx: ranks.Ctx, args, s: dict, dtype) -> dict:
 def timeout_check(ctx: ranks.Ctx, dtype) -> dict:
     """The last rank stops calling the operator; rank 0's next call must come back (the watchdog
     releases the wait after 3 s) and the call after it must raise a RuntimeError naming the wait."""
-    from compass_fx.kernels import watchdog
+    from compass_fx.kernels.cuda import watchdog
 
     a, b = pairs.pair_operands("all_gather_matmul", 256 * ctx.world, 512, 512, ctx.world, ctx.rank, dtype,
                             ctx.device, seed=5)

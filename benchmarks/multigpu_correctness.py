@@ -116,7 +116,7 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor) -> float:
 # strategies
 # ---------------------------------------------------------------------------------------------
 def model_choice(ctx: ranks.Ctx, kind: str, args, topo) -> tuple[str, int | None, list]:
-    """(the cost model's pick, its best InterDecom d, the candidates) for this pair."""
+    """(the cost model's pick, its best InterDecom part count, the candidates) for this pair."""
     from compass_fx.cost import Workload, plan
     from compass_fx.kernels import fused_schedules_available
 
@@ -124,22 +124,22 @@ def model_choice(ctx: ranks.Ctx, kind: str, args, topo) -> tuple[str, int | None
     w = Workload(kind, args.m, args.n, args.k, args.dtype, ctx.world)
     dec = plan(w, topo, fused_schedules=fused_schedules_available(ctx.device.type, dtype))
     decs = [c for c in dec.candidates if c.strategy == "decompose"]
-    best_d = min(decs, key=lambda c: c.seconds).parts if decs else None
-    return dec.label, best_d, [(c.label, c.seconds) for c in dec.candidates]
+    best_parts = min(decs, key=lambda c: c.seconds).parts if decs else None
+    return dec.label, best_parts, [(c.label, c.seconds) for c in dec.candidates]
 
 
-def op_labels(ctx: ranks.Ctx, kind: str, args, best_d: int | None) -> list[tuple[str, str]]:
+def op_labels(ctx: ranks.Ctx, kind: str, args, best_parts: int | None) -> list[tuple[str, str]]:
     """(label, role) of every strategy to check for ``kind``."""
     from compass_fx.kernels import fused_schedules_available
 
     labels = [("sequential", "sequential")]
     local = args.m // ctx.world if kind == "all_gather_matmul" else args.m
     step = ctx.world if kind == "matmul_reduce_scatter" else 1
-    if best_d:
-        labels.append((f"decompose(d={best_d})", "model's d"))
-    for d in (int(x) for x in args.forced_d.split(",") if x):
-        if d != best_d and d > 1 and local % (d * step) == 0:
-            labels.append((f"decompose(d={d})", "forced d"))
+    if best_parts:
+        labels.append((f"decompose(d={best_parts})", "model's d"))
+    for parts in (int(x) for x in args.forced_d.split(",") if x):
+        if parts != best_parts and parts > 1 and local % (parts * step) == 0:
+            labels.append((f"decompose(d={parts})", "forced d"))
     fused = fused_schedules_available(ctx.device.type, DTYPES[args.dtype])
     for s in ("ring", "double_ring", "direct"):
         labels.append((f"fuse({s})", "fused" if s in fused else "fused (no implementation here)"))
@@ -164,13 +164,13 @@ def check_ops(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progress) 
     dtype = DTYPES[args.dtype]
     ref_dtype = torch.float64 if not ctx.is_cuda else torch.float32
     tol = args.tolerance or TOLERANCE[dtype]
-    pick, best_d, _ = model_choice(ctx, kind, args, topo)
+    pick, best_parts, _ = model_choice(ctx, kind, args, topo)
     a0, b0 = pairs.pair_operands(kind, args.m, args.n, args.k, ctx.world, ctx.rank, dtype, ctx.device, seed=1)
     gen = torch.Generator().manual_seed(7 + (0 if kind == "matmul_all_reduce" else ctx.rank))
     g = torch.randn(pairs.output_rows(kind, args.m, ctx.world), args.n, generator=gen).to(dtype=dtype, device=ctx.device)
     ref = reference(kind, a0.to(ref_dtype), b0.to(ref_dtype), g.to(ref_dtype), ctx.world, ctx.rank)
     rows = []
-    for label, role in op_labels(ctx, kind, args, best_d):
+    for label, role in op_labels(ctx, kind, args, best_parts):
         row = {"level": "ops", "world": ctx.world, "kind": kind, "strategy": label, "role": role,
                "model_pick": pick, "dtype": args.dtype, "tolerance": tol}
         if "no implementation" in role:
@@ -236,7 +236,7 @@ def build_linear(kind: str, args, mesh, dtype):
     return parallelize_module(lin, mesh, style)
 
 
-def compiled_options(args, best_d: int | None, ctx: ranks.Ctx, kind: str) -> list[tuple[str, dict]]:
+def compiled_options(args, best_parts: int | None, ctx: ranks.Ctx, kind: str) -> list[tuple[str, dict]]:
     from compass_fx.kernels import fused_schedules_available
 
     wanted = [s.strip() for s in args.compiled_strategies.split(",") if s.strip()]
@@ -247,11 +247,11 @@ def compiled_options(args, best_d: int | None, ctx: ranks.Ctx, kind: str) -> lis
         if s in ("off", "auto"):
             out.append((s, dict(base, strategy=s)))
         elif s == "decompose":
-            ds = [best_d] if best_d else []
-            ds += [int(x) for x in args.forced_d.split(",") if x and int(x) not in ds]
-            for d in ds:
-                if d > 1 and local % (d * ctx.world) == 0:
-                    out.append((f"decompose(d={d})", dict(base, strategy="decompose", chunks=d)))
+            part_counts = [best_parts] if best_parts else []
+            part_counts += [int(x) for x in args.forced_d.split(",") if x and int(x) not in part_counts]
+            for parts in part_counts:
+                if parts > 1 and local % (parts * ctx.world) == 0:
+                    out.append((f"decompose(d={parts})", dict(base, strategy="decompose", chunks=parts)))
         elif s == "fuse":
             if fused_schedules_available(ctx.device.type, DTYPES[args.dtype]):
                 for sched in ("ring", "double_ring", "direct"):
@@ -280,7 +280,7 @@ def check_compiled(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progr
 
     dtype = DTYPES[args.dtype]
     tol = args.tolerance or TOLERANCE[dtype]
-    pick, best_d, _ = model_choice(ctx, kind, args, topo)
+    pick, best_parts, _ = model_choice(ctx, kind, args, topo)
     gen = torch.Generator().manual_seed(11 + ctx.rank)
     rows_in = args.m // ctx.world if kind == "all_gather_matmul" else args.m
     k_in = args.k
@@ -300,7 +300,7 @@ def check_compiled(ctx: ranks.Ctx, args, kind: str, topo, progress: output.Progr
     eager = build_linear(kind, args, mesh, dtype)
     ref = step(eager, eager)
     rows = []
-    for label, opts in compiled_options(args, best_d, ctx, kind):
+    for label, opts in compiled_options(args, best_parts, ctx, kind):
         row = {"level": "compiled", "world": ctx.world, "kind": kind, "strategy": label, "role": f"options {opts}",
                "model_pick": pick, "dtype": args.dtype, "tolerance": tol}
         t0 = time.time()

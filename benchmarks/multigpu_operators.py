@@ -95,12 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def feasible(kind: str, m: int, world: int, d: int) -> bool:
+def feasible(kind: str, m: int, world: int, parts: int) -> bool:
     if kind == "all_gather_matmul":
-        return (m // world) % d == 0
+        return (m // world) % parts == 0
     if kind == "matmul_reduce_scatter":
-        return m % (world * d) == 0
-    return m % d == 0
+        return m % (world * parts) == 0
+    return m % parts == 0
 
 
 def configurations(args, world: int) -> list[dict]:
@@ -140,11 +140,12 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     decision = priced if by_default else plan(wl, topo, fused_schedules=())
     predicted = {c.label: c.seconds for c in priced.candidates}
     decs = [c for c in decision.candidates if c.strategy == "decompose"]
-    model_d = min(decs, key=lambda c: c.seconds).parts if decs else None
+    model_parts = min(decs, key=lambda c: c.seconds).parts if decs else None
 
     labels = ["sequential"]
-    ds = sorted({int(x) for x in args.decompose_ds.split(",") if x} | ({model_d} if model_d else set()))
-    labels += [f"decompose(d={d})" for d in ds if d > 1 and feasible(kind, m, ctx.world, d)]
+    part_counts = sorted({int(x) for x in args.decompose_ds.split(",") if x}
+                         | ({model_parts} if model_parts else set()))
+    labels += [f"decompose(d={parts})" for parts in part_counts if parts > 1 and feasible(kind, m, ctx.world, parts)]
     labels += [f"fuse({s})" for s in distinct_schedules(fused, ctx.world)]  # the operators the model tells apart
     if decision.label not in labels:
         labels.append(decision.label)
@@ -188,7 +189,7 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
                                  "error": errors.get(lbl), "spread": spread.get(lbl), "compiler": lowered.get(lbl)}
                            for lbl in labels},
                gemm_s=gemm_s, comm_s=comm_s, comm_fraction=comm_s / (comm_s + gemm_s),
-               pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_d, d_star=decision.d_star,
+               pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_parts, d_star=decision.d_star,
                predicted_sequential_s=predicted.get("sequential"), inner=args.inner,
                **baseline)
     seq = times.get("sequential")

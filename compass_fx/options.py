@@ -26,7 +26,8 @@ class CompassOptions:
     strategy: "auto" lets the cost model choose per pair; "off" leaves every graph as it is (the
         pairs are still found and reported); "decompose" forces InterDecom; "fuse" forces the
         fused operators with ``schedule``.
-    chunks: forces the InterDecom part count (implies strategy "decompose" under "auto").
+    chunks: forces the InterDecom part count (implies strategy "decompose" under "auto").  The
+        option keeps this name; everywhere else (Decision, report, cost model) the count is ``parts``.
     inner: the compiler that receives the rewritten graphs.
     dump_dir: where each graph's code is written before and after the rewrite.
     group: only collectives of this process group name are touched (None: all groups).

@@ -201,7 +201,7 @@ def _arena_case(rank):
 
     import torch.distributed as dist
 
-    from compass_fx.kernels.host_memory import Layout, SharedHostArena
+    from compass_fx.kernels.cuda.host_memory import Layout, SharedHostArena
 
     layout = Layout()
     layout.add("flags", 4 * 5)
@@ -234,15 +234,15 @@ def test_shared_host_arena_on_real_ranks(ranks, world):
 
 
 def test_transport_choice(monkeypatch):
-    from compass_fx.kernels import cuda_impl
+    from compass_fx.kernels.cuda.impl import transport
 
     monkeypatch.delenv("COMPASS_FUSED_TRANSPORT", raising=False)
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    assert cuda_impl.transport() == "host"
+    assert transport() == "host"
     monkeypatch.setenv("NCCL_P2P_DISABLE", "0")
-    assert cuda_impl.transport() == "peer"
+    assert transport() == "peer"
     monkeypatch.setenv("COMPASS_FUSED_TRANSPORT", "host")
-    assert cuda_impl.transport() == "host"
+    assert transport() == "host"
     monkeypatch.setenv("COMPASS_FUSED_TRANSPORT", "nvlink")
     with pytest.raises(ValueError, match="auto, peer or host"):
-        cuda_impl.transport()
+        transport()

@@ -7,11 +7,16 @@ run on it (``cost``, ``kernels``) and what every stage shares (``graph``, ``opti
 ``report``); finding and deciding (``passes.match``, ``agree``, ``decide``); the rewrites
 (``lowering``); the pass on top (``passes.run``); the entry points (backend, explain) and the
 tools beside them (``tools``: commands, sweep, calibration driver, timeline picture); the CLI last.
+Inside ``kernels`` the same rule holds one level down: the pure plans (``schedules``, then
+``protocol``), what runs them (``simulate``, ``reference``, then the ``cuda`` path), the
+``torch.library`` surface (``ops``), the package last; and of the kernels the stages before the
+finding import only the pure plans (the cost model prices them; it never runs an operator).
 Imports inside functions count too.
 """
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -23,6 +28,10 @@ STAGES = {"machine": 0, "cli_args": 0,  # cli_args: argument types, imports noth
           "lowering": 3,
           "tools": 5, "cli": 6}  # passes: 2 (finding, deciding) or 4 (the pass); anything else (entry points): 5
 FINDING_AND_DECIDING = {"passes.match", "passes.agree", "passes.decide"}
+KERNEL_STAGES = {"kernels.schedules": 0, "kernels.protocol": 1,  # the plans: pure Python
+                 "kernels.simulate": 2, "kernels.reference": 2, "kernels.cuda": 3,  # what runs them
+                 "kernels.ops": 4, "kernels": 5}  # the torch.library surface, then the package
+PURE_PLANS = ("kernels.schedules", "kernels.protocol")
 
 
 def _module(path: Path) -> str:
@@ -71,6 +80,16 @@ def _stage(module: str) -> int:
     return 4 if top == "passes" else STAGES.get(top, 5)
 
 
+def _kernel_stage(module: str) -> int:
+    """The stage inside ``kernels`` of the table's longest entry that ``module`` is or lies under."""
+    keys = [k for k in KERNEL_STAGES if module == k or module.startswith(k + ".")]
+    return KERNEL_STAGES[max(keys, key=len)]
+
+
+def _in_kernels(module: str) -> bool:
+    return module == "kernels" or module.startswith("kernels.")
+
+
 def test_no_module_imports_a_later_stage():
     g = _graph()
     backwards = [f"{a} (stage {_stage(a)}) imports {b} (stage {_stage(b)})"
@@ -101,3 +120,36 @@ def test_detection_builds_a_topology_never_the_reverse():
     g = _graph()
     assert g.has_edge("machine.detect", "machine.topology")
     assert not nx.has_path(g, "machine.topology", "machine.detect")
+
+
+def test_every_kernels_module_has_its_stage():
+    unplaced = [m for m in _graph() if _in_kernels(m) and m != "kernels"
+                and not any(m == k or m.startswith(k + ".") for k in KERNEL_STAGES if k != "kernels")]
+    assert not unplaced, f"add to KERNEL_STAGES: {unplaced}"
+
+
+def test_inside_the_kernels_no_module_imports_a_later_stage():
+    g = _graph()
+    backwards = [f"{a} (kernel stage {_kernel_stage(a)}) imports {b} (kernel stage {_kernel_stage(b)})"
+                 for a, b in g.edges if _in_kernels(a) and _in_kernels(b) and _kernel_stage(b) > _kernel_stage(a)]
+    assert not backwards, "\n".join(backwards)
+
+
+def test_the_stages_before_the_finding_import_only_the_pure_plans_of_the_kernels():
+    g = _graph()
+    bad = [(a, b) for a, b in g.edges
+           if not _in_kernels(a) and _stage(a) <= 1 and _in_kernels(b)
+           and not any(b == p or b.startswith(p + ".") for p in PURE_PLANS)]
+    assert not bad, bad
+
+
+def test_the_pure_plans_import_only_the_standard_library():
+    impure = []
+    for module in PURE_PLANS:
+        path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            impure += [(module, n) for n in names
+                       if n.split(".")[0] not in sys.stdlib_module_names and n != "__future__"]
+    assert not impure, impure

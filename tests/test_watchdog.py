@@ -2,7 +2,7 @@
 turns every later call into a RuntimeError (no GPU needed: the pending call is a stand-in)."""
 import pytest
 
-from compass_fx.kernels import watchdog
+from compass_fx.kernels.cuda import watchdog
 
 
 class _Never:

@@ -9,7 +9,7 @@ Planning without a graph::
     from compass_fx.cost import Topology, Workload, plan, gemm_seconds
     topo = Topology.preset("a6000-nvlink-pairs-pcie-8")
     w = Workload(kind="all_gather_matmul", m=16384, n=7168, k=8192, dtype="bfloat16", group_size=8)
-    d = plan(w, topo)              # Decision: .strategy, .parts, .predicted_s, .candidates
+    decision = plan(w, topo)       # Decision: .strategy, .parts, .predicted_s, .candidates
 """
 from .collective import collective_seconds, collective_time
 from .decision import SCHEDULES, STRATEGIES, Candidate, Decision

@@ -9,6 +9,9 @@ pipeline's time is the larger of the two forms (``max(d*c + g, c + d*g)``), so t
 the model.
 The optimum ``d* = sqrt(C/A)`` is derived symbolically (sympy) below, then rounded to the best
 feasible part count — T is convex, so one of the two feasible neighbours of d* is optimal.
+
+``d`` and ``d*`` are the paper's symbols, kept in the formulas (and in ``d_star``, the name the
+explain report and its JSON have always used); in the code a part count is ``parts``.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ class DecompositionModel:
         if not options or options[0] < 1:
             raise ValueError(f"allowed part counts must be positive ints, got {allowed!r}")
         star = self.d_star()
-        below = [d for d in options if d <= star]
-        above = [d for d in options if d >= star]
+        below = [parts for parts in options if parts <= star]
+        above = [parts for parts in options if parts >= star]
         near = ([below[-1]] if below else []) + ([above[0]] if above else [])
-        return min(near, key=lambda d: (self.seconds(d), d))
+        return min(near, key=lambda parts: (self.seconds(parts), parts))

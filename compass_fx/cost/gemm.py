@@ -4,8 +4,9 @@ Assumptions (each one a constant of :class:`~compass_fx.machine.gpus.GpuSpec`):
 
 * The library tiles the m x n output into tiles of one of a few shapes; each SM computes one tile
   (or one K-slice of a tile, with split-K) per *wave*, and a GEMM takes ``ceil(units / SMs)``
-  waves.  This is why splitting M into d parts costs more than d times less: a part with fewer
-  tiles than SMs still pays a whole wave.  The library is assumed to pick the fastest tiling.
+  waves.  This is why each of ``parts`` parts of M costs more than 1/parts of the whole: a part
+  with fewer tiles than SMs still pays a whole wave.  The library is assumed to pick the fastest
+  tiling.
 * A wave runs at the sustained per-SM rate (``efficiency`` of peak, times the tile's relative
   efficiency) plus a fixed ``wave_overhead_s`` (pipeline fill and epilogue).
 * Memory: each operand is read once and the output written once at ``memory_efficiency`` of

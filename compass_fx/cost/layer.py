@@ -94,11 +94,11 @@ class LayerPlan:
 
     @property
     def sequential_s(self) -> float:
-        return sum(d.candidate("sequential").seconds for _, _, d in self.rows)
+        return sum(decision.candidate("sequential").seconds for _, _, decision in self.rows)
 
     @property
     def planned_s(self) -> float:
-        return sum(d.predicted_s for _, _, d in self.rows)
+        return sum(decision.predicted_s for _, _, decision in self.rows)
 
     @property
     def speedup(self) -> float:
@@ -126,11 +126,11 @@ def format_layer_plan(lp: LayerPlan) -> str:
     """A fixed-width table: one row per pair with every candidate's prediction."""
     lines = [f"{lp.model} tp={lp.tp} tokens={lp.tokens} on {lp.topology}",
              f"{'pair':20s} {'kind':22s} {'m x n x k':>20s}  {'choice':18s} {'predicted':>10s} {'speedup':>8s}  candidates"]
-    for name, wl, d in lp.rows:
+    for name, wl, decision in lp.rows:
         mnk = f"{wl.m}x{wl.n}x{wl.k}"
-        cands = " ".join(f"{c.label}={format_seconds(c.seconds)}" for c in d.candidates)
-        lines.append(f"{name:20s} {wl.kind:22s} {mnk:>20s}  {d.label:18s} {format_seconds(d.predicted_s):>10s} "
-                     f"{d.speedup:7.2f}x  {cands}")
+        cands = " ".join(f"{c.label}={format_seconds(c.seconds)}" for c in decision.candidates)
+        lines.append(f"{name:20s} {wl.kind:22s} {mnk:>20s}  {decision.label:18s} "
+                     f"{format_seconds(decision.predicted_s):>10s} {decision.speedup:7.2f}x  {cands}")
     lines.append(f"layer: sequential {format_seconds(lp.sequential_s)}, planned {format_seconds(lp.planned_s)}, "
                  f"speedup {lp.speedup:.2f}x")
     return "\n".join(lines)

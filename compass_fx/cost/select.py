@@ -2,7 +2,7 @@
 the fastest taken.
 
 Deterministic: the predictions are pure functions of the workload and the topology, candidates
-come in a fixed order (sequential, decompose by ascending d, fuse in ``SCHEDULES`` order), and a
+come in a fixed order (sequential, decompose by ascending part count, fuse in ``SCHEDULES`` order), and a
 tie goes to the earlier, simpler candidate, so every rank of a group reaches the same decision.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     """Choose how to run ``workload`` on ``topology`` (a Topology, a preset name or a file; default
     :meth:`Topology.default`, replicated over InfiniBand when the group is larger than that machine).
 
-    Candidates: sequential; decompose(d) for every feasible d > 1 (``Workload.parts_allowed``, at
-    most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
+    Candidates: sequential; decompose(d) for every feasible part count d > 1
+    (``Workload.parts_allowed``, at most ``MAX_PARTS``) predicted by the decomposition model T(d) = A*d + B + C/d; fuse(s) only
     for the schedules in ``fused_schedules`` — the fused operators the caller has for this device
     and dtype; one of two schedules that move the same pieces at this group size (the ring and
     "direct" at two ranks) is priced under the later name — by peer-to-peer copies where the GPUs reach each other's memory, else ("direct"
@@ -68,7 +68,7 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
     candidates = [Candidate("sequential", 1, None, sequential_seconds(workload, topo))]
     coefficients = d_star = None
     models = decomposition_models(workload, topo) if workload.group_size > 1 else {}
-    candidates += [Candidate("decompose", d, None, model.seconds(d)) for d, model in models.items()]
+    candidates += [Candidate("decompose", parts, None, model.seconds(parts)) for parts, model in models.items()]
     if workload.group_size > 1 and topo.peer_access(workload.group_size):
         from ..kernels.schedules import distinct_schedules  # the schedules' steps, pure Python
 

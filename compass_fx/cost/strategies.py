@@ -7,9 +7,9 @@ Built from the component models (GEMM, collective, overlap, decomposition).  Con
 * all_gather_matmul moves the m x k activation, matmul_reduce_scatter and matmul_all_reduce the
   m x n output, element size of ``dtype``;
 * sequential and InterDecom use NCCL (ring schedule, ``nccl_sms`` SMs taken while overlapped);
-* a fused operator computes the chunk of m/g rows it already holds while the next chunk moves on
+* a fused operator computes the block of m/g rows it already holds while the next block moves on
   the chosen schedule, moving data with the copy engine (see overlap.py), at
-  ``FUSED_GEMM_EFFICIENCY`` of cuBLAS's rate for the chunked GEMM.
+  ``FUSED_GEMM_EFFICIENCY`` of cuBLAS's rate for the GEMM cut into blocks.
 """
 from __future__ import annotations
 
@@ -107,15 +107,16 @@ def sequential_seconds(w: Workload, topo: Topology) -> float:
 
 def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] | None = None
                          ) -> dict[int, DecompositionModel]:
-    """The paper's T(d) = A*d + B + C/d for this pair, one model per feasible d > 1.
+    """The paper's T(d) = A*d + B + C/d for this pair, one model per feasible part count d > 1
+    (keyed by ``parts``; ``allowed``: the part counts to price, default :func:`decompose_parts`).
 
     Cm and alpha come from the NCCL collective's transfer and latency parts, Gm is the GEMMs' time
     while NCCL runs beside them (see decomposition.py for how they make A, B, C).  beta, the
     per-part GEMM cost (launch, waves lost to small parts), is read off the GEMM model:
     ``beta(d) = (d*g(m/d) - g(m)) / (d - 1)``.  Wave quantization makes beta grow with d, so one
-    constant A would misprice either the few-part or the many-part end; each d is therefore
-    predicted with the A that holds at that d, and the model of the best d is the one whose
-    ``d* = sqrt(C/A)`` is reported.
+    constant A would misprice either the few-part or the many-part end; each part count is
+    therefore predicted with the A that holds at it, and the model of the best part count is the
+    one whose ``d* = sqrt(C/A)`` is reported.
     """
     spec = gpu_spec(topo.gpu)
     full = nccl_time(w, topo)
@@ -127,25 +128,25 @@ def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] |
 
     gm = g(1)
 
-    def build(d: int) -> DecompositionModel:
-        beta = max((g(d) - gm) / (d - 1), spec.kernel_overhead_s)
+    def build(parts: int) -> DecompositionModel:
+        beta = max((g(parts) - gm) / (parts - 1), spec.kernel_overhead_s)
         ov = spec.part_overhead_s  # software cost per part, on the critical path either way
         comm_bound = DecompositionModel(alpha + ov, cm + beta, gm, "comm-bound")
         compute_bound = DecompositionModel(beta + ov, gm + alpha, cm, "compute-bound")
         # The pipeline takes the longer of the two forms (c + g + (d-1)*max(c, g)).
-        return max((comm_bound, compute_bound), key=lambda m: m.seconds(d))
+        return max((comm_bound, compute_bound), key=lambda m: m.seconds(parts))
 
-    ds = [d for d in (allowed if allowed is not None else decompose_parts(w)) if d > 1]
-    return {d: build(d) for d in ds}
+    part_counts = [parts for parts in (allowed if allowed is not None else decompose_parts(w)) if parts > 1]
+    return {parts: build(parts) for parts in part_counts}
 
 
 def decomposition_model(w: Workload, topo: Topology, parts: int | None = None) -> DecompositionModel:
-    """The decomposition model with A as it holds at ``parts`` (default: the best feasible d)."""
+    """The decomposition model with A as it holds at ``parts`` (default: the best feasible part count)."""
     models = decomposition_models(w, topo)
     if not models:
         raise ValueError(f"decomposition_model: {w.kind} m={w.m} has no feasible part count above 1")
     if parts is None:
-        parts = min(models, key=lambda d: (models[d].seconds(d), d))
+        parts = min(models, key=lambda p: (models[p].seconds(p), p))
     if parts not in models:
         raise ValueError(f"parts must be one of {sorted(models)}, got {parts!r}")
     return models[parts]
@@ -160,12 +161,12 @@ def decompose_part_seconds(w: Workload, topo: Topology, parts: int) -> tuple[flo
 
 def decompose_parts(w: Workload) -> tuple[int, ...]:
     """Feasible part counts above 1 (``Workload.parts_allowed``), at most ``MAX_PARTS``."""
-    return tuple(d for d in w.parts_allowed() if 1 < d <= MAX_PARTS)
+    return tuple(parts for parts in w.parts_allowed() if 1 < parts <= MAX_PARTS)
 
 
 @dataclass(frozen=True)
 class FusedBreakdown:
-    chunk_gemm_s: float
+    piece_gemm_s: float        # the GEMM of the piece in hand (a block of m/g rows, or a host-staged piece)
     steps_s: tuple[float, ...]
     seconds: float
     gemm_s: float = 0.0        # host-staged: all GEMMs of the pair (steps_s: the one pipelined transfer)
@@ -200,9 +201,9 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
 
 
 def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:
-    """IntraFusion on ``schedule``: g chunks of m/g rows; step i's transfer hides behind the GEMM
-    of the chunk in hand.  all_gather: local chunk first, the last arrival's GEMM exposed;
-    reduce_scatter: the first chunk's GEMM exposed, each step adds into the travelling
+    """IntraFusion on ``schedule``: g blocks of m/g rows; step i's transfer hides behind the GEMM
+    of the block in hand.  all_gather: local block first, the last arrival's GEMM exposed;
+    reduce_scatter: the first block's GEMM exposed, each step adds into the travelling
     accumulator; all_reduce: fused reduce-scatter, then an all-gather of the result on the same
     schedule that nothing hides.  GPUs without peer access: :func:`host_staged_breakdown`."""
     if w.group_size > 1 and topo.host_copy(w.group_size):
@@ -215,17 +216,17 @@ def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdow
     steps = schedule_steps(topo, g, shard, schedule)
     transfer = sum(t for _, t in steps)
     rate = 2.0 * shard * len(steps) / transfer if transfer > 0 else 0.0
-    chunk = _gemms_seconds(w, rows, topo, 0, rate) / FUSED_GEMM_EFFICIENCY
+    block_gemm = _gemms_seconds(w, rows, topo, 0, rate) / FUSED_GEMM_EFFICIENCY
     if w.kind != "all_gather_matmul":  # add the incoming partial sum: read two, write one
-        chunk += 3 * rows * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
+        block_gemm += 3 * rows * w.n * elt / (spec.hbm_gbps * 1e9 * spec.memory_efficiency)
     step_s = tuple(l + t for l, t in steps)
     if w.kind == "all_gather_matmul":
-        total = FUSED_SETUP_S + _grouped_consumer_seconds(w, topo, rows, chunk, step_s, rate)
+        total = FUSED_SETUP_S + _grouped_consumer_seconds(w, topo, rows, block_gemm, step_s, rate)
     else:
-        total = FUSED_SETUP_S + chunk + sum(max(chunk, s) for s in step_s)
+        total = FUSED_SETUP_S + block_gemm + sum(max(block_gemm, s) for s in step_s)
     if w.kind == "matmul_all_reduce":
         total += sum(step_s) + FUSED_SETUP_S
-    return FusedBreakdown(chunk, step_s, total)
+    return FusedBreakdown(block_gemm, step_s, total)
 
 
 def _grouped_consumer_seconds(w: Workload, topo: Topology, rows: int, own: float, step_s: tuple[float, ...],

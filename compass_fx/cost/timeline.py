@@ -37,10 +37,9 @@ def candidate_segments(w: Workload, topo: Topology, c: Candidate) -> list[Segmen
             return [Segment(COMM, 0, comm), Segment(COMPUTE, comm, comm + gemm)]
         return [Segment(COMPUTE, 0, gemm), Segment(COMM, gemm, gemm + comm)]
     if c.strategy == "decompose":
-        d = c.parts
-        comm, g = decompose_part_seconds(w, topo, d)
+        comm, g = decompose_part_seconds(w, topo, c.parts)
         segs, comm_end, gemm_end = [], 0.0, 0.0
-        for i in range(d):
+        for i in range(c.parts):
             if gather:
                 c0 = comm_end
                 comm_end = c0 + comm
@@ -56,7 +55,7 @@ def candidate_segments(w: Workload, topo: Topology, c: Candidate) -> list[Segmen
         return segs
     fb = fused_breakdown(w, topo, c.schedule or "ring")
     if fb.host_staged:  # one pipelined transfer through host memory beside the whole GEMM
-        moving, piece = fb.steps_s[0], fb.chunk_gemm_s
+        moving, piece = fb.steps_s[0], fb.piece_gemm_s
         if gather:  # every row but the last piece's, then that piece once it has arrived
             rest = fb.gemm_s - piece
             return [Segment(COMM, 0, moving), Segment(COMPUTE, 0, rest),
@@ -65,14 +64,14 @@ def candidate_segments(w: Workload, topo: Topology, c: Candidate) -> list[Segmen
                 Segment(COMM, piece, piece + moving)]
     segs, t = [], 0.0
     if not gather:
-        segs.append(Segment(COMPUTE, 0, fb.chunk_gemm_s))
-        t = fb.chunk_gemm_s
+        segs.append(Segment(COMPUTE, 0, fb.piece_gemm_s))
+        t = fb.piece_gemm_s
     for i, s in enumerate(fb.steps_s):
-        segs += [Segment(COMPUTE, t, t + fb.chunk_gemm_s, f"{i}"), Segment(COMM, t, t + s, f"{i}")]
-        t += max(fb.chunk_gemm_s, s)
+        segs += [Segment(COMPUTE, t, t + fb.piece_gemm_s, f"{i}"), Segment(COMM, t, t + s, f"{i}")]
+        t += max(fb.piece_gemm_s, s)
     if gather:
-        segs.append(Segment(COMPUTE, t, t + fb.chunk_gemm_s))
-        t += fb.chunk_gemm_s
+        segs.append(Segment(COMPUTE, t, t + fb.piece_gemm_s))
+        t += fb.piece_gemm_s
     if w.kind == "matmul_all_reduce":
         for s in fb.steps_s:
             segs.append(Segment(COMM, t, t + s, "ag"))

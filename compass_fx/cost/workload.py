@@ -60,4 +60,4 @@ class Workload:
         if self.feasible_parts is not None:
             return tuple(sorted(set(self.feasible_parts) | {1}))
         rows = self.local_rows
-        return tuple(d for d in range(1, rows + 1) if rows % d == 0)
+        return tuple(parts for parts in range(1, rows + 1) if rows % parts == 0)

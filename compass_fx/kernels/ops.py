@@ -2,8 +2,8 @@
 
 Registered once when ``compass_fx.kernels`` is imported.  Each op has a fake (meta) kernel so it
 survives tracing as one node, an any-backend kernel (the schedule over point-to-point messages,
-:mod:`.cpu_impl`), a CUDA kernel (peer-to-peer copies out of symmetric memory on the copy engines,
-epoch flags, cuBLAS per piece: :mod:`.cuda_impl` running :mod:`.protocol`'s plans), and autograd
+:mod:`.reference`), a CUDA kernel (peer-to-peer copies out of symmetric memory on the copy engines,
+epoch flags, cuBLAS per piece: :mod:`.cuda.impl` running :mod:`.protocol`'s plans), and autograd
 whose backward is expressed through the other ops, so eager training works too.
 
 Layout: every matrix is 2-D and rows are rank-major blocks, exactly as
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from . import cpu_impl
+from . import reference
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -54,7 +54,7 @@ def all_gather_matmul(a_shard: Tensor, bs: list[Tensor], schedule: str, group_na
                       group_size: int) -> tuple[Tensor, list[Tensor]]:
     """gathered = all_gather(a_shard, dim 0); outs[j] = gathered @ bs[j] (one gather, many weights)."""
     _check_common(a_shard, bs, schedule, group_size)
-    return cpu_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+    return reference.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
 
 
 @all_gather_matmul.register_fake
@@ -67,11 +67,11 @@ def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_s
 @all_gather_matmul.register_kernel("cuda")
 def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
     _check_common(a_shard, bs, schedule, group_size)
-    from . import cuda_impl
+    from .cuda import impl as cuda
 
-    if cuda_impl.supported(a_shard.dtype):
-        return cuda_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
-    return cpu_impl.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+    if cuda.supported(a_shard.dtype):
+        return cuda.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+    return reference.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
 
 
 def _ag_setup(ctx, inputs, output) -> None:
@@ -117,7 +117,7 @@ def matmul_reduce_scatter(a: Tensor, b: Tensor, schedule: str, group_name: str, 
     """reduce_scatter(a @ b, "sum") on dim 0, pieces produced in the order the ring sends them."""
     _check_common(a, [b], schedule, group_size)
     _check_divisible(a.shape[0], group_size)
-    return cpu_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+    return reference.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
 
 
 @matmul_reduce_scatter.register_fake
@@ -131,11 +131,11 @@ def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
 def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
     _check_divisible(a.shape[0], group_size)
-    from . import cuda_impl
+    from .cuda import impl as cuda
 
-    if cuda_impl.supported(a.dtype):
-        return cuda_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
-    return cpu_impl.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+    if cuda.supported(a.dtype):
+        return cuda.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
+    return reference.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
 
 
 def _rs_setup(ctx, inputs, output) -> None:
@@ -163,7 +163,7 @@ matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
 def matmul_all_reduce(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
     """all_reduce(a @ b, "sum"): reduce-scatter then all-gather on the same rings."""
     _check_common(a, [b], schedule, group_size)
-    return cpu_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
+    return reference.matmul_all_reduce(a, b, schedule, group_name, group_size)
 
 
 @matmul_all_reduce.register_fake
@@ -175,11 +175,11 @@ def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
 @matmul_all_reduce.register_kernel("cuda")
 def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
-    from . import cuda_impl
+    from .cuda import impl as cuda
 
-    if cuda_impl.supported(a.dtype) and a.shape[0] % group_size == 0:
-        return cuda_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
-    return cpu_impl.matmul_all_reduce(a, b, schedule, group_name, group_size)
+    if cuda.supported(a.dtype) and a.shape[0] % group_size == 0:
+        return cuda.matmul_all_reduce(a, b, schedule, group_name, group_size)
+    return reference.matmul_all_reduce(a, b, schedule, group_name, group_size)
 
 
 def _ar_setup(ctx, inputs, output) -> None:
@@ -224,10 +224,10 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
     def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
         _check_common(a, [b], schedule, group_size)
         _check_divisible(a.shape[0], group_size)
-        from . import cuda_impl
+        from .cuda import impl as cuda
 
-        if cuda_impl.supported(a.dtype):
-            return getattr(cuda_impl, cuda_fn)(a, b, schedule, group_name, group_size, deferred=True)
+        if cuda.supported(a.dtype):
+            return getattr(cuda, cuda_fn)(a, b, schedule, group_name, group_size, deferred=True)
         return sync_op(a, b, schedule, group_name, group_size)
 
 
@@ -246,9 +246,9 @@ def fused_schedules_available(device_type: str, dtype: torch.dtype) -> tuple[str
     if device_type == "cpu":
         return SCHEDULES if dtype in _FLOAT_DTYPES else ()
     if device_type == "cuda":
-        from . import cuda_impl
+        from .cuda import impl as cuda
 
-        if cuda_impl.supported(dtype):
+        if cuda.supported(dtype):
             return SCHEDULES
         return SCHEDULES if os.environ.get("COMPASS_CUDA_FUSED") == "p2p" and dtype in _FLOAT_DTYPES else ()
     return ()

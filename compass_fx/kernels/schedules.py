@@ -1,8 +1,8 @@
 """Communication schedules of the fused operators: who sends which piece to whom, and when.
 
-Pure Python, so that the CPU implementation, the CUDA implementation, the Triton tests and the
-cost model all walk the very same steps, and so that the schedules can be property-tested for any
-world size without a process group.
+Pure Python, so that the reference implementation (:mod:`.reference`), the CUDA path's plans
+(:mod:`.protocol`) and the cost model all walk the very same steps, and so that the schedules can
+be property-tested for any world size without a process group.
 
 Vocabulary.  The tensor that travels is cut into ``world_size`` *blocks* of rows, block ``b``
 being the rows that rank ``b`` owns (its all-gather shard, or its reduce-scatter result).  A block

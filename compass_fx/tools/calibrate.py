@@ -33,7 +33,7 @@ def grid_shapes(tokens: Iterable[int] = (2048, 4096, 8192, 16384), group_sizes: 
     return shapes
 
 
-def measure_gemms(shapes: Sequence[tuple[int, int, int]], parts: Sequence[int] = (1, 2, 4, 8, 16, 32),
+def measure_gemms(shapes: Sequence[tuple[int, int, int]], part_counts: Sequence[int] = (1, 2, 4, 8, 16, 32),
                   dtype: str = "bfloat16", device: str = "cuda", min_time_s: float = 0.02,
                   progress: bool = False) -> list[GemmMeasurement]:
     """Median time of each shape split into each part count (CUDA events on a GPU; a wall clock
@@ -47,17 +47,17 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], parts: Sequence[int] =
         a = torch.randn(m, k, device=device, dtype=tdtype)
         b = torch.randn(k, n, device=device, dtype=tdtype)
         c = torch.empty(m, n, device=device, dtype=tdtype)
-        for d in parts:
-            if m % d:
+        for parts in part_counts:
+            if m % parts:
                 continue
-            rows = m // d
-            pieces = [(a[j * rows:(j + 1) * rows], c[j * rows:(j + 1) * rows]) for j in range(d)]
+            rows = m // parts
+            pieces = [(a[j * rows:(j + 1) * rows], c[j * rows:(j + 1) * rows]) for j in range(parts)]
 
             def run(pieces=pieces, weight=b) -> None:
                 for x, y in pieces:
                     torch.mm(x, weight, out=y)
 
-            out.append(GemmMeasurement(m, n, k, d, _median_time(run, cuda, min_time_s)))
+            out.append(GemmMeasurement(m, n, k, parts, _median_time(run, cuda, min_time_s)))
         if progress:
             print(f"  measured {i + 1}/{len(shapes)}: {m}x{n}x{k}", flush=True)
         del a, b, c
@@ -125,7 +125,8 @@ def measure_fused_host(calls: int = 200) -> dict:
     its fused host time with these (``cost.strategies.fused_host_seconds``)."""
     import torch
 
-    from ..kernels import driver, ops  # noqa: F401 - ops registers torch.ops.compass
+    from ..kernels import ops  # noqa: F401 - registers torch.ops.compass
+    from ..kernels.cuda import driver
 
     a = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)

@@ -75,27 +75,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps({
             "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
             "sequential_s": lp.sequential_s, "planned_s": lp.planned_s, "speedup": lp.speedup,
-            "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": d.label,
-                       "predicted_s": d.predicted_s, "reason": d.reason,
-                       "candidates": {c.label: c.seconds for c in d.candidates}} for name, w, d in lp.rows],
+            "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": decision.label,
+                       "predicted_s": decision.predicted_s, "reason": decision.reason,
+                       "candidates": {c.label: c.seconds for c in decision.candidates}}
+                      for name, w, decision in lp.rows],
         }, indent=2))
     else:
         print(format_layer_plan(lp))
     print(f"compass-fx plan: {provenance(args.fused, fuses_by_default(topo, args.tp))}", file=sys.stderr)
     if args.no_png:
         return 0
-    views = [("sequential", sequence([(n, candidate_segments(w, topo, d.candidate("sequential")))
-                                      for n, w, d in lp.rows]))]
+    views = [("sequential", sequence([(n, candidate_segments(w, topo, decision.candidate("sequential")))
+                                      for n, w, decision in lp.rows]))]
     for family in ("decompose", "fuse"):
         picks = []
-        for n, w, d in lp.rows:
-            cands = [c for c in d.candidates if c.strategy == family]
+        for n, w, decision in lp.rows:
+            cands = [c for c in decision.candidates if c.strategy == family]
             if cands:
                 picks.append((n, candidate_segments(w, topo, min(cands, key=lambda c: c.seconds))))
         if len(picks) == len(lp.rows):
             views.append((f"best {family} per pair", sequence(picks)))
     views.append(("planned", sequence([(n, candidate_segments(w, topo, next(
-        c for c in d.candidates if c.label == d.label))) for n, w, d in lp.rows])))
+        c for c in decision.candidates if c.label == decision.label))) for n, w, decision in lp.rows])))
     png = args.png or f"compass-plan-{args.model}-tp{args.tp}-{args.tokens}-{topo.name}.png"
     try:
         path = plot_timelines(views, png, f"{args.model} tp={args.tp} tokens={args.tokens} on {topo.name}")

@@ -63,19 +63,19 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     for i, (tname, model, kind, tokens, g) in enumerate(product(config.topologies, config.models, config.kinds,
                                                                 config.tokens, config.group_sizes)):
         w = grid_workload(kind, model, tokens, g)
-        d = plan(w, topos[tname], fused_schedules=config.fused_schedules)
-        decs = [c for c in d.candidates if c.strategy == "decompose"]
-        fuses = [c for c in d.candidates if c.strategy == "fuse"]
+        decision = plan(w, topos[tname], fused_schedules=config.fused_schedules)
+        decs = [c for c in decision.candidates if c.strategy == "decompose"]
+        fuses = [c for c in decision.candidates if c.strategy == "fuse"]
         best_dec = min(decs, key=lambda c: c.seconds) if decs else None
         best_fuse = min(fuses, key=lambda c: c.seconds) if fuses else None
-        seq = d.candidate("sequential").seconds
+        seq = decision.candidate("sequential").seconds
         rows.append({
             "topology": tname, "model": model, "kind": kind, "tokens": tokens, "group_size": g,
-            "m": w.m, "n": w.n, "k": w.k, "winner": d.label, "family": _family(d.label),
-            "predicted_s": d.predicted_s, "sequential_s": seq, "speedup": seq / d.predicted_s,
+            "m": w.m, "n": w.n, "k": w.k, "winner": decision.label, "family": _family(decision.label),
+            "predicted_s": decision.predicted_s, "sequential_s": seq, "speedup": seq / decision.predicted_s,
             "best_decompose": best_dec.label if best_dec else "", "best_decompose_s": best_dec.seconds if best_dec else "",
             "best_fuse": best_fuse.label if best_fuse else "", "best_fuse_s": best_fuse.seconds if best_fuse else "",
-            "d_star": d.d_star if d.d_star is not None else "",
+            "d_star": decision.d_star if decision.d_star is not None else "",
         })
         if progress:
             progress(i + 1, total)

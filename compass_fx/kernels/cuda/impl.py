@@ -1,4 +1,4 @@
-"""CUDA implementation of the fused operators: :mod:`.protocol`'s plans on real streams.
+"""CUDA implementation of the fused operators: :mod:`..protocol`'s plans on real streams.
 
 Compute (cuBLAS GEMMs, the sums of a reduce-scatter) runs on the caller's stream, one GEMM per
 piece, own rows first, so it keeps every multiprocessor.  Everything else runs on a high-priority
@@ -22,12 +22,12 @@ from typing import Callable
 
 import torch
 
+from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
+                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, consumer_group_rows,
+                        join_start)
+from ..reference import resolve_group
 from . import driver, watchdog
-from .cpu_impl import resolve_group
 from .host_memory import Layout, SharedHostArena
-from .protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
-                       SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, consumer_group_rows,
-                       join_start)
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 _workspaces: dict[tuple, "_Workspace"] = {}
@@ -66,7 +66,7 @@ def transport() -> str:
     memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
     ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
     as the cost model assumes), peer or host."""
-    from ..machine.detect import host_staged
+    from ...machine.detect import host_staged
 
     wanted = os.environ.get("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
     if wanted not in ("auto", "peer", "host"):
