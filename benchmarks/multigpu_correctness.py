@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import launch, output, pairs, ranks  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from compass_fx.cost.decision import strategy_label  # noqa: E402
 
 NAME = "multigpu_correctness"
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -136,10 +137,10 @@ def op_labels(ctx: ranks.Ctx, kind: str, args, best_parts: int | None) -> list[t
     local = args.m // ctx.world if kind == "all_gather_matmul" else args.m
     step = ctx.world if kind == "matmul_reduce_scatter" else 1
     if best_parts:
-        labels.append((f"decompose(d={best_parts})", "model's d"))
+        labels.append((strategy_label("decompose", best_parts), "model's d"))
     for parts in (int(x) for x in args.forced_d.split(",") if x):
         if parts != best_parts and parts > 1 and local % (parts * step) == 0:
-            labels.append((f"decompose(d={parts})", "forced d"))
+            labels.append((strategy_label("decompose", parts), "forced d"))
     fused = fused_schedules_available(ctx.device.type, DTYPES[args.dtype])
     for s in ("ring", "double_ring", "direct"):
         labels.append((f"fuse({s})", "fused" if s in fused else "fused (no implementation here)"))
@@ -251,11 +252,11 @@ def compiled_options(args, best_parts: int | None, ctx: ranks.Ctx, kind: str) ->
             part_counts += [int(x) for x in args.forced_d.split(",") if x and int(x) not in part_counts]
             for parts in part_counts:
                 if parts > 1 and local % (parts * ctx.world) == 0:
-                    out.append((f"decompose(d={parts})", dict(base, strategy="decompose", chunks=parts)))
+                    out.append((strategy_label("decompose", parts), dict(base, strategy="decompose", chunks=parts)))
         elif s == "fuse":
             if fused_schedules_available(ctx.device.type, DTYPES[args.dtype]):
                 for sched in ("ring", "double_ring", "direct"):
-                    out.append((f"fuse({sched})", dict(base, strategy="fuse", schedule=sched)))
+                    out.append((strategy_label("fuse", schedule=sched), dict(base, strategy="fuse", schedule=sched)))
         else:
             raise SystemExit(f"unknown compiled strategy {s!r}")
     return out
@@ -267,9 +268,7 @@ def _report_summary() -> tuple[str, int]:
     rep = compass_fx.last_report()
     items, rewritten = [], 0
     for p in rep.pairs:
-        label = p.strategy if p.strategy != "decompose" else f"decompose(d={p.parts})"
-        if p.strategy == "fuse":
-            label = f"fuse({p.schedule})"
+        label = strategy_label(p.strategy, p.parts, p.schedule)
         items.append(f"{p.graph}:{p.kind}:{label}:{p.status}")
         rewritten += p.status == "rewritten"
     return "; ".join(items), rewritten

@@ -41,6 +41,7 @@ from harness import launch, output, profiling, ranks  # noqa: E402  (sets the no
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from compass_fx.cost.decision import strategy_label  # noqa: E402
 
 NAME = "multigpu_end_to_end"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -260,7 +261,7 @@ def run_mode(ctx: ranks.Ctx, args, mode: str, sp: bool, mesh) -> dict:
         out["compass_rewritten"] = sum(p.status == "rewritten" for p in rep.pairs)
         decisions: dict[str, int] = {}
         for p in rep.pairs:
-            label = {"decompose": f"decompose(d={p.parts})", "fuse": f"fuse({p.schedule}{', async' if p.asynchronous else ''})"}.get(p.strategy, p.strategy)
+            label = strategy_label(p.strategy, p.parts, p.schedule, p.asynchronous)
             key = f"{p.graph}:{p.kind}:{label}"
             decisions[key] = decisions.get(key, 0) + 1
         out["compass_decisions"] = decisions

@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import launch, output, pairs, ranks, timing  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
+from compass_fx.cost.decision import strategy_label  # noqa: E402
 
 NAME = "multigpu_operators"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -145,8 +146,8 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     labels = ["sequential"]
     part_counts = sorted({int(x) for x in args.decompose_ds.split(",") if x}
                          | ({model_parts} if model_parts else set()))
-    labels += [f"decompose(d={parts})" for parts in part_counts if parts > 1 and feasible(kind, m, ctx.world, parts)]
-    labels += [f"fuse({s})" for s in distinct_schedules(fused, ctx.world)]  # the operators the model tells apart
+    labels += [strategy_label("decompose", parts) for parts in part_counts if parts > 1 and feasible(kind, m, ctx.world, parts)]
+    labels += [strategy_label("fuse", schedule=s) for s in distinct_schedules(fused, ctx.world)]  # the operators the model tells apart
     if decision.label not in labels:
         labels.append(decision.label)
     a, b = pairs.pair_operands(kind, m, n, k, ctx.world, ctx.rank, dtype, ctx.device, seed=cfg["tokens"])

@@ -24,6 +24,7 @@ from harness import launch, output, pairs, ranks, timing  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from compass_fx.cost.decision import strategy_label  # noqa: E402
 
 NAME = "profile_pair"
 
@@ -151,7 +152,7 @@ def worker(ctx: ranks.Ctx, args) -> dict:
     shapes = [("all_gather_matmul", GatherMatmul, 4096 // div, 7168 // div, args.tokens // ctx.world // div),
               ("matmul_reduce_scatter", MatmulReduceScatter, 7168 // div, 4096 // div, args.tokens // div)]
     variants = [("inductor", None), ("compass off", "sequential")]
-    variants += [(f"decompose d={parts}", f"decompose(d={parts})") for parts in (2, 4, 8)]
+    variants += [(f"decompose d={parts}", strategy_label("decompose", parts)) for parts in (2, 4, 8)]
     if not args.decompose_only:
         variants += [("fuse direct", "fuse(direct)")]
     variants += [("auto", "auto")]

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-STRATEGY_CHOICES = ("auto", "off", "decompose", "fuse")
+from .kernels.schedules import SCHEDULES as SCHEDULE_CHOICES
+
+STRATEGY_CHOICES = ("auto", "off", "decompose", "fuse")  # what the user asks for; the cost model's
+#                                                           outcomes are cost.decision.STRATEGIES
 INNER_CHOICES = ("inductor", "eager")
-SCHEDULE_CHOICES = ("ring", "double_ring", "direct")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cost.decision import strategy_label
+
 
 @dataclass
 class PairRecord:
@@ -145,8 +147,4 @@ def _legend(report: Report) -> list[str]:
 
 
 def _decision_label(p: PairRecord) -> str:
-    if p.strategy == "decompose":
-        return f"decompose(d={p.parts})"
-    if p.strategy == "fuse":
-        return f"fuse({p.schedule}{', async' if p.asynchronous else ''})"
-    return p.strategy
+    return strategy_label(p.strategy, p.parts, p.schedule, p.asynchronous)

@@ -161,3 +161,14 @@ def test_fused_calls_cost_at_least_the_hosts_work():
     ring_ar = Workload("matmul_all_reduce", 8192, 4096, 7168, "bfloat16", 4)
     ring_rs = Workload("matmul_reduce_scatter", 8192, 4096, 7168, "bfloat16", 4)
     assert fused_host_seconds(ring_ar, nvlink, "ring") > 1.5 * fused_host_seconds(ring_rs, nvlink, "ring")
+
+
+def test_strategy_labels_are_written_and_read_by_one_rule():
+    from compass_fx.cost.decision import Candidate, strategy_label
+
+    for c in (Candidate("sequential"), Candidate("decompose", 4), Candidate("fuse", 1, "double_ring")):
+        assert Candidate.from_label(c.label) == Candidate(c.strategy, c.parts, c.schedule)
+    assert strategy_label("fuse", schedule="direct", asynchronous=True) == "fuse(direct, async)"
+    for bad in ("fuse(ringg)", "decompose(d=x)", "decompose", "auto"):
+        with pytest.raises(ValueError, match="not a strategy label"):
+            Candidate.from_label(bad)

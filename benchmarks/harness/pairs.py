@@ -107,13 +107,14 @@ class PairGraph(torch.nn.Module):
 
 def lowered_options(label: str) -> dict:
     """backend="compass" options that force the strategy ``label`` names."""
-    if label == "sequential":
+    from compass_fx.cost.decision import Candidate
+
+    c = Candidate.from_label(label)
+    if c.strategy == "sequential":
         return {"strategy": "off"}
-    if label.startswith("decompose(d="):
-        return {"strategy": "decompose", "chunks": int(label.split("=")[1].rstrip(")"))}
-    if label.startswith("fuse("):
-        return {"strategy": "fuse", "schedule": label[5:-1]}
-    raise ValueError(f"unknown strategy label {label!r}")
+    if c.strategy == "decompose":
+        return {"strategy": "decompose", "chunks": c.parts}
+    return {"strategy": "fuse", "schedule": c.schedule}
 
 
 def lowered_fn(kind: str, label: str, world: int, group: str, inner: str = "eager"

@@ -3,8 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kernels.schedules import SCHEDULES  # noqa: F401  (re-exported: the one list of schedule names)
+
 STRATEGIES = ("sequential", "decompose", "fuse")
-SCHEDULES = ("ring", "double_ring", "direct")
+
+
+def strategy_label(strategy: str, parts: int = 1, schedule: str | None = None, asynchronous: bool = False) -> str:
+    """How a strategy is written everywhere (reports, benchmarks, cost hooks' keys):
+    "sequential", "decompose(d=4)", "fuse(ring)", "fuse(direct, async)"."""
+    if strategy == "decompose":
+        return f"decompose(d={parts})"
+    if strategy == "fuse":
+        return f"fuse({schedule}{', async' if asynchronous else ''})"
+    return strategy
 
 
 @dataclass(frozen=True)
@@ -18,11 +29,18 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if self.strategy == "decompose":
-            return f"decompose(d={self.parts})"
-        if self.strategy == "fuse":
-            return f"fuse({self.schedule})"
-        return self.strategy
+        return strategy_label(self.strategy, self.parts, self.schedule)
+
+    @classmethod
+    def from_label(cls, label: str) -> "Candidate":
+        """The candidate a :func:`strategy_label` names (ValueError for anything else)."""
+        if label == "sequential":
+            return cls("sequential")
+        if label.startswith("decompose(d=") and label.endswith(")") and label[12:-1].isdigit():
+            return cls("decompose", int(label[12:-1]))
+        if label.startswith("fuse(") and label.endswith(")") and label[5:-1] in SCHEDULES:
+            return cls("fuse", 1, label[5:-1])
+        raise ValueError(f"not a strategy label: {label!r} (e.g. 'sequential', 'decompose(d=4)', 'fuse(ring)')")
 
 
 @dataclass(frozen=True)
