@@ -3,6 +3,6 @@
 Stages, each importing only those before it: ``kernels`` and ``cost`` (pure), ``graph``, then
 ``passes`` finding and deciding, ``lowering``, and the pass on top (``passes.run``), the backend.
 """
-from .pairs import Pair, RowLayout
+from .pairs import GatherPair, Pair, ReducePair, RowLayout
 
-__all__ = ["Pair", "RowLayout"]
+__all__ = ["GatherPair", "Pair", "ReducePair", "RowLayout"]

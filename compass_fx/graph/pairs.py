@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from ..cost.workload import Workload
+from ..cost.workload import PAIR_KINDS, Workload
+
+ALL_GATHER_MATMUL, MATMUL_REDUCE_SCATTER, MATMUL_ALL_REDUCE = PAIR_KINDS  # the names, defined once there
 
 
 @dataclass(frozen=True)
@@ -32,10 +35,6 @@ class RowLayout:
     def local_extent(self) -> int:
         """Extent of ``dim`` that one rank holds."""
         return self.shape[self.dim] // self.world
-
-    def feasible_parts(self) -> tuple[int, ...]:
-        n = self.local_extent
-        return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass(frozen=True)
@@ -79,84 +78,65 @@ class ContractionConsumer:
     region: tuple[fx.Node, ...] = ()     # float8: the row-local nodes computing V (see RowConsumer)
 
 
-@dataclass
-class Pair:
-    """One matched site, everything the lowering and the cost model need.
+@dataclass(kw_only=True)
+class Pair(ABC):
+    """What every matched site has: the collective, its wait, the row layout around it, the group.
 
-    For ``all_gather_matmul`` the collective's logical result feeds the consumers; for the
-    producer kinds, ``terms`` are the mm/addmm nodes whose sum is reduced.
+    Two kinds of site, two types: :class:`GatherPair` (a gather whose rows feed matmuls) and
+    :class:`ReducePair` (a sum of matmuls reduced by a reduce-scatter or an all-reduce): each
+    holds only the fields that mean something for it, so no field sits unset for the other kind.
+    ``kind`` names the site with one of ``PAIR_KINDS`` for the report, the cost model and the CLI.
     """
 
-    kind: str
-    graph: str
+    graph_name: str         # "forward" / "backward": the AOTAutograd graph the site is in
     collective: fx.Node
     wait: fx.Node
     layout: RowLayout
     group_name: str
     group_size: int
-    dtype: torch.dtype
-    reduce_op: str | None = None
-    # all_gather_matmul
-    shard: fx.Node | None = None            # the collective's input (this rank's shard)
-    logical: fx.Node | None = None          # the gathered tensor in its logical shape
-    row_consumers: list[RowConsumer] = field(default_factory=list)
-    contraction_consumers: list[ContractionConsumer] = field(default_factory=list)
-    other_users: int = 0                    # uses that need the whole gathered tensor
-    # matmul_reduce_scatter / matmul_all_reduce
-    terms: list[fx.Node] = field(default_factory=list)
-    reduced: fx.Node | None = None          # the collective's input in its logical shape
-    # Wild-graph details (empty for the plain DTensor shapes):
-    reduce_casts: tuple[torch.dtype, ...] = ()  # every dtype conversion between the terms and ``reduced``
-    forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)  # bmm terms -> their weight
-    escapes: list[fx.Node] = field(default_factory=list)  # nodes of the reduced sum used elsewhere too
-    scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
-    #                                              output is permute(scatter of reduced on dim, perm)
-    row_factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul(term, f) -> f (f scales rows/cols)
+    dtype: torch.dtype      # what the collective moves
 
     @property
-    def plain(self) -> bool:
-        """True when every matmul is a plain mm/addmm (not a float8 _scaled_mm) fed (or feeding)
-        without casts or extra uses.
-
-        Lowerings that only know the plain DTensor shapes must check this and leave the pair
-        alone when it is False.
-        """
-        consumers = list(self.row_consumers) + list(self.contraction_consumers)
-        return (not self.reduce_casts and not self.forms and not self.escapes and self.scatter_perm is None
-                and not self.row_factors and all(not c.casts for c in consumers)
-                and all(not c.region for c in consumers)
-                and all(c.weight is None for c in self.row_consumers)
-                and not any(mm.target is torch.ops.aten._scaled_mm.default for mm in self.matmuls))
+    @abstractmethod
+    def kind(self) -> str:
+        """One of ``PAIR_KINDS``."""
 
     @property
+    @abstractmethod
     def matmuls(self) -> list[fx.Node]:
-        if self.kind == "all_gather_matmul":
-            return [c.mm for c in self.row_consumers] + [c.mm for c in self.contraction_consumers]
-        return list(self.terms)
+        """Every matmul node that shares the collective."""
 
-    def mnk(self) -> tuple[int, int, int]:
-        """m = full rows; n, k such that 2*m*n*k is the FLOP count of all matmuls sharing the collective.
+    @property
+    @abstractmethod
+    def logical_tensor(self) -> fx.Node:
+        """The tensor the collective moves, in its logical shape (gathered, or summed before the reduction)."""
 
-        A gather feeding several GEMMs sums their output columns into n (same K); a reduced sum of
-        several GEMMs sums their inner dims into k (same N).
+    @property
+    @abstractmethod
+    def split_extent(self) -> int:
+        """The extent a decomposition divides into parts (every part count must divide it)."""
+
+    @property
+    @abstractmethod
+    def is_plain_dtensor_shape(self) -> bool:
+        """True when the site is as DTensor traces it: plain mm/addmm (no float8 ``_scaled_mm``,
+        no bmm form) fed or feeding without dtype casts, extra uses or permutes.
+
+        Lowerings that only know these shapes (the fused operators) must check this and leave the
+        pair alone when it is False; the decomposition handles every matched site.
         """
-        m = self.layout.rows
-        if self.kind == "all_gather_matmul":
-            k = self.layout.shape[-1]
-            n = sum(int(c.mm.meta["val"].shape[-1]) for c in self.row_consumers)
-            n += sum(int(c.other.meta["val"].shape[-1]) for c in self.contraction_consumers)
-            return m, n, k
-        n = self.layout.shape[-1]
-        k = sum(int(mm_operands(t)[0].meta["val"].shape[-1]) for t in self.terms)
-        return m, n, k
+
+    @abstractmethod
+    def mnk(self) -> tuple[int, int, int]:
+        """m = full rows; n, k such that 2*m*n*k is the FLOP count of all matmuls sharing the collective."""
 
     def feasible_parts(self) -> tuple[int, ...]:
-        if self.kind == "matmul_all_reduce":
-            m = self.layout.rows
-            return tuple(d for d in range(1, m + 1) if m % d == 0)
-        return self.layout.feasible_parts()
+        """Every part count the site can be split into: the divisors of ``split_extent``."""
+        n = self.split_extent
+        return tuple(parts for parts in range(1, n + 1) if n % parts == 0)
 
     def workload(self) -> Workload:
+        """The pair as numbers, free of the graph, for the cost model."""
         m, n, k = self.mnk()
         dtype = str(self.dtype).replace("torch.", "")
         gemm = self.gemm_dtype()
@@ -174,8 +154,104 @@ class Pair:
         return str(self.dtype).replace("torch.", "")
 
     def describe(self) -> str:
+        """One line naming the pair, for logs and errors (ranks compare it to agree on a pair)."""
         m, n, k = self.mnk()
         return f"{self.kind}[{self.collective.name}] m={m} n={n} k={k} dim={self.layout.dim}"
+
+    def _has_scaled_mm(self) -> bool:
+        return any(mm.target is torch.ops.aten._scaled_mm.default for mm in self.matmuls)
+
+
+@dataclass(kw_only=True)
+class GatherPair(Pair):
+    """An all_gather whose gathered rows feed matmuls (``all_gather_matmul``).
+
+    Each rank's shard is split along ``layout.dim``, so a part is a slice of every rank's shard.
+    """
+
+    shard: fx.Node          # the collective's input (this rank's shard)
+    logical: fx.Node        # the gathered tensor in its logical shape
+    row_consumers: list[RowConsumer] = field(default_factory=list)
+    contraction_consumers: list[ContractionConsumer] = field(default_factory=list)
+    whole_tensor_uses: int = 0  # uses that need the whole gathered tensor (rebuilt from the parts)
+
+    @property
+    def kind(self) -> str:
+        return ALL_GATHER_MATMUL
+
+    @property
+    def matmuls(self) -> list[fx.Node]:
+        return [c.mm for c in self.row_consumers] + [c.mm for c in self.contraction_consumers]
+
+    @property
+    def logical_tensor(self) -> fx.Node:
+        return self.logical
+
+    @property
+    def split_extent(self) -> int:
+        return self.layout.local_extent
+
+    @property
+    def is_plain_dtensor_shape(self) -> bool:
+        consumers = list(self.row_consumers) + list(self.contraction_consumers)
+        return (all(not c.casts and not c.region for c in consumers)
+                and all(c.weight is None for c in self.row_consumers) and not self._has_scaled_mm())
+
+    def mnk(self) -> tuple[int, int, int]:
+        """A gather feeding several GEMMs sums their output columns into n (same K)."""
+        m, k = self.layout.rows, self.layout.shape[-1]
+        n = sum(int(c.mm.meta["val"].shape[-1]) for c in self.row_consumers)
+        n += sum(int(c.other.meta["val"].shape[-1]) for c in self.contraction_consumers)
+        return m, n, k
+
+
+@dataclass(kw_only=True)
+class ReducePair(Pair):
+    """A sum of matmuls reduced by a reduce_scatter (``matmul_reduce_scatter``) or, with
+    ``all_reduce``, by an all_reduce (``matmul_all_reduce``).
+
+    A reduce-scatter's parts are slices of each rank's block of ``layout.dim``; an all-reduce
+    keeps every row, so its parts are runs of the rows themselves.
+    """
+
+    all_reduce: bool
+    reduce_op: str
+    terms: list[fx.Node]    # the mm/addmm/bmm/_scaled_mm nodes whose sum is reduced
+    reduced: fx.Node        # the collective's input in its logical shape
+    # Wild-graph details (empty for the plain DTensor shapes):
+    reduce_casts: tuple[torch.dtype, ...] = ()  # every dtype conversion between the terms and ``reduced``
+    batched_weights: dict[fx.Node, BatchedWeight] = field(default_factory=dict)  # bmm terms -> their weight
+    shared_partial_sums: list[fx.Node] = field(default_factory=list)  # nodes of the sum used elsewhere too
+    scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
+    #                                              output is permute(scatter of reduced on dim, perm)
+    row_factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul(term, f) -> f (f scales rows/cols)
+
+    @property
+    def kind(self) -> str:
+        return MATMUL_ALL_REDUCE if self.all_reduce else MATMUL_REDUCE_SCATTER
+
+    @property
+    def matmuls(self) -> list[fx.Node]:
+        return list(self.terms)
+
+    @property
+    def logical_tensor(self) -> fx.Node:
+        return self.reduced
+
+    @property
+    def split_extent(self) -> int:
+        return self.layout.rows if self.all_reduce else self.layout.local_extent
+
+    @property
+    def is_plain_dtensor_shape(self) -> bool:
+        return (not self.reduce_casts and not self.batched_weights and not self.shared_partial_sums
+                and self.scatter_perm is None and not self.row_factors and not self._has_scaled_mm())
+
+    def mnk(self) -> tuple[int, int, int]:
+        """A reduced sum of several GEMMs sums their inner dims into k (same N)."""
+        m, n = self.layout.rows, self.layout.shape[-1]
+        k = sum(int(mm_operands(t)[0].meta["val"].shape[-1]) for t in self.terms)
+        return m, n, k
 
 
 def mm_operands(mm: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.fx as fx
 
-from ..graph.pairs import BatchedWeight, Pair, mm_operands
+from ..graph.pairs import BatchedWeight, GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
 from .replay import RowReplay
@@ -43,10 +43,13 @@ def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
 
 
 def _rewrite(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
-    lower = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
-             "matmul_all_reduce": _all_reduce}[pair.kind]
     b = NodeBuilder(gm.graph, pair.collective)
-    lower(b, pair, parts)
+    if isinstance(pair, GatherPair):
+        _all_gather(b, pair, parts)
+    elif pair.all_reduce:
+        _all_reduce(b, pair, parts)
+    else:
+        _reduce_scatter(b, pair, parts)
     finish_rewrite(gm, b.created, (pair.wait, pair.collective))
 
 
@@ -150,7 +153,7 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
     return cache[casts]
 
 
-def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
+def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     shard, shard_shape = pair.shard, shape_of(pair.shard)
     if len(shard_shape) != len(layout.shape):  # the layout took each rank's slab as rows
@@ -215,7 +218,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, parts: int) -> None:
         if cc.mm.target is aten._scaled_mm.default:  # float32 sum of the parts, then the output dtype
             total = b.call(prims.convert_element_type.default, total, cc.mm.meta["val"].dtype)
         cc.mm.replace_all_uses_with(total)
-    if pair.other_users:
+    if pair.whole_tensor_uses:
         full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
         pair.logical.replace_all_uses_with(full)
 
@@ -229,9 +232,9 @@ def _row_scales(mm: fx.Node) -> bool:
 class _PartValues:
     """Per-part values, as 2-D row blocks, of every node of a reduced sum of matmuls."""
 
-    def __init__(self, b: NodeBuilder, pair: Pair, parts: int) -> None:
+    def __init__(self, b: NodeBuilder, pair: ReducePair, parts: int) -> None:
         self.b, self.pair, self.parts = b, pair, parts
-        self.weights = {t: batched_weight_2d(b, w) for t, w in pair.forms.items()}
+        self.weights = {t: batched_weight_2d(b, w) for t, w in pair.batched_weights.items()}
         self.weights.update({t: shared_float8_b(mm_operands(t)[1]) for t in pair.terms
                              if t.target is aten._scaled_mm.default})
         self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
@@ -241,7 +244,7 @@ class _PartValues:
         shape = shape_of(x)
         if len(shape) != 2:
             x = self.b.view(x, [self.pair.layout.rows, shape[-1]])
-        if self.pair.kind == "matmul_all_reduce":
+        if self.pair.all_reduce:  # every rank keeps every row: a part is a run of rows
             r = self.pair.layout.rows // self.parts
             return self.b.slice(x, 0, i * r, (i + 1) * r)
         return select_rows(self.b, x, self.pair.layout, self.parts, i)
@@ -286,19 +289,20 @@ class _PartValues:
     def whole(self, node: fx.Node) -> fx.Node:
         """``node`` rebuilt from its part values, for its users outside the sum."""
         pieces = [self.value(node, i) for i in range(self.parts)]
-        if self.pair.kind == "matmul_all_reduce":
+        if self.pair.all_reduce:
             flat = self.b.cat(pieces, 0)
         else:
             flat = interleave_rows(self.b, pieces, self.pair.layout)
         return self.b.view(flat, list(shape_of(node)))
 
 
-def _rebuild_escapes(values: _PartValues) -> None:
-    for node in values.pair.escapes:
+def _rebuild_shared_partial_sums(values: _PartValues) -> None:
+    """Nodes of the sum that other nodes use too get their whole value back from the parts."""
+    for node in values.pair.shared_partial_sums:
         node.replace_all_uses_with(values.whole(node))
 
 
-def _reduce_scatter(b: NodeBuilder, pair: Pair, parts: int) -> None:
+def _reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     c = layout.local_extent // parts
     part_shape = list(layout.shape)
@@ -315,16 +319,16 @@ def _reduce_scatter(b: NodeBuilder, pair: Pair, parts: int) -> None:
     out = b.cat([b.wait(p) for p in pending], g)
     if pair.scatter_perm is not None:
         out = b.call(aten.permute.default, out, list(pair.scatter_perm))
-    _rebuild_escapes(values)
+    _rebuild_shared_partial_sums(values)
     pair.wait.replace_all_uses_with(out)
 
 
-def _all_reduce(b: NodeBuilder, pair: Pair, parts: int) -> None:
+def _all_reduce(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
     values = _PartValues(b, pair, parts)
     pending = [b.call(c10d.all_reduce.default, values.value(pair.reduced, i), pair.reduce_op,
                       pair.group_name) for i in range(parts)]
     out = b.cat([b.wait(p) for p in pending], 0)
     if len(pair.layout.shape) != 2:
         out = b.view(out, list(pair.layout.shape))
-    _rebuild_escapes(values)
+    _rebuild_shared_partial_sums(values)
     pair.wait.replace_all_uses_with(out)

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.decision import Decision
-from ..graph.pairs import Pair, mm_operands
+from ..graph.pairs import GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite, stable_toposort
 
@@ -37,9 +37,10 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
         raise RewriteFailed(why)
     described = pair.describe()  # the pair's nodes are gone once it is rewritten
     b = NodeBuilder(gm.graph, pair.collective)
-    build = {"all_gather_matmul": _all_gather, "matmul_reduce_scatter": _reduce_scatter,
-             "matmul_all_reduce": _all_reduce}[pair.kind]
-    asynchronous = asynchronous and pair.kind != "all_gather_matmul"  # its GEMMs need what arrives
+    if isinstance(pair, GatherPair):
+        build, asynchronous = _all_gather, False  # its GEMMs need what arrives
+    else:
+        build = _all_reduce if pair.all_reduce else _reduce_scatter
     try:
         replacements = build(b, pair, decision.schedule or "ring", asynchronous)
     except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: undo it, keep the pair
@@ -106,10 +107,10 @@ def _reachable(node: fx.Node, among: set[fx.Node], step) -> set[fx.Node]:
 
 
 def _unsupported(pair: Pair) -> str:
-    if not pair.plain:  # bmm-form matmuls, dtype casts, escapes, permuted scatter: decompose only
+    if not pair.is_plain_dtensor_shape:  # bmm form, casts, float8, shared partial sums: decompose only
         return ("the pair has wild-graph details (bmm form, casts, float8 _scaled_mm, extra uses or a permuted "
                 "scatter); the fused operators are not offered for it")
-    if pair.kind != "all_gather_matmul":
+    if isinstance(pair, ReducePair):
         if pair.reduce_op != "sum":
             return f"the fused operators reduce with 'sum', this pair with {pair.reduce_op!r}"
         if any(t.target is aten.addmm.default for t in pair.terms):
@@ -148,7 +149,7 @@ def _logical_to_rank_major(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
 Replacements = list[tuple[fx.Node, fx.Node]]
 
 
-def _all_gather(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
+def _all_gather(b: NodeBuilder, pair: GatherPair, schedule: str, asynchronous: bool = False) -> Replacements:
     cols = pair.layout.shape[-1]
     shard = b.view(pair.shard, [pair.layout.rows // pair.layout.world, cols])
     weights = [mm_operands(rc.mm)[1] for rc in pair.row_consumers]
@@ -163,7 +164,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = 
         if rc.mm.target is aten.addmm.default:
             out = b.add(out, rc.mm.args[0])
         replacements.append((rc.mm, out))
-    if pair.contraction_consumers or pair.other_users:
+    if pair.contraction_consumers or pair.whole_tensor_uses:
         gathered = b.call(operator.getitem, fused, 0)
         if pair.layout.dim > 0:
             gathered = _rank_major_to_logical(b, gathered, pair)
@@ -171,7 +172,7 @@ def _all_gather(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = 
     return replacements
 
 
-def _concat_terms(b: NodeBuilder, pair: Pair) -> tuple[fx.Node, fx.Node]:
+def _concat_terms(b: NodeBuilder, pair: ReducePair) -> tuple[fx.Node, fx.Node]:
     """One GEMM for a sum of GEMMs: concatenate the row operands on K and the weights on K."""
     lhs = [mm_operands(t)[0] for t in pair.terms]
     rhs = [mm_operands(t)[1] for t in pair.terms]
@@ -180,7 +181,7 @@ def _concat_terms(b: NodeBuilder, pair: Pair) -> tuple[fx.Node, fx.Node]:
     return b.cat(lhs, 1), b.cat(rhs, 0)
 
 
-def _reduce_scatter(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
+def _reduce_scatter(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronous: bool = False) -> Replacements:
     a, w = _concat_terms(b, pair)
     if pair.layout.dim > 0:
         a = _logical_to_rank_major(b, a, pair)
@@ -191,7 +192,7 @@ def _reduce_scatter(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: boo
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
 
 
-def _all_reduce(b: NodeBuilder, pair: Pair, schedule: str, asynchronous: bool = False) -> Replacements:
+def _all_reduce(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronous: bool = False) -> Replacements:
     a, w = _concat_terms(b, pair)
     op = torch.ops.compass.matmul_all_reduce_start if asynchronous else torch.ops.compass.matmul_all_reduce
     out = b.call(op.default, a, w, schedule, pair.group_name, pair.group_size)

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 from ..graph.nodes import is_reshape, shape_of
-from ..graph.pairs import Pair
+from ..graph.pairs import GatherPair
 from .graph_edit import NodeBuilder
 from .rows import select_rows
 
@@ -25,7 +25,7 @@ aten = torch.ops.aten
 class RowReplay:
     """Part ``i``'s value of every row-local node of a gathered pair, as 2-D row blocks."""
 
-    def __init__(self, b: NodeBuilder, pair: Pair, parts: int, i: int, rows: fx.Node) -> None:
+    def __init__(self, b: NodeBuilder, pair: GatherPair, parts: int, i: int, rows: fx.Node) -> None:
         self.b, self.pair, self.parts, self.i = b, pair, parts, i
         self.memo: dict[fx.Node, fx.Node] = {pair.logical: rows}
 

@@ -38,7 +38,7 @@ def agree(pair: Pair, local: Decision) -> Decision:
     store = dist.distributed_c10d._get_default_store()
     _calls[pair.group_name] += 1
     key = f"compass_fx/agree/{pair.group_name}/{_calls[pair.group_name]}"
-    mine = {"pair": pair.describe(), "graph": pair.graph, "strategy": local.strategy,
+    mine = {"pair": pair.describe(), "graph": pair.graph_name, "strategy": local.strategy,
             "parts": local.parts, "schedule": local.schedule}
     if me == leader:
         store.set(key, json.dumps(mine))
@@ -75,7 +75,7 @@ def _get(store: dist.Store, key: str, pair: Pair, rank: int) -> str:
         return store.get(key).decode()
     except Exception as e:  # noqa: BLE001 - a store timeout; name the pair and the rank
         raise RankDisagreement(
-            f"compass_fx: rank {rank} did not reach {pair.graph} pair {pair.describe()} within the "
+            f"compass_fx: rank {rank} did not reach {pair.graph_name} pair {pair.describe()} within the "
             f"store timeout (do all ranks compile the same graphs?): {e}") from None
 
 

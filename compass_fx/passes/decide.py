@@ -22,8 +22,7 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
     if options.strategy == "decompose" or options.chunks is not None:
         parts = options.chunks if options.chunks is not None else pair.group_size
         if parts not in pair.feasible_parts():
-            extent = pair.layout.rows if pair.kind == "matmul_all_reduce" else pair.layout.local_extent
-            raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {extent})")
+            raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {pair.split_extent})")
         if parts == 1:
             return Decision("sequential", reason="chunks=1")
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
@@ -46,7 +45,7 @@ def _fused_schedules(pair: Pair) -> tuple[str, ...]:
     On CPU the fused operators are a correct reference (point-to-point messages), not a fast path,
     so "auto" never picks them there; ``strategy="fuse"`` still forces them anywhere.
     """
-    val = (pair.logical if pair.logical is not None else pair.reduced).meta.get("val")
+    val = pair.logical_tensor.meta.get("val")
     if val is None or val.device.type != "cuda":
         return ()
     from ..kernels import fused_schedules_available

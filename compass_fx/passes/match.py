@@ -16,9 +16,14 @@ import torch.fx as fx
 
 from ..graph.nodes import PART_MARK, is_reshape as _is_reshape, shape_of
 from ..graph.pairs import (
+    ALL_GATHER_MATMUL,
+    MATMUL_ALL_REDUCE,
+    MATMUL_REDUCE_SCATTER,
     BatchedWeight,
     ContractionConsumer,
+    GatherPair,
     Pair,
+    ReducePair,
     RowConsumer,
     RowLayout,
     mm_operands,
@@ -64,9 +69,9 @@ def find_pairs(gm: fx.GraphModule, graph_kind: str, group: str | None = None) ->
     pairs: list[Pair] = []
     skips: list[SkipRecord] = []
     matchers = {
-        c10d.all_gather_into_tensor.default: ("all_gather_matmul", _match_all_gather),
-        c10d.reduce_scatter_tensor.default: ("matmul_reduce_scatter", _match_reduce_scatter),
-        c10d.all_reduce.default: ("matmul_all_reduce", _match_all_reduce),
+        c10d.all_gather_into_tensor.default: (ALL_GATHER_MATMUL, _match_all_gather),
+        c10d.reduce_scatter_tensor.default: (MATMUL_REDUCE_SCATTER, _match_reduce_scatter),
+        c10d.all_reduce.default: (MATMUL_ALL_REDUCE, _match_all_reduce),
     }
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in matchers or node.meta.get(PART_MARK):
@@ -166,14 +171,15 @@ def _cast_dtype(node: fx.Node) -> torch.dtype | None:
 
 
 def _row_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[tuple[fx.Node, tuple]], int]:
-    """Nodes that hold the gathered rows, with the dtype casts on the way, and the count of other users.
+    """Nodes that hold the gathered rows, with the dtype casts on the way, and the count of uses
+    that need the whole gathered tensor.
 
     From the logical tensor the walk follows reshapes (any chain: the element order is kept) and
     dtype conversions; a node reached that way whose last dim is the logical last dim holds the
-    same rows.  Users that are neither followed nor classified later count as other users.
+    same rows.  Users that are neither followed nor classified later need the whole tensor.
     """
     found: list[tuple[fx.Node, tuple]] = []
-    others = 0
+    whole_uses = 0
     frontier: list[tuple[fx.Node, tuple]] = [(logical, ())]
     seen: set[fx.Node] = {logical}
     while frontier:
@@ -190,8 +196,8 @@ def _row_views(logical: fx.Node, shape: tuple[int, ...]) -> tuple[list[tuple[fx.
                 seen.add(user)
                 frontier.append((user, casts + ((dtype,) if dtype is not None else ())))
             elif not rows_here:
-                others += 1
-    return found, others
+                whole_uses += 1
+    return found, whole_uses
 
 
 def _batched_weight(node: object) -> BatchedWeight | None:
@@ -219,7 +225,7 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple, regio
                          ) -> tuple[list[RowConsumer], list[ContractionConsumer], int]:
     rows: list[RowConsumer] = []
     contractions: list[ContractionConsumer] = []
-    others = 0
+    whole_uses = 0
     two_d = len(shape_of(view)) == 2
     for user in view.users:
         if user in views or _cast_dtype(user) is not None or _is_reshape(user):
@@ -248,8 +254,8 @@ def _classify_view_users(view: fx.Node, views: set[fx.Node], casts: tuple, regio
             contractions.append(ContractionConsumer(user, view, user.args[0].args[0], gathered_on_left=False,
                                                     casts=casts))
         else:
-            others += 1
-    return rows, contractions, others
+            whole_uses += 1
+    return rows, contractions, whole_uses
 
 
 def _row_bias_of(bias: fx.Node, cols: int) -> bool:
@@ -279,7 +285,7 @@ def _merged_slab(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, ...], int
     return (math.prod(shape[dim:-1]), shape[-1]), 0
 
 
-def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
+def _match_all_gather(ag: fx.Node, graph_kind: str) -> GatherPair:
     shard, world = ag.args[0], int(ag.args[1])
     wait = _single_wait(ag)
     shard_shape = _static_shape(shard, "gather input")
@@ -289,7 +295,7 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
         raise NoMatch("gathered tensor is 1-D")
     if dim == len(shape) - 1:
         raise NoMatch("gather on the last dim (the matmul's inner dim) is not a row gather")
-    found, others = _row_views(logical, shape)
+    found, whole_uses = _row_views(logical, shape)
     views = {v for v, _ in found}
     region = row_region(logical, math.prod(shape[:-1]))
     rows: list[RowConsumer] = []
@@ -298,21 +304,22 @@ def _match_all_gather(ag: fx.Node, graph_kind: str) -> Pair:
         r, c, o = _classify_view_users(view, views, casts, region)
         rows += r
         contractions += c
-        others += o
+        whole_uses += o
     scaled_rows, scaled_contractions = _scaled_row_consumers(region), _scaled_contraction_consumers(region)
     if scaled_rows or scaled_contractions:
         rows += scaled_rows
         contractions += scaled_contractions
-        others = _outside_uses(region, rows, contractions)
+        whole_uses = _outside_uses(region, rows, contractions)
     for c in contractions:
         other_shape = shape_of(c.other)
         if other_shape is None or len(other_shape) != 2 or other_shape[0] != math.prod(shape[:-1]):
             raise NoMatch(f"weight-gradient operand {c.other.name} does not have the gathered rows")
     if not rows and not contractions:
         raise NoMatch(_no_consumer_reason(region))
-    return Pair("all_gather_matmul", graph_kind, ag, wait, RowLayout(*_merged_slab(shape, dim), world),
-                str(ag.args[2]), world, _dtype(logical), shard=shard, logical=logical,
-                row_consumers=rows, contraction_consumers=contractions, other_users=others)
+    return GatherPair(graph_name=graph_kind, collective=ag, wait=wait,
+                      layout=RowLayout(*_merged_slab(shape, dim), world), group_name=str(ag.args[2]),
+                      group_size=world, dtype=_dtype(logical), shard=shard, logical=logical,
+                      row_consumers=rows, contraction_consumers=contractions, whole_tensor_uses=whole_uses)
 
 
 def _scaled_mm_args(mm: fx.Node) -> tuple[object, object, object, object]:
@@ -446,8 +453,8 @@ class _Sum:
     """The matmul terms whose (cast) sum is reduced, and the details the lowering needs."""
 
     terms: list[fx.Node] = field(default_factory=list)
-    forms: dict[fx.Node, BatchedWeight] = field(default_factory=dict)
-    escapes: list[fx.Node] = field(default_factory=list)
+    batched_weights: dict[fx.Node, BatchedWeight] = field(default_factory=dict)
+    shared_partial_sums: list[fx.Node] = field(default_factory=list)
     casts: tuple[torch.dtype, ...] = ()
     factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul node -> its row factor
 
@@ -457,7 +464,7 @@ def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node
 
     Dtype conversions and reshapes (they keep the row order) may sit anywhere, adds of
     same-shaped tensors, or of a term and a column bias.  A node on the way that has users outside the walk is
-    an escape: the lowering rebuilds it for those users from the per-part pieces.
+    a shared partial sum: the lowering rebuilds it for those users from the per-part pieces.
     """
     found = _Sum()
     casts: list[torch.dtype] = []
@@ -465,8 +472,8 @@ def _reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node
     def walk(node: fx.Node, parent: fx.Node) -> None:
         if not isinstance(node, fx.Node) or shape_of(node) is None:
             raise NoMatch("the reduced tensor has no static shape")
-        if any(u is not parent for u in node.users) and node not in found.escapes:
-            found.escapes.append(node)
+        if any(u is not parent for u in node.users) and node not in found.shared_partial_sums:
+            found.shared_partial_sums.append(node)
         dtype = _cast_dtype(node)
         if dtype is not None:  # elementwise: each part converts its own rows the same way
             casts.append(dtype)
@@ -551,7 +558,7 @@ def _term(node: fx.Node, shape: tuple[int, ...], found: _Sum) -> fx.Node:
             raise NoMatch(f"{node.name} is a bmm whose right operand is not one broadcast matrix")
         if out is None or out[-1] != shape[-1] or shape_of(node.args[0]) is None:
             raise NoMatch(f"{node.name} does not produce the reduced rows")
-        found.forms[node] = weight
+        found.batched_weights[node] = weight
         return node
     raise NoMatch(f"the reduced tensor is produced by {node.target}, not by a matmul or a sum of matmuls")
 
@@ -601,7 +608,7 @@ def _scatter_logical(inp: fx.Node, world: int, rs: fx.Node) -> _Scatter:
     return _Scatter(inp, 0, rs)
 
 
-def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Pair:
+def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> ReducePair:
     inp, op, world = rs.args[0], rs.args[1], int(rs.args[2])
     if op not in LINEAR_REDUCE_OPS:
         raise NoMatch(f"reduce op {op!r} does not distribute over row blocks")
@@ -614,13 +621,14 @@ def _match_reduce_scatter(rs: fx.Node, graph_kind: str) -> Pair:
     if shape[dim] % world:
         raise NoMatch("scatter dim does not divide by the group size")
     found = _reduced_sum(logical, shape, scatter.side)
-    return Pair("matmul_reduce_scatter", graph_kind, rs, wait, RowLayout(shape, dim, world),
-                str(rs.args[3]), world, _dtype(logical), reduce_op=op, terms=found.terms, reduced=logical,
-                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes,
-                scatter_perm=scatter.perm, row_factors=found.factors)
+    return ReducePair(graph_name=graph_kind, collective=rs, wait=wait, layout=RowLayout(shape, dim, world),
+                      group_name=str(rs.args[3]), group_size=world, dtype=_dtype(logical), all_reduce=False,
+                      reduce_op=op, terms=found.terms, reduced=logical, reduce_casts=found.casts,
+                      batched_weights=found.batched_weights, shared_partial_sums=found.shared_partial_sums,
+                      scatter_perm=scatter.perm, row_factors=found.factors)
 
 
-def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
+def _match_all_reduce(ar: fx.Node, graph_kind: str) -> ReducePair:
     inp, op = ar.args[0], ar.args[1]
     if op not in LINEAR_REDUCE_OPS:
         raise NoMatch(f"reduce op {op!r} does not distribute over row blocks")
@@ -635,6 +643,8 @@ def _match_all_reduce(ar: fx.Node, graph_kind: str) -> Pair:
         world = _resolve_process_group(str(ar.args[2])).size()
     except Exception as e:  # noqa: BLE001 - an unknown group is a reason to leave the pair alone
         raise NoMatch(f"cannot resolve process group {ar.args[2]!r}: {e}") from None
-    return Pair("matmul_all_reduce", graph_kind, ar, wait, RowLayout(shape, 0, world),
-                str(ar.args[2]), world, _dtype(inp), reduce_op=op, terms=found.terms, reduced=inp,
-                reduce_casts=found.casts, forms=found.forms, escapes=found.escapes, row_factors=found.factors)
+    return ReducePair(graph_name=graph_kind, collective=ar, wait=wait, layout=RowLayout(shape, 0, world),
+                      group_name=str(ar.args[2]), group_size=world, dtype=_dtype(inp), all_reduce=True,
+                      reduce_op=op, terms=found.terms, reduced=inp, reduce_casts=found.casts,
+                      batched_weights=found.batched_weights, shared_partial_sums=found.shared_partial_sums,
+                      row_factors=found.factors)

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from ..cost.decision import Decision
 from ..machine.calibration import calibration_in_use
-from ..graph.pairs import Pair
+from ..graph.pairs import Pair, ReducePair
 from ..lowering import fuse
 from ..lowering.decompose import decompose
 from ..lowering.graph_edit import RewriteFailed
@@ -78,25 +78,25 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
         agree(pair, Decision("sequential", reason=str(e)))  # every rank takes part in each agreement
         record = _record(pair, Decision("sequential", reason=str(e)))
         record.status = "skipped"
-        log.info("compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
+        log.info("compass_fx: %s graph: %s left untouched: %s", pair.graph_name, pair.describe(), e)
         return record
     record = _record(pair, decision)
     if decision.strategy == "sequential":
         record.status = "kept"
-        log.info("compass_fx: %s graph: %s kept sequential: %s", pair.graph, pair.describe(), decision.reason)
+        log.info("compass_fx: %s graph: %s kept sequential: %s", pair.graph_name, pair.describe(), decision.reason)
         return record
-    log.info("compass_fx: %s graph: %s -> %s", pair.graph, pair.describe(), decision.label)
+    log.info("compass_fx: %s graph: %s -> %s", pair.graph_name, pair.describe(), decision.label)
     try:
         if decision.strategy == "fuse":
             fuse.lower(gm, pair, decision, asynchronous=options.fused_async)
-            record.asynchronous = options.fused_async and pair.kind != "all_gather_matmul"
+            record.asynchronous = options.fused_async and isinstance(pair, ReducePair)
         else:
             decompose(gm, pair, decision.parts)
     except RewriteFailed as e:  # the graph is as it was; the same happens on every rank
         record.status, record.reason = "skipped", str(e)
         # a pair the fused operators do not take is expected; a decomposition that fails is not
         (log.info if decision.strategy == "fuse" else log.warning)(
-            "compass_fx: %s graph: %s left untouched: %s", pair.graph, pair.describe(), e)
+            "compass_fx: %s graph: %s left untouched: %s", pair.graph_name, pair.describe(), e)
         return record
     record.status = "rewritten"
     return record
@@ -105,7 +105,7 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
 def _record(pair: Pair, decision: Decision) -> PairRecord:
     m, n, k = pair.mnk()
     return PairRecord(
-        graph=pair.graph, collective=pair.collective.name, kind=pair.kind, dim=pair.layout.dim,
+        graph=pair.graph_name, collective=pair.collective.name, kind=pair.kind, dim=pair.layout.dim,
         shape=list(pair.layout.shape), m=m, n=n, k=k, matmuls=len(pair.matmuls),
         group=pair.group_name, group_size=pair.group_size, dtype=str(pair.dtype).replace("torch.", ""),
         strategy=decision.strategy, parts=decision.parts, status="", reason=decision.reason,
