@@ -26,10 +26,12 @@ class CompassOptions:
     """Validated options.
 
     strategy: "auto" lets the cost model choose per pair; "off" leaves every graph as it is (the
-        pairs are still found and reported); "decompose" forces InterDecom; "fuse" forces the
-        fused operators with ``schedule``.
-    chunks: forces the InterDecom part count (implies strategy "decompose" under "auto").  The
-        option keeps this name; everywhere else (Decision, report, cost model) the count is ``parts``.
+        pairs are still found and reported); "decompose" forces InterDecom (into ``chunks`` parts,
+        else as many parts as the group has ranks); "fuse" forces the fused operators with
+        ``schedule``.  :meth:`forced` is the whole rule.
+    chunks: forces the InterDecom part count (implies strategy "decompose" under "auto"; 1 keeps
+        pairs sequential).  The option keeps this name; everywhere else (Decision, report, cost
+        model) the count is ``parts``.
     inner: the compiler that receives the rewritten graphs.
     dump_dir: where each graph's code is written before and after the rewrite.
     group: only collectives of this process group name are touched (None: all groups).
@@ -65,6 +67,19 @@ class CompassOptions:
     mode: str | None = None
     calibration: str | None = None
     fused_async: bool = False
+
+    def forced(self, group_size: int) -> tuple[str, int, str | None] | None:
+        """``(strategy, parts, schedule)`` that these options force on a pair of ``group_size``
+        ranks, or None when the cost model chooses ("auto" without ``chunks``).  The one place
+        where the options' precedence lives: off, then chunks / decompose, then fuse."""
+        if self.strategy == "off":
+            return ("sequential", 1, None)
+        if self.strategy == "decompose" or self.chunks is not None:
+            parts = self.chunks if self.chunks is not None else group_size
+            return ("decompose", parts, None) if parts > 1 else ("sequential", 1, None)
+        if self.strategy == "fuse":
+            return ("fuse", 1, self.schedule)
+        return None
 
     def cache_key(self) -> str:
         """A stable digest of everything that changes what the pass produces."""

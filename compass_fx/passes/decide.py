@@ -17,17 +17,19 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
 
     A forced part count that the pair's shape cannot take raises ``Infeasible`` with the reason.
     """
-    if options.strategy == "off":
-        return Decision("sequential", reason="strategy='off'")
-    if options.strategy == "decompose" or options.chunks is not None:
-        parts = options.chunks if options.chunks is not None else pair.group_size
-        if parts not in pair.feasible_parts():
-            raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {pair.split_extent})")
-        if parts == 1:
+    forced = options.forced(pair.group_size)
+    if forced is not None:
+        strategy, parts, schedule = forced
+        if options.strategy == "off":
+            return Decision("sequential", reason="strategy='off'")
+        if strategy == "fuse":
+            return Decision("fuse", schedule=schedule, reason=f"forced: schedule={schedule}")
+        wanted = options.chunks if options.chunks is not None else parts
+        if wanted not in pair.feasible_parts():
+            raise Infeasible(f"chunks={wanted} does not divide the split dimension (extent {pair.split_extent})")
+        if strategy == "sequential":
             return Decision("sequential", reason="chunks=1")
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
-    if options.strategy == "fuse":
-        return Decision("fuse", schedule=options.schedule, reason=f"forced: schedule={options.schedule}")
     fused = _fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
     return select(pair.workload(), topology, fused_schedules=fused)  # "direct" only, host-staged
 
