@@ -23,7 +23,7 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent / "compass_fx"
 
-STAGES = {"machine": 0, "cli_args": 0,  # cli_args: argument types, imports nothing
+STAGES = {"machine": 0, "cli_args": 0, "groups": 0,  # cli_args: argument types; groups: process groups by name
           "cost": 1, "kernels": 1, "graph": 1, "options": 1, "report": 1,
           "lowering": 3,
           "tools": 5, "cli": 6}  # passes: 2 (finding, deciding) or 4 (the pass); anything else (entry points): 5

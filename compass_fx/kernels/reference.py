@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..groups import find_group
 from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule, split_rows
 
 Spans = Sequence[tuple[int, int]]
@@ -26,9 +27,7 @@ def resolve_group(group_name: str, group_size: int) -> tuple[dist.ProcessGroup |
         raise ValueError(f"group_size must be >= 1, got group_size={group_size}")
     if group_size == 1 and not dist.is_initialized():
         return None, 0
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(group_name)
+    group = find_group(group_name)
     if group.size() != group_size:
         raise ValueError(f"group_size={group_size} but group {group_name!r} has {group.size()} ranks")
     return group, group.rank()

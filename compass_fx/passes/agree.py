@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..cost.decision import Decision
 from ..graph.pairs import Pair
+from ..groups import find_group
 
 log = logging.getLogger("compass_fx")
 
@@ -81,11 +82,9 @@ def _get(store: dist.Store, key: str, pair: Pair, rank: int) -> str:
 
 def _group(name: str) -> dist.ProcessGroup | None:
     """The real process group to agree over, or None (no distributed, one rank, fake group)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
     try:
-        group = dist.distributed_c10d._resolve_process_group(name)
-    except Exception:  # noqa: BLE001 - an unknown name: nothing to agree with
+        group = find_group(name)
+    except ValueError:  # no distributed run, or an unknown name: nothing to agree with
         return None
     if group.size() <= 1 or dist.get_backend(group) == "fake":
         return None

@@ -28,6 +28,7 @@ from ..graph.pairs import (
     RowLayout,
     mm_operands,
 )
+from ..groups import find_group
 from ..report import SkipRecord
 from ..graph.row_local import RowRegion, row_region
 
@@ -637,11 +638,9 @@ def _match_all_reduce(ar: fx.Node, graph_kind: str) -> ReducePair:
     if len(shape) < 2:
         raise NoMatch("all_reduce of a 1-D tensor")
     found = _reduced_sum(inp, shape, ar)
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     try:
-        world = _resolve_process_group(str(ar.args[2])).size()
-    except Exception as e:  # noqa: BLE001 - an unknown group is a reason to leave the pair alone
+        world = find_group(str(ar.args[2])).size()
+    except ValueError as e:  # an unknown group is a reason to leave the pair alone
         raise NoMatch(f"cannot resolve process group {ar.args[2]!r}: {e}") from None
     return ReducePair(graph_name=graph_kind, collective=ar, wait=wait, layout=RowLayout(shape, 0, world),
                       group_name=str(ar.args[2]), group_size=world, dtype=_dtype(inp), all_reduce=True,

@@ -1,0 +1,19 @@
+"""Process groups by name: the one lookup every stage uses (the matcher sizes an all-reduce's
+group, the ranks agree over it, the fused operators run in it)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def find_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under ``group_name`` (the name a functional collective
+    carries in the graph).  Raises ValueError when torch.distributed is not initialised or no
+    group has that name."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"no process group {group_name!r}: torch.distributed is not initialised")
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001 - c10d raises several kinds for an unknown name
+        raise ValueError(f"no process group {group_name!r}: {e}") from None
