@@ -164,6 +164,30 @@ def test_a_failed_rewrite_restores_the_graph_and_the_next_pairs_still_rewrite(me
                                                                      (p.status for p in first.pairs))
 
 
+def test_a_fused_rewrite_that_fails_half_way_is_undone_by_the_same_transaction(mesh, monkeypatch):
+    """lowering.rewrite is one transaction for both rewrites: a fused call whose build fails after
+    creating nodes leaves the graph as it was, and the other pairs are still rewritten."""
+    import compass_fx.lowering.fuse as fuse
+
+    real, failed = fuse._all_gather, []
+
+    def first_fails(b, pair, schedule, asynchronous):
+        out = real(b, pair, schedule, asynchronous)  # nodes created...
+        if not failed:
+            failed.append(pair.describe())
+            raise RuntimeError("injected failure in the fused build")
+        return out
+
+    monkeypatch.setattr(fuse, "_all_gather", first_fails)
+    report = compass_fx.explain(demo(mesh, True, 1), TOKENS, strategy="fuse", schedule="direct")
+    gathers = [p for p in report.pairs if p.kind == "all_gather_matmul"]
+    assert gathers[0].status == "skipped" and "injected failure" in gathers[0].reason
+    assert all(p.status == "rewritten" for p in report.pairs if p is not gathers[0]), \
+        [(p.kind, p.status, p.reason) for p in report.pairs]
+    first = report.graphs[0]
+    assert first.collectives_before - first.collectives_after == sum(p.status == "rewritten" for p in first.pairs)
+
+
 def test_asynchronous_fused_calls_are_reported_and_survive_a_failed_move(mesh, monkeypatch, caplog):
     """fused_async marks the fused reductions (not the gathers) asynchronous in the report; if
     moving a start or its wait fails, the call stays where the rewrite put it, the graph stays

@@ -13,7 +13,8 @@ import torch
 import torch.fx as fx
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-from compass_fx.lowering.decompose import decompose
+from compass_fx.cost.decision import Decision
+from compass_fx.lowering import rewrite
 from compass_fx.passes.match import find_pairs
 from compass_fx.graph.pairs import Pair
 from compass_fx.report import SkipRecord
@@ -92,7 +93,7 @@ def rewrite_all(gm: fx.GraphModule, parts: Callable[[Pair], int | None], graph_k
         handled.add(pair.collective.name)
         k = parts(pair)
         if k is not None and k in pair.feasible_parts():
-            decompose(gm, pair, k)
+            rewrite(gm, pair, Decision("decompose", k))
             gm.graph.lint()
             done.append(pair)
     gm.recompile()

@@ -7,7 +7,6 @@ while the matmul of part i+1 runs; the waits sit where the result is first neede
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
@@ -15,7 +14,7 @@ import torch.fx as fx
 
 from ..graph.pairs import BatchedWeight, GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite
+from .graph_edit import NodeBuilder, finish_rewrite
 from .replay import RowReplay
 from .rows import interleave, interleave_rows, select_rows
 
@@ -25,21 +24,9 @@ prims = torch.ops.prims
 
 
 def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
-    """Rewrite ``pair`` in place into ``parts`` pipelined parts (``parts`` must be feasible).
-
-    The rewrite is all or nothing: if anything fails half-way, ``gm`` gets back a copy of its graph
-    taken before, and ``RewriteFailed`` says why (a half-rewritten graph must never run).
-    """
-    if parts not in pair.feasible_parts():
-        raise ValueError(f"parts={parts} does not divide the split dimension of {pair.describe()}")
-    backup = copy.deepcopy(gm.graph)
-    try:
-        _rewrite(gm, pair, parts)
-        gm.graph.lint()
-    except Exception as e:  # restored, then reported with the pair
-        gm.graph = backup
-        raise RewriteFailed(f"{pair.describe()}: rewrite into {parts} parts failed ({type(e).__name__}: {e}); "
-                            "graph left as it was") from e
+    """Rewrite ``pair`` in place into ``parts`` pipelined parts (go through
+    :func:`compass_fx.lowering.rewrite`, which checks ``parts`` and restores the graph on failure)."""
+    _rewrite(gm, pair, parts)
 
 
 def _rewrite(gm: fx.GraphModule, pair: Pair, parts: int) -> None:

@@ -24,7 +24,8 @@ log = logging.getLogger("compass_fx")
 
 
 def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool = False) -> None:
-    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` with the graph untouched.
+    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` (through
+    :func:`compass_fx.lowering.rewrite`, which restores the graph).
 
     ``asynchronous`` (reduce-scatter and all-reduce pairs): the ``*_start`` form of the operator,
     moved up to just after its inputs, and a ``wait_tensor`` on its result just before the first
@@ -32,7 +33,7 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
     runs while the pieces travel."""
     import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
 
-    why = _unsupported(pair)
+    why = unsupported(pair)
     if why:
         raise RewriteFailed(why)
     described = pair.describe()  # the pair's nodes are gone once it is rewritten
@@ -43,9 +44,7 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
         build = _all_reduce if pair.all_reduce else _reduce_scatter
     try:
         replacements = build(b, pair, decision.schedule or "ring", asynchronous)
-    except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: undo it, keep the pair
-        for node in reversed(b.created):
-            gm.graph.erase_node(node)
+    except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: the transaction undoes it
         raise RewriteFailed(f"fused rewrite not applicable: {e}") from e
     for old, new in replacements:
         old.replace_all_uses_with(new)
@@ -106,7 +105,9 @@ def _reachable(node: fx.Node, among: set[fx.Node], step) -> set[fx.Node]:
     return out
 
 
-def _unsupported(pair: Pair) -> str:
+def unsupported(pair: Pair) -> str:
+    """Why the fused operators cannot take ``pair`` ("" when they can): checked before anything
+    is built, so a refused pair costs no copy of the graph."""
     if not pair.is_plain_dtensor_shape:  # bmm form, casts, float8, shared partial sums: decompose only
         return ("the pair has wild-graph details (bmm form, casts, float8 _scaled_mm, extra uses or a permuted "
                 "scatter); the fused operators are not offered for it")

@@ -10,10 +10,8 @@ import torch.fx as fx
 
 from ..cost.decision import Decision
 from ..machine.calibration import calibration_in_use
-from ..graph.pairs import Pair, ReducePair
-from ..lowering import fuse
-from ..lowering.decompose import decompose
-from ..lowering.graph_edit import RewriteFailed
+from ..graph.pairs import Pair
+from ..lowering import RewriteFailed, rewrite
 from ..options import CompassOptions
 from ..report import GraphReport, PairRecord
 from .agree import agree
@@ -87,11 +85,7 @@ def _apply(gm: fx.GraphModule, pair: Pair, options: CompassOptions, topology: ob
         return record
     log.info("compass_fx: %s graph: %s -> %s", pair.graph_name, pair.describe(), decision.label)
     try:
-        if decision.strategy == "fuse":
-            fuse.lower(gm, pair, decision, asynchronous=options.fused_async)
-            record.asynchronous = options.fused_async and isinstance(pair, ReducePair)
-        else:
-            decompose(gm, pair, decision.parts)
+        record.asynchronous = rewrite(gm, pair, decision, asynchronous=options.fused_async)
     except RewriteFailed as e:  # the graph is as it was; the same happens on every rank
         record.status, record.reason = "skipped", str(e)
         # a pair the fused operators do not take is expected; a decomposition that fails is not
