@@ -188,6 +188,17 @@ def test_a_fused_rewrite_that_fails_half_way_is_undone_by_the_same_transaction(m
     assert first.collectives_before - first.collectives_after == sum(p.status == "rewritten" for p in first.pairs)
 
 
+def test_forced_fused_rings_run_direct_without_peer_access(mesh):
+    """Without peer access the pieces meet in host memory, one hop from every peer: a forced ring
+    runs (and is reported) as "direct", with the reason; with peer links it stays a ring."""
+    staged = compass_fx.explain(demo(mesh, True, 1), TOKENS, strategy="fuse", schedule="ring",
+                                topology="h200-host-staged-8")
+    assert staged.pairs and all(p.schedule == "direct" and "run as direct" in p.reason for p in staged.pairs)
+    linked = compass_fx.explain(demo(mesh, True, 1), TOKENS, strategy="fuse", schedule="ring",
+                                topology="h200-nvswitch-8")
+    assert all(p.schedule == "ring" for p in linked.pairs)
+
+
 def test_asynchronous_fused_calls_are_reported_and_survive_a_failed_move(mesh, monkeypatch, caplog):
     """fused_async marks the fused reductions (not the gathers) asynchronous in the report; if
     moving a start or its wait fails, the call stays where the rewrite put it, the graph stays
