@@ -302,8 +302,7 @@ def main(argv=None) -> int:
     if launched is None:
         return 0
     results, tag, t0 = launched
-    stress = [r for _, res in results for r in res["stress"]]
-    speed = [r for _, res in results for r in res["speed"]]
+    stress, speed = launch.gathered(results, "stress"), launch.gathered(results, "speed")
     summary = summarize(stress, speed)
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
                "environment": output.environment(args.dry_run), "worlds": [w for w, _ in results], "summary": summary,

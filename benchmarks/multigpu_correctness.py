@@ -356,14 +356,12 @@ COLUMNS = ["world", "level", "kind", "strategy", "role", "status", "err_out", "e
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    worlds = launch.group_size_worlds(args.worlds, args.dry_run)
-    t0 = time.time()
-    results = launch.run_worlds(worker, args, worlds)
-    if not launch.is_writer():
+    launched = launch.launch(worker, args, launch.group_size_worlds(args.worlds, args.dry_run))
+    if launched is None:
         return 0
-    rows = [r for _, res in results for r in res["rows"]]
+    results, tag, t0 = launched
+    rows = launch.gathered(results)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "FAIL", "error", "skipped")}
-    tag = args.tag or output.device_tag(args.dry_run, max(w for w, _ in results))
     payload = {
         "benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv), "environment": output.environment(args.dry_run),
         "dtype": args.dtype, "shape": {"m": args.m, "n": args.n, "k": args.k}, "worlds": [w for w, _ in results],

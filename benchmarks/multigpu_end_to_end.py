@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     if launched is None:
         return 0
     results, tag, t0 = launched
-    rows = [r for _, res in results for r in res["rows"]]
+    rows = launch.gathered(results)
     for r in rows:
         if r.get("step_s"):
             r["step_ms"] = r["step_s"] * 1e3

@@ -152,6 +152,11 @@ def launch(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> tuple[
     return results, args.tag or device_tag(args.dry_run, max(w for w, _ in results)), t0
 
 
+def gathered(results: list[tuple[int, Any]], key: str = "rows") -> list:
+    """The ``key`` lists of every world's result, one after another."""
+    return [r for _, res in results for r in res[key]]
+
+
 def is_writer() -> bool:
     """The process that writes the files: rank 0 under torchrun, the parent otherwise."""
     return not under_torchrun() or int(os.environ["RANK"]) == 0
