@@ -181,8 +181,8 @@ def consumer_group_rows(cols: int, sms: int, waves: int = CONSUMER_WAVES) -> int
 
     Why: one GEMM per arriving piece leaves most of the GPU idle when a piece is thin (at TP = 8,
     a 512-row piece of Llama-3 8B's QKV projection fills 12 of 132 SMs).  On one H200, over the 12
-    TP = 8 Llama-3 shapes, eight piece-sized cuBLAS calls reached 0.28-1.02 of one call over all
-    rows (median 0.92), arrivals grouped into GEMMs of at least one wave 0.78-1.0 (median 0.93),
+    TP = 8 Llama-3 shapes, eight piece-sized cuBLAS calls reached 0.34-1.04 of one call over all
+    rows (median 0.91), arrivals grouped into GEMMs of at least one wave 0.79-1.0 (median 0.92),
     of two waves 0.79-1.0 (median 0.96) (``benchmarks/results/chunked_gemm-h200.json``)."""
     return -(-waves * sms * WAVE_TILE_ELEMENTS // max(cols, 1))
 
