@@ -20,19 +20,16 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
     forced = options.forced(pair.group_size)
     if forced is not None:
         strategy, parts, schedule = forced
-        if options.strategy == "off":
-            return Decision("sequential", reason="strategy='off'")
+        if strategy == "sequential":
+            return Decision("sequential", reason="strategy='off'" if options.strategy == "off" else "chunks=1")
         if strategy == "fuse":
             if schedule != "direct" and _host_staged(pair.group_size, topology):
                 return Decision("fuse", schedule="direct",
                                 reason=f"forced: schedule={schedule}, run as direct: without peer access every "
                                        "piece goes through host memory, where every peer is one hop away")
             return Decision("fuse", schedule=schedule, reason=f"forced: schedule={schedule}")
-        wanted = options.chunks if options.chunks is not None else parts
-        if wanted not in pair.feasible_parts():
-            raise Infeasible(f"chunks={wanted} does not divide the split dimension (extent {pair.split_extent})")
-        if strategy == "sequential":
-            return Decision("sequential", reason="chunks=1")
+        if parts not in pair.feasible_parts():
+            raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {pair.split_extent})")
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
     fused = _fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
     return select(pair.workload(), topology, fused_schedules=fused)  # "direct" only, host-staged
