@@ -1,6 +1,10 @@
-"""Process groups by name: the one lookup every stage uses (the matcher sizes an all-reduce's
-group, the ranks agree over it, the fused operators run in it)."""
+"""Process groups by name and what their ranks leave for each other in the key-value store: the
+one lookup every stage uses (the matcher sizes an all-reduce's group, the ranks agree over it,
+the fused operators run in it), and the store a rank leaves
+values in for the others."""
 from __future__ import annotations
+
+import json
 
 import torch.distributed as dist
 
@@ -17,3 +21,21 @@ def find_group(group_name: str) -> dist.ProcessGroup:
         return _resolve_process_group(group_name)
     except Exception as e:  # noqa: BLE001 - c10d raises several kinds for an unknown name
         raise ValueError(f"no process group {group_name!r}: {e}") from None
+
+
+def default_store() -> dist.Store | None:
+    """The default group's key-value store, where ranks leave what the others must agree on
+    (the topology read on rank 0, each pair's decision); None without one."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def publish(store: dist.Store, key: str, value: dict) -> None:
+    """Leave ``value`` under ``key`` for the other ranks (JSON, keys sorted)."""
+    store.set(key, json.dumps(value, sort_keys=True))

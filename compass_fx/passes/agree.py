@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..cost.decision import Decision
 from ..graph.pairs import Pair
-from ..groups import find_group
+from ..groups import default_store, find_group, publish
 
 log = logging.getLogger("compass_fx")
 
@@ -36,13 +36,16 @@ def agree(pair: Pair, local: Decision) -> Decision:
         return local
     ranks = dist.get_process_group_ranks(group)
     me, leader = dist.get_rank(), ranks[0]
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
+    if store is None:
+        raise RankDisagreement(f"compass_fx: {pair.describe()}: no key-value store to agree through "
+                               "(torch.distributed's default group has none)")
     _calls[pair.group_name] += 1
     key = f"compass_fx/agree/{pair.group_name}/{_calls[pair.group_name]}"
     mine = {"pair": pair.describe(), "graph": pair.graph_name, "strategy": local.strategy,
             "parts": local.parts, "schedule": local.schedule}
     if me == leader:
-        store.set(key, json.dumps(mine))
+        publish(store, key, mine)
         problems = [_get(store, f"{key}/ack/{r}", pair, r) for r in ranks[1:]]
         problems = [p for p in problems if p != "ok"]
         if problems:
