@@ -1,7 +1,6 @@
-"""Process groups by name and what their ranks leave for each other in the key-value store: the
-one lookup every stage uses (the matcher sizes an all-reduce's group, the ranks agree over it,
-the fused operators run in it), and the store a rank leaves
-values in for the others."""
+"""Process groups by name, and the key-value store their ranks leave values in for each other:
+the one lookup every stage uses (the matcher sizes an all-reduce's group, the ranks agree over
+it, the fused operators run in it)."""
 from __future__ import annotations
 
 import json
