@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
 from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
-from harness.timing import batch_seconds, median_batch_seconds  # noqa: E402
+from harness.timing import median_batch_seconds, queued_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
@@ -84,8 +84,7 @@ def device_only(fn, args, device: str, iters: int) -> float | None:
     per_call = []
     for _ in range(5):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(40e-3 * 1.98e9))  # ~40 ms at the H200's clock: longer than the issue
-        per_call.append(batch_seconds(lambda: fn(*args), iters, True))
+        per_call.append(queued_batch_seconds(lambda: fn(*args), iters, sleep_s=40e-3))
     return statistics.median(per_call)
 
 

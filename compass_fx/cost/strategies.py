@@ -13,6 +13,7 @@ Built from the component models (GEMM, collective, overlap, decomposition).  Con
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -239,9 +240,7 @@ def _grouped_consumer_seconds(w: Workload, topo: Topology, rows: int, own: float
     spec = gpu_spec(topo.gpu)
     min_rows = consumer_group_rows(max(w.n // max(w.matmuls, 1), 1), spec.sms)
     spans = [(i * rows, (i + 1) * rows) for i in range(1, len(step_s) + 1)]
-    done, arrived = own, []
-    for s in step_s:
-        arrived.append((arrived[-1] if arrived else 0.0) + s)
+    done, arrived = own, list(itertools.accumulate(step_s))
     for group in consumer_groups(spans, min_rows):
         gemm = _gemms_seconds(w, rows * len(group), topo, 0, rate) / FUSED_GEMM_EFFICIENCY
         done = max(done, arrived[group[-1]]) + gemm

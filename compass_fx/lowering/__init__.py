@@ -35,7 +35,7 @@ def rewrite(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bo
     backup = copy.deepcopy(gm.graph)
     try:
         if decision.strategy == "fuse":
-            asynchronous = asynchronous and isinstance(pair, ReducePair)
+            asynchronous = asynchronous and isinstance(pair, ReducePair)  # a gather's GEMMs need what arrives
             fuse.lower(gm, pair, decision, asynchronous)
         else:
             asynchronous = False

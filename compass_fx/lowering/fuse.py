@@ -24,8 +24,9 @@ log = logging.getLogger("compass_fx")
 
 
 def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool = False) -> None:
-    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed`` (through
-    :func:`compass_fx.lowering.rewrite`, which restores the graph).
+    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed``.  Called through
+    :func:`compass_fx.lowering.rewrite`, which has already turned down a pair :func:`unsupported`
+    names, restores the graph on failure, and asks for ``asynchronous`` on reductions only.
 
     ``asynchronous`` (reduce-scatter and all-reduce pairs): the ``*_start`` form of the operator,
     moved up to just after its inputs, and a ``wait_tensor`` on its result just before the first
@@ -33,13 +34,10 @@ def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool
     runs while the pieces travel."""
     import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
 
-    why = unsupported(pair)
-    if why:
-        raise RewriteFailed(why)
     described = pair.describe()  # the pair's nodes are gone once it is rewritten
     b = NodeBuilder(gm.graph, pair.collective)
     if isinstance(pair, GatherPair):
-        build, asynchronous = _all_gather, False  # its GEMMs need what arrives
+        build = _all_gather
     else:
         build = _all_reduce if pair.all_reduce else _reduce_scatter
     try:

@@ -15,7 +15,6 @@ CUDA graph: the epoch is an argument that changes every call.
 """
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from typing import Callable
@@ -382,9 +381,11 @@ def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols:
     return ws
 
 
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _group_rows(cols: tuple[int, ...], device: torch.device) -> int:
+    """Rows per consumer GEMM for weights of these widths on this GPU (0: no GEMM, no grouping)."""
+    if not cols:
+        return 0
+    return consumer_group_rows(sum(cols) // len(cols), torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _rank(group_name: str, group_size: int) -> int:
@@ -402,10 +403,9 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     rank, host = _rank(group_name, group_size), transport() == "host"
     cols = tuple(int(b.shape[1]) for b in bs)
     key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.device, host, deferred)
-    group_rows = consumer_group_rows(sum(cols) // len(cols), _sms(a_shard.device)) if cols else 0
     ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, rank, m, k, len(bs),
                                             a_shard.element_size(), host, host_piece_bytes(), detach=deferred,
-                                            group_rows=group_rows)[0],
+                                            group_rows=_group_rows(cols, a_shard.device))[0],
                     group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
