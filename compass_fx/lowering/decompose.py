@@ -16,6 +16,7 @@ from ..graph.pairs import BatchedWeight, GatherPair, Pair, ReducePair, mm_operan
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, finish_rewrite
 from .replay import RowReplay
+from .row_blocks import block_matmul, matmul_into_rows, part_row_blocks, result_buffer
 from .rows import interleave, interleave_rows, select_rows
 
 aten = torch.ops.aten
@@ -166,6 +167,8 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     issue(0)
     logical_parts: list[fx.Node] = []
     row_outs: list[list[fx.Node]] = [[] for _ in pair.row_consumers]
+    # plain matmuls write each part into its rows of one result (no cat of the parts)
+    in_place = [result_buffer(b, layout, rc.mm) if _writes_in_place(rc.mm) else None for rc in pair.row_consumers]
     sums: list[fx.Node | None] = [None for _ in pair.contraction_consumers]
     for i in range(parts):
         if i + 1 < parts:
@@ -182,7 +185,11 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
                 row_outs[j].append(_scaled_row_part(b, replay, rc, weights[j]))
                 continue
             rows = _rows_as(b, cast_rows, rc.casts)
-            row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
+            if in_place[j] is not None:
+                weight = weights[j] if weights[j] is not None else rc.mm.args[1]
+                in_place[j] = matmul_into_rows(b, in_place[j], rows, weight, layout, parts, i)
+            else:
+                row_outs[j].append(_matmul_like(b, rc.mm, rows, weights[j]))
         for j, cc in enumerate(pair.contraction_consumers):
             if cc.mm.target is aten._scaled_mm.default:
                 rows = replay.value(cc.view, set(cc.region))
@@ -196,8 +203,8 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
                     part = b.call(aten.mm.default, b.call(aten.permute.default, other, [1, 0]), rows)
             sums[j] = part if sums[j] is None else b.add(sums[j], part)
 
-    for rc, outs in zip(pair.row_consumers, row_outs):
-        out = interleave_rows(b, outs, layout)
+    for rc, outs, whole in zip(pair.row_consumers, row_outs, in_place):
+        out = whole if whole is not None else interleave_rows(b, outs, layout)
         if rc.mm.target is aten.bmm.default:
             out = b.view(out, list(shape_of(rc.mm)))
         rc.mm.replace_all_uses_with(out)
@@ -208,6 +215,12 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     if pair.whole_tensor_uses:
         full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
         pair.logical.replace_all_uses_with(full)
+
+
+def _writes_in_place(mm: fx.Node) -> bool:
+    """A plain matmul (mm, or bmm by one broadcast matrix): its parts go straight into their rows of
+    the result (:mod:`.row_blocks`).  addmm and float8 GEMMs keep the cat of their parts."""
+    return mm.target in (aten.mm.default, aten.bmm.default)
 
 
 def _row_scales(mm: fx.Node) -> bool:
@@ -236,6 +249,10 @@ class _PartValues:
             return self.b.slice(x, 0, i * r, (i + 1) * r)
         return select_rows(self.b, x, self.pair.layout, self.parts, i)
 
+    def _row_blocks(self, x: fx.Node, i: int) -> fx.Node:
+        """Part ``i``'s rows of a 2-D row-aligned operand as strided rank blocks (no copy)."""
+        return part_row_blocks(self.b, x, self.pair.layout, self.parts, i)
+
     def value(self, node: fx.Node, i: int) -> fx.Node:
         key = (node, i)
         if key not in self.memo:
@@ -248,6 +265,8 @@ class _PartValues:
             if node.target is aten._scaled_mm.default:  # float8: row scales are cut with the rows
                 scale_a = _as_row_scales(self.b, self.rows_of(node.args[2], i)) if _row_scales(node) else None
                 return scaled_mm_like(self.b, node, self.rows_of(a, i), self.weights[node], scale_a=scale_a)
+            if node.target is aten.mm.default and not self.pair.all_reduce:  # rows read in place
+                return block_matmul(self.b, self._row_blocks(a, i), node.args[1])
             return _matmul_like(self.b, node, self.rows_of(a, i), self.weights.get(node))
         if node in self.pair.row_factors:  # mul(term, f): the part's rows of f (or f itself, broadcast)
             factor = self.pair.row_factors[node]
