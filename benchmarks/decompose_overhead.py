@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> dict:
                 before = len(compass_fx.backend.history)
                 fn = torch.compile(pair_fn(kind), backend="compass", options=options)
                 with torch.no_grad():
+                    result = fn(a, w)
+                    if parts is None:
+                        expected = result
+                    # the rewrite must not change the result (same GEMM per row, summed the same way)
+                    error = ((result.float() - expected.float()).abs().max() /
+                             expected.float().abs().max().clamp_min(1e-30)).item()
                     seconds = timed(fn, (a, w), device, args.iters)
                     streamed = back_to_back(fn, (a, w), device, args.iters)
                     kernels = kernels_per_call(fn, (a, w), device)
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
                 per_part_device = (((queued - base_queued) - (gemm_queued - base_gemm_queued)) / (parts - 1)
                                    if parts and queued is not None else (0.0 if queued is not None else None))
                 rows.append({"kind": kind, "m": m, "n": n, "k": k, "parts": parts or 1,
-                             "rewritten": rewritten, "seconds": seconds, "ratio": seconds / base,
+                             "rewritten": rewritten, "relative_error": error, "seconds": seconds, "ratio": seconds / base,
                              "back_to_back_seconds": streamed, "back_to_back_ratio": streamed / base_streamed,
                              "split_gemm_seconds": gemm, "per_part_overhead_s": per_part,
                              "device_only_seconds": queued, "split_gemm_device_only_seconds": gemm_queued,
@@ -160,10 +166,19 @@ def run(args: argparse.Namespace) -> dict:
                       f"{streamed * 1e6:9.1f} us back to back ({streamed / base_streamed:.2f}x of sequential; "
                       f"split GEMM {gemm / base_gemm:.2f}x, model {predicted:.2f}x); per extra part "
                       f"{per_part * 1e6:.1f} us (device alone: "
-                      f"{'-' if per_part_device is None else f'{per_part_device * 1e6:.1f} us'}), kernels {kernels}",
+                      f"{'-' if per_part_device is None else f'{per_part_device * 1e6:.1f} us'}), kernels {kernels}, "
+                      f"error {error:.1e}",
                       flush=True)
+    wrong = [r for r in rows if r["relative_error"] > (2e-2 if dtype == torch.bfloat16 else 1e-4)]
+    if wrong:
+        raise SystemExit(f"decompose_overhead: {len(wrong)} rewritten pairs disagree with the sequential result: "
+                         + ", ".join(f"{r['kind']} m={r['m']} d={r['parts']} ({r['relative_error']:.1e})" for r in wrong))
+    device_overheads = sorted(r["per_part_device_overhead_s"] for r in rows
+                              if r["parts"] > 1 and r["per_part_device_overhead_s"] is not None)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": str(dtype), "rows": rows}
+            "torch": torch.__version__, "dtype": str(dtype),
+            "median_per_part_device_overhead_s": statistics.median(device_overheads) if device_overheads else None,
+            "rows": rows}
 
 
 def main() -> None:

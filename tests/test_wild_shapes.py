@@ -70,8 +70,9 @@ def test_replay_check_catches_a_wrong_rewrite(fake_group, monkeypatch):
     """The numerics check above can fail: a rewrite that swaps two row blocks is caught."""
     import compass_fx.lowering.decompose as dec
 
-    real = dec.interleave_rows
-    monkeypatch.setattr(dec, "interleave_rows", lambda b, outs, layout: real(b, outs[::-1], layout))
+    real = dec.matmul_into_rows  # where the parts' products go into the result's rows
+    monkeypatch.setattr(dec, "matmul_into_rows", lambda b, buf, rows, weight, layout, parts, i:
+                        real(b, buf, rows, weight, layout, parts, parts - 1 - i))
     model, x = wild_models.build("reshape_chain", fake_group), wild_models.shard_input("reshape_chain", 0)
     ref = wild_check.capture(model, (x,), {"strategy": "off"})
     got = wild_check.capture(model, (x,), {"chunks": 2})
@@ -118,10 +119,14 @@ def test_wild_shapes_under_inductor(ranks):
 def test_a_rewrite_that_fails_half_way_leaves_the_graph_as_it_was(fake_group, monkeypatch, caplog):
     import compass_fx.lowering.decompose as dec
 
-    def broken(*args, **kwargs):
-        raise KeyError("injected failure")
+    real = dec.matmul_into_rows
 
-    monkeypatch.setattr(dec, "interleave_rows", broken)
+    def broken(b, buf, rows, weight, layout, parts, i):  # the first part is written, the second fails
+        if i == 1:
+            raise KeyError("injected failure")
+        return real(b, buf, rows, weight, layout, parts, i)
+
+    monkeypatch.setattr(dec, "matmul_into_rows", broken)
     model, x = wild_models.build("shared_uses", fake_group), wild_models.shard_input("shared_uses", 0)
     ref = wild_check.capture(model, (x,), {"strategy": "off"})
     with caplog.at_level(logging.WARNING, logger="compass_fx"):

@@ -44,10 +44,25 @@ def local_inputs(gm: fx.GraphModule, world: int, seed: int) -> list[Any]:
     return out
 
 
+class _InPlaceReplay(fx.Interpreter):
+    """Runs a graph node by node; a functionalized mutating op (``auto_functionalized``, which
+    LocalTensorMode cannot dispatch) runs as Inductor runs it: on clones of the tensors it
+    mutates, which then are its results."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.auto_functionalized:
+            from torch._higher_order_ops.auto_functionalize import get_mutable_args
+
+            mutable, _ = get_mutable_args(args[0])
+            kwargs = {k: (v.clone() if k in mutable else v) for k, v in kwargs.items()}
+            return (args[0](**kwargs), *(kwargs[k] for k in mutable))
+        return super().call_function(target, args, kwargs)
+
+
 def replay(gm: fx.GraphModule, inputs: list[Any], world: int) -> list[dict[int, torch.Tensor] | None]:
     """Run ``gm`` on all ranks at once; each output as {rank: tensor} (None for non-tensors)."""
     with LocalTensorMode(world):
-        outs = gm(*inputs)
+        outs = _InPlaceReplay(gm).run(*inputs)
     if not isinstance(outs, (tuple, list)):
         outs = [outs]
     res = []
