@@ -47,6 +47,9 @@ def _record(report: GraphReport) -> None:
 def _eager_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
     from torch._functorch.aot_autograd import make_boxed_func
 
+    from .lowering.row_blocks import run_in_place
+
+    run_in_place(gm)
     return make_boxed_func(gm.forward)
 
 

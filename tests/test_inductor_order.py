@@ -51,3 +51,64 @@ def test_decomposed_parts_stay_pipelined_under_inductor(ranks, kind):
 def test_graphs_without_decomposition_keep_inductors_defaults(ranks):
     calls, notes = ranks(2).run(_generated_order, 2, "reduce_scatter", {"strategy": "off"})[0]
     assert notes == [] and len(calls) == 2
+
+
+def _generated_code(rank: int, world: int, kind: str, inner: str) -> tuple[str, str]:
+    """Inductor's code for a decomposed pair (2 parts), and the eager inner compiler's graph code."""
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+
+
+    group = dist.group.WORLD.group_name
+    c10d = torch.ops._c10d_functional
+    w = torch.randn(64, 32)
+
+    def gather_mm(x):
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group)) @ w
+
+    def mm_scatter(x):
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x @ w, "sum", world, group))
+
+    fn = gather_mm if kind == "all_gather" else mm_scatter
+    x = torch.randn(32 if kind == "all_gather" else 64, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="compass", options={"chunks": 2, "inner": inner, "dump_dir": None})
+    with torch.no_grad():
+        if inner == "inductor":
+            out, codes = run_and_get_code(compiled, x)
+            code = "\n".join(codes)
+        else:
+            import compass_fx.backend as backend
+
+            captured = []
+            real = backend._eager_inner
+            backend._eager_inner = lambda gm, inputs, **kw: (captured.append(gm), real(gm, inputs, **kw))[1]
+            try:
+                out = compiled(x)
+            finally:
+                backend._eager_inner = real
+            code = "\n".join(gm.code for gm in captured)
+    torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-4)
+    return code
+
+
+def test_the_gather_side_writes_each_part_into_the_result(ranks):
+    """No cat of the parts: both parts' GEMMs write into the one buffer the graph returns."""
+    code = ranks(2).run(_generated_code, 2, "all_gather", "inductor")[0]
+    targets = re.findall(r"mm_into_row_blocks\.default\((\w+),", code)
+    assert len(targets) == 2 and targets[0] == targets[1], code
+    assert re.search(rf"return \((reinterpret_tensor\()?{targets[0]}\b", code), code
+
+
+def test_the_reduce_side_reads_each_parts_rows_where_they_lie(ranks):
+    """No copy of the parts' rows: each part's GEMM reads the graph's input through a strided view."""
+    code = ranks(2).run(_generated_code, 2, "reduce_scatter", "inductor")[0]
+    assert len(re.findall(r"bmm\(reinterpret_tensor\(arg0_1,", code)) == 2, code
+
+
+def test_without_inductor_the_parts_are_written_in_place_too(ranks):
+    """The eager inner compiler calls the in-place op itself (functionalized it would copy the
+    whole result for every part)."""
+    code = ranks(2).run(_generated_code, 2, "all_gather", "eager")[0]
+    assert code.count("torch.ops.compass.mm_into_row_blocks.default(out = empty") == 2, code
+    assert "auto_functionalized" not in code, code

@@ -91,3 +91,32 @@ def matmul_into_rows(b: NodeBuilder, buf: fx.Node, rows: fx.Node, weight: fx.Nod
     written = b.call(auto_functionalized, torch.ops.compass.mm_into_row_blocks.default, out=buf, a=rows,
                      b=weight, blocks=blocks, start=i * per_block, stop=(i + 1) * per_block)
     return b.call(operator.getitem, written, 1)
+
+
+def run_in_place(gm: fx.GraphModule) -> None:
+    """Call this package's functionalized mutating ops in place where nothing reads the tensor they
+    mutate afterwards (what Inductor's re-inplacing does), for graphs that run without Inductor
+    (``inner="eager"``): ``auto_functionalized`` alone would copy the whole result for every part."""
+    from torch._higher_order_ops.auto_functionalize import get_mutable_args
+
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.find_nodes(op="call_function", target=auto_functionalized)):
+        op = node.args[0]
+        if op.namespace != "compass" or op._schema.returns:
+            continue
+        names, _ = get_mutable_args(op)
+        bases = [node.kwargs[k] for k in names]
+        if any(not isinstance(b, fx.Node) or b.op == "placeholder"
+               or any(order.get(u, -1) > order[node] for u in b.users if u is not node) for b in bases):
+            continue
+        if any(u.target is not operator.getitem or not 1 <= u.args[1] <= len(bases) for u in node.users):
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(op, (), dict(node.kwargs))
+        order[call] = order[node]
+        for user in list(node.users):
+            user.replace_all_uses_with(bases[user.args[1] - 1])
+            graph.erase_node(user)
+        graph.erase_node(node)
+    gm.recompile()
