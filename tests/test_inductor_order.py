@@ -58,6 +58,7 @@ def _generated_code(rank: int, world: int, kind: str, inner: str) -> tuple[str, 
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
 
+    import compass_fx.backend as backend
 
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
@@ -78,8 +79,6 @@ def _generated_code(rank: int, world: int, kind: str, inner: str) -> tuple[str, 
             out, codes = run_and_get_code(compiled, x)
             code = "\n".join(codes)
         else:
-            import compass_fx.backend as backend
-
             captured = []
             real = backend._eager_inner
             backend._eager_inner = lambda gm, inputs, **kw: (captured.append(gm), real(gm, inputs, **kw))[1]
