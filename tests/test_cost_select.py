@@ -5,7 +5,7 @@ from compass_fx.cost import SCHEDULES, Topology, Workload, plan, select
 from compass_fx.cost.collective import collective_seconds
 from compass_fx.cost.gemm import gemm_seconds
 from compass_fx.cost.layer import format_layer_plan, layer_workloads, plan_layer
-from compass_fx.cost.strategies import MAX_PARTS, decomposition_models, gemm_shapes
+from compass_fx.cost.strategies import MAX_PARTS, decomposition_models, fused_host_seconds, gemm_shapes
 
 H200 = Topology.preset("h200-nvswitch-8")
 A6000 = Topology.preset("a6000-nvlink-pairs-pcie-8")
@@ -69,10 +69,14 @@ def test_double_ring_wins_on_the_papers_machine_and_ties_go_to_the_simpler_sched
     d = plan(w, A6000)
     assert d.label == "fuse(double_ring)"
     assert d.candidate("fuse(double_ring)").seconds < 0.8 * d.candidate("fuse(ring)").seconds
-    # on a switch the device time of the schedules ties, and a tie goes to the simpler one
-    on_switch = plan(Workload("matmul_reduce_scatter", m=32768, n=8192, k=4096, group_size=8), H200)
-    assert on_switch.candidate("fuse(ring)").seconds == on_switch.candidate("fuse(double_ring)").seconds
-    assert on_switch.schedule in (None, "ring")
+    # on a switch the device time of the schedules ties, and a tie goes to the simpler one: the
+    # schedule whose calls cost the host least ("direct": every peer pulled once, nothing relayed)
+    w = Workload("matmul_reduce_scatter", m=32768, n=8192, k=4096, group_size=8)
+    on_switch = plan(w, H200)
+    assert on_switch.candidate("fuse(ring)").seconds == on_switch.candidate("fuse(double_ring)").seconds \
+        == on_switch.candidate("fuse(direct)").seconds
+    hosts = {s: fused_host_seconds(w, H200, s) for s in ("ring", "double_ring", "direct")}
+    assert on_switch.schedule == min(hosts, key=hosts.get) == "direct", hosts
     # a small pair is host-bound: the double ring's twice as many pieces cost the host twice the launches
     small = plan(Workload("matmul_reduce_scatter", m=8192, n=8192, k=1024, group_size=8), H200)
     assert small.candidate("fuse(double_ring)").seconds > 1.5 * small.candidate("fuse(ring)").seconds
@@ -172,3 +176,18 @@ def test_strategy_labels_are_written_and_read_by_one_rule():
     for bad in ("fuse(ringg)", "decompose(d=x)", "decompose", "auto"):
         with pytest.raises(ValueError, match="not a strategy label"):
             Candidate.from_label(bad)
+
+
+def test_at_two_ranks_a_tie_goes_to_direct_not_the_double_ring():
+    """Both move each shard to the one peer over the same link (equal device time); the double
+    ring cuts it in two halves, more launches for the host: "direct" is the simpler schedule."""
+    two = Topology.from_dict({"name": "two-h200", "gpu": "H200",
+                              "nodes": [{"id": "gpu0", "kind": "gpu"}, {"id": "gpu1", "kind": "gpu"}],
+                              "links": [{"src": "gpu0", "dst": "gpu1", "gbps": 360.0, "latency_us": 0.9,
+                                         "kind": "nvlink-bridge"},
+                                        {"src": "gpu1", "dst": "gpu0", "gbps": 360.0, "latency_us": 0.9,
+                                         "kind": "nvlink-bridge"}]})
+    for kind, n, k in (("all_gather_matmul", 7168, 4096), ("matmul_reduce_scatter", 4096, 7168)):
+        d = plan(Workload(kind, m=16384, n=n, k=k, group_size=2), two)
+        assert d.candidate("fuse(direct)").seconds == d.candidate("fuse(double_ring)").seconds
+        assert d.label == "fuse(direct)", d.reason

@@ -3,14 +3,16 @@ the fastest taken.
 
 Deterministic: the predictions are pure functions of the workload and the topology, candidates
 come in a fixed order (sequential, decompose by ascending part count, fuse in ``SCHEDULES`` order), and a
-tie goes to the earlier, simpler candidate, so every rank of a group reaches the same decision.
+tie goes to the simpler candidate: a fused schedule only where no other is as fast, and among fused
+schedules the one whose calls cost the host least (fewer pieces), then the earlier one; so every
+rank of a group reaches the same decision.
 """
 from __future__ import annotations
 
 from ..machine.topology import Topology
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
-from .strategies import decomposition_models, fused_seconds, sequential_seconds
+from .strategies import decomposition_models, fused_host_seconds, fused_seconds, sequential_seconds
 from .workload import Workload
 
 
@@ -37,6 +39,16 @@ def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
         best = min(others, key=lambda c: c.seconds)
         return f"sequential: best alternative {best.label} would be {_ratio(best.seconds, seq.seconds)} slower"
     return f"{winner.label} {_ratio(seq.seconds, winner.seconds)} faster than sequential"
+
+
+def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) -> float:
+    """What breaks a tie of predicted times: a fused call's host seconds (0 for the others).
+
+    Schedules that move the same bytes over the same links tie on the device; the one cut into more
+    pieces (the double ring at two ranks: each shard in two halves to the one peer) costs more
+    launches and was measured slower in 17 of the 24 pairs of the two-H200 grid
+    (benchmarks/results/multigpu_operators-h200x2.json: "direct" best, the double ring picked)."""
+    return fused_host_seconds(workload, topo, candidate.schedule) if candidate.strategy == "fuse" else 0.0
 
 
 def select(workload: Workload, topology: "Topology | str | None" = None, *,
@@ -79,7 +91,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
         candidates.append(Candidate("fuse", 1, "direct", fused_seconds(workload, topo, "direct")))
 
     candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]
-    winner = min(candidates, key=lambda c: c.seconds)  # min keeps the first of equal ones
+    winner = min(candidates, key=lambda c: (c.seconds, _host_tie_break(workload, topo, c)))  # then the first
+
     decomposed = [c for c in candidates if c.strategy == "decompose"]
     if decomposed:
         model = models[min(decomposed, key=lambda c: c.seconds).parts]
