@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
@@ -159,3 +161,17 @@ def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
     (outcome,), why = out["decompose(d=4)"]
     assert outcome.startswith("inference: skipped sequential(1): chunks=4"), outcome
     assert why == f"decompose(d=4) not applied by the compiler: {outcome}"
+
+
+def test_the_part_overhead_constant_is_what_the_committed_grids_fit(tmp_path):
+    """``GpuSpec.part_overhead_s`` of the Hopper GPUs is derived, not chosen: refitting it to the
+    committed two-H200 grids (with the calibration they were priced with) gives the same value."""
+    from compass_fx.machine.gpus import GPUS
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT),
+               COMPASS_FX_CALIBRATION=str(BENCH / "results" / "calibration-h200x2.json"))
+    proc = subprocess.run([sys.executable, str(BENCH / "fit_part_overhead.py"), "--out-dir", str(tmp_path)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fit = json.loads((tmp_path / "part_overhead_fit-h200x2.json").read_text())
+    assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)

@@ -78,14 +78,16 @@ class GpuSpec:
 # efficiency, the overheads and the tile efficiencies were fitted to 288 bf16 GEMMs measured on one
 # H200 with torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation-h200.json; median error
 # 4.0% on times, 4.9% on split/unsplit ratios).  The H100 is the same processor: it shares them.
-# part_overhead_s is the median extra time per InterDecom part measured on that H200 with the
-# collectives of a one-rank NCCL group under Inductor, calls issued back to back, beyond what the
-# split GEMMs explain (benchmarks/results/decompose_overhead-h200.json: 182 us, spread 20..396 us;
-# an earlier run timing each call alone: 70 us).  The profile of a decomposed reduce-scatter shows
-# where it goes: the host issues each functional collective in about 150 us (under the profiler),
-# more than the device needs for the part, and each part's rows are copied in and out (clone, cat).
+# part_overhead_s, the software cost the decomposition model charges per extra part, is fitted to
+# every decompose candidate of the two world-2 operator grids measured on two H200s (NVLink and
+# host-staged; benchmarks/fit_part_overhead.py -> results/part_overhead_fit-h200x2.json): at 50 us
+# the model's part count is within 3% of the best measured one in 22 and 17 of 24 pairs (20 and 9
+# at the 182 us used before, taken from one-rank calls issued back to back) and its decompose
+# predictions are off by a median 26% and 10% (44% and 26% before); no pick of "auto" changes.
+# On the device alone an extra part costs less (decompose_overhead-h200.json: median 6.5 us since
+# parts are read and written in place); the rest is the host's issue of each part's launches.
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
-               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6, part_overhead_s=182e-6,
+               efficiency=0.72, kernel_overhead_s=2.5e-6, wave_overhead_s=1.2e-6, part_overhead_s=50e-6,
                tiles=((128, 256, 1.0), (128, 128, 0.55), (64, 128, 0.1)), source="fitted on an H200")
 
 GPUS: dict[str, GpuSpec] = {
