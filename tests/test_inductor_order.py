@@ -9,13 +9,10 @@ import pytest
 import torch
 
 
-def _generated_order(rank: int, world: int, kind: str, options: dict) -> tuple[list[str], list[str]]:
+def _one_pair(world: int, kind: str):
+    """A one-pair program (an all-gather then a matmul, or a matmul then a reduce-scatter) and its input."""
     import torch.distributed as dist
-    from torch._inductor.utils import run_and_get_code
 
-    import compass_fx.backend
-
-    torch._dynamo.reset()
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
     w = torch.randn(64, 32)
@@ -26,8 +23,16 @@ def _generated_order(rank: int, world: int, kind: str, options: dict) -> tuple[l
     def mm_scatter(x):
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(x @ w, "sum", world, group))
 
-    fn = gather_mm if kind == "all_gather" else mm_scatter
-    x = torch.randn(32 if kind == "all_gather" else 64, 64)
+    return (gather_mm, torch.randn(32, 64)) if kind == "all_gather" else (mm_scatter, torch.randn(64, 64))
+
+
+def _generated_order(rank: int, world: int, kind: str, options: dict) -> tuple[list[str], list[str]]:
+    from torch._inductor.utils import run_and_get_code
+
+    import compass_fx.backend
+
+    torch._dynamo.reset()
+    fn, x = _one_pair(world, kind)
     before = len(compass_fx.backend.history)
     compiled = torch.compile(fn, backend="compass", options=options)
     with torch.no_grad():
@@ -53,25 +58,13 @@ def test_graphs_without_decomposition_keep_inductors_defaults(ranks):
     assert notes == [] and len(calls) == 2
 
 
-def _generated_code(rank: int, world: int, kind: str, inner: str) -> tuple[str, str]:
-    """Inductor's code for a decomposed pair (2 parts), and the eager inner compiler's graph code."""
-    import torch.distributed as dist
+def _generated_code(rank: int, world: int, kind: str, inner: str) -> str:
+    """The code a decomposed pair (2 parts) runs as: Inductor's, or the eager inner compiler's graph."""
     from torch._inductor.utils import run_and_get_code
 
     import compass_fx.backend as backend
 
-    group = dist.group.WORLD.group_name
-    c10d = torch.ops._c10d_functional
-    w = torch.randn(64, 32)
-
-    def gather_mm(x):
-        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, world, group)) @ w
-
-    def mm_scatter(x):
-        return c10d.wait_tensor(c10d.reduce_scatter_tensor(x @ w, "sum", world, group))
-
-    fn = gather_mm if kind == "all_gather" else mm_scatter
-    x = torch.randn(32 if kind == "all_gather" else 64, 64)
+    fn, x = _one_pair(world, kind)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="compass", options={"chunks": 2, "inner": inner, "dump_dir": None})
     with torch.no_grad():
