@@ -2,7 +2,8 @@
 
 Why: on a single device the collectives of a one-rank group move nothing, so the time of the
 decomposed pipeline over the sequential one is the pure overhead the rewrite adds (smaller GEMMs,
-the row shuffles that put parts back in order, the collectives' launches).  The cost model must
+the collectives' launches, and what still copies rows: the cat of the reduce-scatter and
+all-reduce outputs; a part's GEMM reads and writes its rows in place, ``lowering.row_blocks``).  The cost model must
 charge exactly this, so the script prints the model's predicted GEMM split ratio beside the
 measured ratio.  Each variant is timed alone (each call synchronised: the host's issue time shows)
 and back to back; the per-part overhead (issue 10's goal: <= 15 us) is the back-to-back time
