@@ -4,6 +4,8 @@ Consumer side (all_gather_matmul): the gather of part i+1 is issued before the m
 and each wait sits just before its first use.  Producer side (matmul_reduce_scatter,
 matmul_all_reduce): the collective of part i is issued right after its matmul, so it travels
 while the matmul of part i+1 runs; the waits sit where the result is first needed.
+A part's plain matmul reads (reduce side) or writes (gather side) its rows where they lie in the
+whole tensor (:mod:`.row_blocks`), so no rows are copied to put the parts together.
 """
 from __future__ import annotations
 
