@@ -163,15 +163,18 @@ def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
     assert why == f"decompose(d=4) not applied by the compiler: {outcome}"
 
 
-def test_the_part_overhead_constant_is_what_the_committed_grids_fit(tmp_path):
-    """``GpuSpec.part_overhead_s`` of the Hopper GPUs is derived, not chosen: refitting it to the
-    committed two-H200 grids (with the calibration they were priced with) gives the same value."""
+def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path):
+    """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
+    derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
+    were priced with) gives the values in the code."""
+    from compass_fx.cost import strategies
     from compass_fx.machine.gpus import GPUS
 
     env = dict(os.environ, PYTHONPATH=str(ROOT),
                COMPASS_FX_CALIBRATION=str(BENCH / "results" / "calibration-h200x2.json"))
-    proc = subprocess.run([sys.executable, str(BENCH / "fit_part_overhead.py"), "--out-dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(BENCH / "fit_model_constants.py"), "--out-dir", str(tmp_path)],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    fit = json.loads((tmp_path / "part_overhead_fit-h200x2.json").read_text())
+    fit = json.loads((tmp_path / "model_constants_fit-h200x2.json").read_text())
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
+    assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)

@@ -80,7 +80,7 @@ class GpuSpec:
 # 4.0% on times, 4.9% on split/unsplit ratios).  The H100 is the same processor: it shares them.
 # part_overhead_s, the software cost the decomposition model charges per extra part, is fitted to
 # every decompose candidate of the two world-2 operator grids measured on two H200s (NVLink and
-# host-staged; benchmarks/fit_part_overhead.py -> results/part_overhead_fit-h200x2.json): at 50 us
+# host-staged; benchmarks/fit_model_constants.py -> results/model_constants_fit-h200x2.json): at 50 us
 # the model's part count is within 3% of the best measured one in 22 and 17 of 24 pairs (20 and 9
 # at the 182 us used before, taken from one-rank calls issued back to back) and its decompose
 # predictions are off by a median 26% and 10% (44% and 26% before); no pick of "auto" changes.
