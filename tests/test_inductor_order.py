@@ -104,3 +104,21 @@ def test_without_inductor_the_parts_are_written_in_place_too(ranks):
     code = ranks(2).run(_generated_code, 2, "all_gather", "eager")[0]
     assert code.count("torch.ops.compass.mm_into_row_blocks.default(out = empty") == 2, code
     assert "auto_functionalized" not in code, code
+
+
+def test_the_in_place_writer_multiplies_strided_rows_too():
+    """``compass::mm_into_row_blocks`` with a part's rows given through a strided view (not as
+    traced) still writes the right rows, and leaves the others alone."""
+    from compass_fx.lowering import row_blocks  # noqa: F401 - registers the op
+
+    blocks, per_block, parts, k, n = 2, 6, 3, 5, 4
+    rows = torch.randn(k, blocks * per_block // parts).t()  # [4, 5], strided (a transpose)
+    w = torch.randn(k, n)
+    out = torch.full((blocks * per_block, n), 7.0)
+    torch.ops.compass.mm_into_row_blocks(out, rows, w, blocks, 2, 4)
+    want = (rows @ w).view(blocks, 2, n)
+    got = out.view(blocks, per_block, n)
+    torch.testing.assert_close(got[:, 2:4], want)
+    assert torch.all(got[:, :2] == 7.0) and torch.all(got[:, 4:] == 7.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        torch.ops.compass.mm_into_row_blocks(out, rows, w, blocks, 2, 5)

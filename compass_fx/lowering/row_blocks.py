@@ -44,6 +44,7 @@ def mm_into_row_blocks(out: Tensor, a: Tensor, b: Tensor, blocks: int, start: in
         raise ValueError(f"mm_into_row_blocks: out {tuple(out.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)} "
                          f"do not fit {blocks} blocks of rows [{start}, {stop})")
     target = out.view(blocks, out.shape[0] // blocks, out.shape[1])[:, start:stop]
+    # splitting a's rows into blocks is a view whatever a's strides
     torch.bmm(a.view(blocks, rows, a.shape[1]), b.expand(blocks, *b.shape), out=target)
 
 
