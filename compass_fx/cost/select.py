@@ -86,7 +86,7 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
 
         candidates += [Candidate("fuse", 1, s, fused_seconds(workload, topo, s))
                        for s in distinct_schedules(schedules, workload.group_size)]
-    elif workload.group_size > 1 and topo.host_copy(workload.group_size) and "direct" in schedules:
+    elif topo.host_staged(workload.group_size) and "direct" in schedules:
         # no peer access: the fused operators meet in pinned host memory, every peer one hop away
         candidates.append(Candidate("fuse", 1, "direct", fused_seconds(workload, topo, "direct")))
 
@@ -117,4 +117,4 @@ def fuses_by_default(topology: Topology, group_size: int) -> bool:
     host memory) was measured 1.07-1.6x faster per pair than NCCL + cuBLAS on 2 H200s
     (benchmarks/results/fused_ops-h200x2-hoststaged.json); on peer links their gain is smaller and
     they stay opt-in."""
-    return 1 < group_size <= topology.num_gpus and topology.host_copy(group_size) is not None
+    return topology.host_staged(group_size)

@@ -195,7 +195,7 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
     them for this transport) priced by kind, plus the per-call dispatch."""
     from ..kernels.protocol import call_plans
 
-    host = w.group_size > 1 and topo.host_copy(w.group_size) is not None
+    host = topo.host_staged(w.group_size)
     g = w.group_size
     rows = w.m // g if w.kind == "all_gather_matmul" else w.m
     cols = w.k if w.kind == "all_gather_matmul" else w.n
@@ -211,7 +211,7 @@ def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdow
     reduce_scatter: the first block's GEMM exposed, each step adds into the travelling
     accumulator; all_reduce: fused reduce-scatter, then an all-gather of the result on the same
     schedule that nothing hides.  GPUs without peer access: :func:`host_staged_breakdown`."""
-    if w.group_size > 1 and topo.host_copy(w.group_size):
+    if topo.host_staged(w.group_size):
         return host_staged_breakdown(w, topo)
     spec = gpu_spec(topo.gpu)
     g = w.group_size

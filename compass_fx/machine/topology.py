@@ -213,6 +213,12 @@ class Topology:
         """``PEER_TO_PEER`` when the group's GPUs reach each other's memory, else ``HOST_STAGED``."""
         return PEER_TO_PEER if self.peer_access(size) else HOST_STAGED
 
+    def host_staged(self, size: int) -> bool:
+        """Whether a group of ``size`` GPUs meets in pinned host memory (``host_copy`` has figures
+        for it): never for one GPU, nor for a group larger than the machine (priced as replicas of
+        it, over their peer links)."""
+        return 1 < size <= self.num_gpus and self.host_copy(size) is not None
+
     def host_copy(self, size: int | None = None) -> tuple[float, float] | None:
         """(bytes/s per direction per GPU, seconds per piece) of copy-engine transfers through
         pinned host memory between the group's GPUs, when they have no peer access; else None."""

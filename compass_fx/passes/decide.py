@@ -23,7 +23,10 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
         if strategy == "sequential":
             return Decision("sequential", reason="strategy='off'" if options.strategy == "off" else "chunks=1")
         if strategy == "fuse":
-            if schedule != "direct" and _host_staged(pair.group_size, topology):
+            # without peer access a ring only relays through host memory pieces every rank could pull
+            # at once (and a reduce-scatter ring stalled at three ranks sharing one GPU): "direct",
+            # which is also what the cost model prices there
+            if schedule != "direct" and Topology.resolve(topology).host_staged(pair.group_size):
                 return Decision("fuse", schedule="direct",
                                 reason=f"forced: schedule={schedule}, run as direct: without peer access every "
                                        "piece goes through host memory, where every peer is one hop away")
@@ -40,19 +43,6 @@ def auto_fuse(option: bool | None, group_size: int, topology: object | None = No
     if option is not None:
         return option
     return fuses_by_default(Topology.resolve(topology), group_size)
-
-
-def _host_staged(group_size: int, topology: object | None) -> bool:
-    """Whether the group's GPUs meet in host memory (no peer access), as the cost model sees them.
-
-    There a ring only relays pieces through host memory that every rank could pull at once (and
-    a reduce-scatter ring was seen to stall at three ranks sharing one GPU), so the fused
-    operators run "direct", which is also what the cost model prices there."""
-    topo = Topology.resolve(topology)
-    try:
-        return group_size > 1 and topo.host_copy(group_size) is not None
-    except ValueError:  # a group larger than the topology: priced as replicas, peer links assumed
-        return False
 
 
 def _fused_schedules(pair: Pair) -> tuple[str, ...]:
