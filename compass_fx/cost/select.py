@@ -91,8 +91,9 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
         candidates.append(Candidate("fuse", 1, "direct", fused_seconds(workload, topo, "direct")))
 
     candidates = [apply_cost_hooks(workload, topo, c) for c in candidates]
-    winner = min(candidates, key=lambda c: (c.seconds, _host_tie_break(workload, topo, c)))  # then the first
-
+    fastest = min(c.seconds for c in candidates)
+    tied = [c for c in candidates if c.seconds == fastest]  # host costs are priced for a tie only
+    winner = min(tied, key=lambda c: _host_tie_break(workload, topo, c))  # min keeps the first of equal ones
     decomposed = [c for c in candidates if c.strategy == "decompose"]
     if decomposed:
         model = models[min(decomposed, key=lambda c: c.seconds).parts]
