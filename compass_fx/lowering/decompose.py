@@ -29,10 +29,6 @@ prims = torch.ops.prims
 def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
     """Rewrite ``pair`` in place into ``parts`` pipelined parts (go through
     :func:`compass_fx.lowering.rewrite`, which checks ``parts`` and restores the graph on failure)."""
-    _rewrite(gm, pair, parts)
-
-
-def _rewrite(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
     b = NodeBuilder(gm.graph, pair.collective)
     if isinstance(pair, GatherPair):
         _all_gather(b, pair, parts)
