@@ -6,6 +6,7 @@ can be compared on the same per-rank inputs in one process (FACTS.md).
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from compass_fx.cost.decision import Decision
 from compass_fx.lowering import rewrite
+from compass_fx.lowering.row_blocks import run_in_place
 from compass_fx.passes.match import find_pairs
 from compass_fx.graph.pairs import Pair
 from compass_fx.report import SkipRecord
@@ -44,25 +46,15 @@ def local_inputs(gm: fx.GraphModule, world: int, seed: int) -> list[Any]:
     return out
 
 
-class _InPlaceReplay(fx.Interpreter):
-    """Runs a graph node by node; a functionalized mutating op (``auto_functionalized``, which
-    LocalTensorMode cannot dispatch) runs as Inductor runs it: on clones of the tensors it
-    mutates, which then are its results."""
-
-    def call_function(self, target, args, kwargs):
-        if target is torch.ops.higher_order.auto_functionalized:
-            from torch._higher_order_ops.auto_functionalize import get_mutable_args
-
-            mutable, _ = get_mutable_args(args[0])
-            kwargs = {k: (v.clone() if k in mutable else v) for k, v in kwargs.items()}
-            return (args[0](**kwargs), *(kwargs[k] for k in mutable))
-        return super().call_function(target, args, kwargs)
-
-
 def replay(gm: fx.GraphModule, inputs: list[Any], world: int) -> list[dict[int, torch.Tensor] | None]:
-    """Run ``gm`` on all ranks at once; each output as {rank: tensor} (None for non-tensors)."""
+    """Run ``gm`` on all ranks at once; each output as {rank: tensor} (None for non-tensors).
+
+    A copy runs, with the rewrite's functionalized in-place ops called in place as the eager inner
+    compiler calls them (LocalTensorMode cannot dispatch ``auto_functionalized``)."""
+    runnable = copy.deepcopy(gm)
+    run_in_place(runnable)
     with LocalTensorMode(world):
-        outs = _InPlaceReplay(gm).run(*inputs)
+        outs = runnable(*inputs)
     if not isinstance(outs, (tuple, list)):
         outs = [outs]
     res = []
