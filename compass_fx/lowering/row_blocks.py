@@ -19,7 +19,6 @@ kernel and no copy, in eager mode and under Inductor).
 """
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -30,6 +29,7 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from ..graph.nodes import shape_of
 from ..graph.pairs import RowLayout
 from .graph_edit import NodeBuilder
+from .rows import block_shape
 
 aten = torch.ops.aten
 
@@ -51,14 +51,6 @@ def mm_into_row_blocks(out: Tensor, a: Tensor, b: Tensor, blocks: int, start: in
 @mm_into_row_blocks.register_fake
 def _(out: Tensor, a: Tensor, b: Tensor, blocks: int, start: int, stop: int) -> None:
     return None
-
-
-def block_shape(layout: RowLayout, parts: int) -> tuple[int, int]:
-    """(blocks, rows of one part in a block): the layout's 2-D rows are ``blocks`` slabs (every
-    lead index times every rank) of ``parts`` runs of that many rows each."""
-    g = layout.dim
-    c = layout.shape[g] // (layout.world * parts)
-    return math.prod(layout.shape[:g]) * layout.world, c * math.prod(layout.shape[g + 1:-1])
 
 
 def part_row_blocks(b: NodeBuilder, x2d: fx.Node, layout: RowLayout, parts: int, i: int) -> fx.Node:

@@ -7,6 +7,8 @@ and ``interleave_rows`` puts per-part results back into the original row order.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
@@ -21,6 +23,14 @@ def _split_shape(layout: RowLayout, parts: int, sub: int, trailing: list[int]) -
     g = layout.dim
     c = layout.shape[g] // (layout.world * parts)
     return list(layout.shape[:g]) + [layout.world, sub, c] + list(layout.shape[g + 1:-1]) + trailing
+
+
+def block_shape(layout: RowLayout, parts: int) -> tuple[int, int]:
+    """(blocks, rows of one part in a block): the layout's 2-D rows are ``blocks`` slabs (every
+    lead index times every rank) of ``parts`` runs of that many rows each, as ``select_rows``
+    splits them."""
+    split, g = _split_shape(layout, parts, parts, []), layout.dim  # lead + [W, parts, c] + mid
+    return math.prod(split[:g + 1]), math.prod(split[g + 2:])
 
 
 def select_rows(b: NodeBuilder, x2d: fx.Node, layout: RowLayout, parts: int, i: int) -> fx.Node:
