@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from compass_fx.kernels import protocol as pr
+from compass_fx.kernels.issue_order import UnorderablePlan, serialized
 from compass_fx.kernels.schedules import SCHEDULES
 from compass_fx.kernels.simulate import Deadlock, ProtocolViolation, Simulator
 
@@ -293,23 +294,33 @@ def test_plans_are_deterministic_and_every_flag_is_published():
     assert pr.all_reduce_chunks(4096, 2, out_bytes=1 << 30) == 4
 
 
+def _stream_programs(plan: pr.Plan) -> tuple:
+    """What each stream runs, in its order, and the plan's sizes: all that the issue order keeps."""
+    per_stream = {s: tuple(c for c in plan.commands if c.stream == s) for s in pr.STREAMS}
+    return replace(plan, commands=()), per_stream
+
+
 def test_call_plans_are_what_a_call_runs():
     """One call's plans, as the CUDA path builds them: host-staged plans publish on the third
     stream and cut big blocks into pieces; the fused all-reduce pulls in chunks under "direct"
-    and is a reduce-scatter then a gather (no GEMM) under the ring schedules."""
+    and is a reduce-scatter then a gather (no GEMM) under the ring schedules.  Each stream runs
+    the plan as built; only the order across streams is the issue order (test below)."""
     mib = 1 << 20
     (peer,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=False)
-    assert peer == pr.all_gather_plan("direct", 2, 0, 2048, 2, 1)
+    assert _stream_programs(peer) == _stream_programs(pr.all_gather_plan("direct", 2, 0, 2048, 2, 1))
     (host,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=True)
-    assert host == pr.host_staged(pr.all_gather_plan("direct", 2, 0, 2048, 2, pr.host_split(2048 * 4096 * 2)))
+    assert _stream_programs(host) == _stream_programs(
+        pr.host_staged(pr.all_gather_plan("direct", 2, 0, 2048, 2, pr.host_split(2048 * 4096 * 2))))
     assert any(c.stream == pr.PUB for c in host.commands) and not any(c.stream == pr.PUB for c in peer.commands)
     (rs,) = pr.call_plans("matmul_reduce_scatter", "ring", 4, 1, 4096, 4096, 1, 2, host=True)
-    assert rs == pr.host_staged(pr.reduce_scatter_plan("ring", 4, 1, 1024, pr.host_split(1024 * 4096 * 2)))
+    assert _stream_programs(rs) == _stream_programs(
+        pr.host_staged(pr.reduce_scatter_plan("ring", 4, 1, 1024, pr.host_split(1024 * 4096 * 2))))
     (pulls,) = pr.call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, host=False)
     assert pulls.op == "matmul_all_reduce" and pr.all_reduce_pull_chunks("direct", 2, 8192, 64 * mib, False) == 2
     ring = pr.call_plans("matmul_all_reduce", "ring", 2, 0, 8192, 4096, 1, 2, host=False)
     assert [p.op for p in ring] == ["matmul_reduce_scatter", "all_gather_matmul"]
-    assert ring[1] == pr.all_gather_plan("ring", 2, 0, 4096, 0, 1)  # gathers the reduced rows, no GEMM
+    # gathers the reduced rows, no GEMM
+    assert _stream_programs(ring[1]) == _stream_programs(pr.all_gather_plan("ring", 2, 0, 4096, 0, 1))
     assert pr.all_reduce_pull_chunks("direct", 4, 6, 64 * mib, True) == 0  # no chunk count splits 6 rows
     with pytest.raises(ValueError, match="unknown fused operator"):
         pr.call_plans("all_to_all_matmul", "direct", 2, 0, 8, 8, 1, 2, host=False)
@@ -368,3 +379,84 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
     assert pr.call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False, detach=True) == (ag,)
     with pytest.raises(ValueError, match="guards"):  # its GEMMs need the pulled rows
         pr.detached(ag)
+
+
+def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_queue: bool) -> None:
+    """Run one stage of a call (``plans[r]``: rank r's) ``n_calls`` times back to back and check
+    every rank's result.  ``rows``: rows of A (a shard for a gather)."""
+    world, op = len(plans), plans[0].op
+    gen = torch.Generator().manual_seed(seed)
+    gather = op == "all_gather_matmul"
+    width = K if not gather or plans[0].n_weights else COLS  # a gather without GEMM moves result rows
+    calls = []
+    for _ in range(n_calls):
+        a = [torch.randn(rows, width, generator=gen, dtype=torch.float64) for _ in range(world)]
+        if gather:
+            ws = _weights(gen, plans[0].n_weights)
+            calls.append([{"A": [a[r]], "W": ws, "OUT": [torch.full((rows * world, COLS), float("nan"),
+                                                                    dtype=torch.float64) for _ in ws],
+                           "GATHERED": [torch.full((rows * world, width), float("nan"), dtype=torch.float64)]}
+                          for r in range(world)])
+        else:
+            ws = [_weights(gen, 1) for _ in range(world)]
+            out_rows = rows // world if op == "matmul_reduce_scatter" else rows
+            calls.append([{"A": [a[r]], "W": ws[r], "OUT": [torch.full((out_rows, COLS), float("nan"),
+                                                                       dtype=torch.float64)]}
+                          for r in range(world)])
+    Simulator(plans, width if gather else COLS, seed=seed, one_queue=one_queue).run(calls, lateness=0.4)
+    for call in calls:
+        if gather:
+            full = torch.cat([call[r]["A"][0] for r in range(world)])
+            for r in range(world):
+                torch.testing.assert_close(call[r]["GATHERED"][0], full)
+                for got, w in zip(call[r]["OUT"], call[r]["W"]):
+                    torch.testing.assert_close(got, full @ w)
+            continue
+        total = sum(call[r]["A"][0] @ call[r]["W"][0] for r in range(world))
+        for r in range(world):
+            block = rows // world
+            want = total[r * block:(r + 1) * block] if op == "matmul_reduce_scatter" else total
+            torch.testing.assert_close(call[r]["OUT"][0], want)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_issue_order_survives_one_hardware_queue_per_rank(op, schedule, world):
+    """The GPU may feed all of a rank's streams through one hardware queue, in the order the host
+    issued their commands (streams outnumber CUDA_DEVICE_MAX_CONNECTIONS): the plans as the CUDA
+    path issues them still complete, call after call, with every result right, over both
+    transports and in the detached form."""
+    rows = 16 * world
+    for host in (False, True):
+        for detach in (False, True):
+            per_rank = [pr.call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, detach=detach)
+                        for r in range(world)]
+            for stage, plans in enumerate(zip(*per_rank)):
+                stage_rows = rows if stage == 0 else rows // world  # a ring all-reduce gathers its sums
+                _run_stage(list(plans), stage_rows, n_calls=4, seed=world + stage, one_queue=True)
+
+
+def test_stream_order_alone_hangs_on_one_hardware_queue():
+    """What the issue order fixes (three ranks sharing one H200 hung so in the ring reduce-scatter):
+    built stream by stream, a rank issues its wait for a peer's second partial sum before its own
+    second publication; on one queue per rank every rank of the ring then waits behind its own
+    wait.  The same plans in the issue order complete."""
+    world, rows = 3, 48
+    built = [pr.stream_plans("matmul_reduce_scatter", "ring", world, r, rows, COLS, 1, 8, False)[0]
+             for r in range(world)]
+    with pytest.raises(Deadlock):
+        _run_stage(built, rows, n_calls=2, seed=0, one_queue=True)
+    _run_stage(built, rows, n_calls=2, seed=0, one_queue=False)  # each stream on its own queue: fine
+    _run_stage(list(serialized(built)), rows, n_calls=2, seed=0, one_queue=True)
+
+
+def test_serialized_refuses_plans_that_deadlock_anyway():
+    """A plan that waits for a flag no rank ever sets has no safe order: a clear error, not a hang."""
+    world = 2
+    plans = [pr.all_gather_plan("direct", world, r, 4, 1) for r in range(world)]
+    stuck = replace(plans[0], commands=(pr.WaitFlag(pr.COMM, peer=1, slot=7),) + plans[0].commands)
+    with pytest.raises(UnorderablePlan, match="deadlock"):
+        serialized([stuck, plans[1]])
+    with pytest.raises(ValueError, match="one plan per rank"):
+        serialized([plans[1], plans[0]])

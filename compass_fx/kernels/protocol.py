@@ -40,7 +40,9 @@ resident (the waiting kernel is one small program; copies run on the copy engine
 waits), and every wait on the GPU is bounded by a timeout that names the operator, rank, slot and
 peer.  The old protocol (flags zeroed at the start of a call, before a barrier) broke the "never
 zeroed" rule: a fast rank could zero a flag a slow peer had not read yet; the simulator shows
-that it hangs.
+that it hangs.  The argument above assumes that each stream advances on its own; a GPU may
+feed several streams through one hardware queue in issue order, so the plans are issued in the
+order of :mod:`.issue_order` (:func:`call_plans`), which completes even then.
 """
 from __future__ import annotations
 
@@ -457,7 +459,31 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
                itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
                detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
     """The plans one call of a fused operator runs, in order, as the CUDA path builds them (the
-    cost model counts their commands to price the host's work).
+    cost model counts their commands to price the host's work), each in the issue order of
+    :func:`.issue_order.serialized` (safe when the GPU runs the rank's streams through one
+    hardware queue).  Arguments as :func:`stream_plans`."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return _every_rank(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                       group_rows)[rank]
+
+
+@lru_cache(maxsize=256)
+def _every_rank(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
+                host: bool, piece_bytes: int, detach: bool, group_rows: int) -> tuple[tuple[Plan, ...], ...]:
+    from .issue_order import serialized  # it builds on this module's commands
+
+    per_rank = [stream_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                             group_rows) for r in range(world)]
+    stages = [serialized(stage) for stage in zip(*per_rank)]
+    return tuple(zip(*stages))
+
+
+def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
+                 itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
+                 detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
+    """The plans of one call as built stream by stream (each stream's order right, the order
+    across streams not yet the one to issue in: :func:`call_plans`).
 
     ``rows``: rows of the A operand (a shard for ``all_gather_matmul``); ``cols``: width of the
     tensor that travels (k for the gather, n for the reduced output); ``host``: host-staged
@@ -486,10 +512,10 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
     chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes)
     if chunks:
         return (staged(all_reduce_plan(world, rank, rows, chunks)),)
-    return (call_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host, piece_bytes,
-                       detach)
-            + call_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,
-                         piece_bytes, detach))
+    return (stream_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host,
+                         piece_bytes, detach)
+            + stream_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,
+                           piece_bytes, detach))
 
 
 def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int, host: bool,

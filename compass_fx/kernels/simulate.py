@@ -1,9 +1,10 @@
 """Run the fused operators' plans for several ranks on the CPU, under random interleavings.
 
 A model of the GPUs that is strict where the hardware is loose: every stream of every rank is a
-queue of commands, and at each step one runnable command (or one rank's host issuing its next
-call) is picked at random, so a rank's host, or one of its streams, can fall arbitrarily far
-behind the others.  Every row of a symmetric buffer carries the epoch of the call that wrote it,
+queue of commands (or, with ``one_queue``, all of a rank's streams are one queue in issue
+order, as when the GPU feeds them through one hardware queue), and at each step one runnable
+command (or one rank's host issuing its next call) is picked at random, so a rank's host, or one
+of its streams, can fall arbitrarily far behind the others.  Every row of a symmetric buffer carries the epoch of the call that wrote it,
 and every read checks it: a read of stale data, or of data a fast peer already overwrote for a
 later call, raises :class:`ProtocolViolation` at once.  A state in which work remains and nothing
 can run raises :class:`Deadlock`.  The results are compared with plain matmuls and sums.
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .protocol import (SELF, STREAMS, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
+from .protocol import (MAIN, SELF, STREAMS, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
                        WaitEvent, WaitFlag)
 
 
@@ -58,8 +59,9 @@ class Simulator:
     """Several ranks running ``plans`` (one per rank) call after call."""
 
     def __init__(self, plans: list[Plan], cols: int, seed: int = 0,
-                 handlers: dict[type, Handler] | None = None, buffers: int = 2) -> None:
+                 handlers: dict[type, Handler] | None = None, buffers: int = 2, one_queue: bool = False) -> None:
         self.plans = plans
+        self.one_queue = one_queue  # every stream of a rank on one queue, in issue order (shared hardware queues)
         self.buffers = buffers  # 2: double-buffered by the epoch's parity, as on the GPU
         self.world = len(plans)
         self.rng = random.Random(seed)
@@ -100,7 +102,7 @@ class Simulator:
             e = issued[st.rank]
             call = _Call(e + 1, calls[e][st.rank])
             for cmd in self.plans[st.rank].commands:
-                st.queues[cmd.stream].append((call, cmd))
+                st.queues[MAIN if self.one_queue else cmd.stream].append((call, cmd))
             issued[st.rank] += 1
             return True
         call, cmd = st.queues[what][0]

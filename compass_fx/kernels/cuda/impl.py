@@ -304,9 +304,13 @@ class _Workspace:
 
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""
+        in_host_memory = self.transport == "host"  # then the host reads and writes the flags itself
         side = torch.cuda.Stream(device=self.comm.device)
-        with torch.cuda.stream(side):
-            seen = {p: f.cpu().tolist() for p, f in self.peer_flags.items()}
+        if in_host_memory:
+            seen = {p: f.tolist() for p, f in self.peer_flags.items()}
+        else:
+            with torch.cuda.stream(side):
+                seen = {p: f.cpu().tolist() for p, f in self.peer_flags.items()}
         stuck = [c for c in self.plan.commands if isinstance(c, WaitFlag)
                  and seen[c.peer][c.slot] < epoch + c.delta]
         if not stuck:
@@ -320,7 +324,15 @@ class _Workspace:
                    f"of a compass fused operator on this rank raises this error.")
 
         def release() -> None:
+            """Raise the awaited flags.  Host-memory flags take a store from the host, which no GPU
+            queue can hold up; a flag in GPU memory takes a stream write, which a wait sharing its
+            hardware queue could (the issue order, :mod:`..issue_order`, keeps the plan's own waits
+            from doing so)."""
             for c in stuck:
+                if in_host_memory:
+                    value = (epoch + c.delta) & 0xFFFFFFFF
+                    self.peer_flags[c.peer][c.slot] = value - (1 << 32) if value >= 1 << 31 else value  # int32
+                    continue
                 addr = self.peer_flag_address[c.peer] + 4 * c.slot
                 driver.write(addr, epoch + c.delta, side.cuda_stream)
             side.synchronize()

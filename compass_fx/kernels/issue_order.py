@@ -1,0 +1,108 @@
+"""The order in which a rank issues its plan's commands: one that cannot deadlock even when the GPU
+runs all of the rank's streams through one hardware queue.
+
+Why: CUDA feeds streams to the GPU through a few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``,
+8 by default, shared by every stream of the process: NCCL's, the compiler's, ours).  Two streams
+that land on one queue run in the order the host issued their commands, so a stream memory wait
+holds up every command issued after it on that queue, whatever its stream.  Plans built stream by
+stream (:mod:`.protocol`) are deadlock-free while each stream has a queue of its own, but not
+always when queues are shared: in the reduce-scatter rings a rank issued its wait for a peer's
+second partial sum before its own second publication, on another stream; with both streams on
+one queue every rank of a ring waits for the next one's publication, which sits behind that
+rank's own wait.  Three ranks sharing one H200 hung exactly so
+(``benchmarks/fused_host_stress.py``), and the simulator with one queue per rank shows it for
+every reduce-scatter schedule beyond two ranks.
+
+The order: each rank issues a command only once everything it waits for has been issued before
+it, by this rank (the event it waits for was recorded) or by the peer (the flag it waits for was
+set).  The ranks' orders are found together, as one run of the whole call in which every
+command executes the moment it is issued.  Each stream keeps its own order (nothing changes on
+a GPU whose streams have queues of their own), and the join (the caller's last waits) stays last.
+
+Why it cannot deadlock however the streams share queues: the construction is one global
+sequence S of every rank's commands in which each wait comes after what releases it.  A queue
+holds a subsequence of one rank's issue order, hence of S.  If every queue's head were blocked,
+take the blocked head earliest in S: what releases it is earlier in S, so it is not behind a
+blocked head (that head would be earlier still), so it has run, and the head is not blocked.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from .protocol import Command, Plan, Record, SetFlag, WaitEvent, WaitFlag, join_start
+
+
+class UnorderablePlan(ValueError):
+    """No order of the plans' commands completes: the plans deadlock even stream by stream."""
+
+
+def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
+    """Every rank's plan (``plans[r]`` is rank ``r``'s, one call of one operator) with its commands
+    in an issue order that completes when all of a rank's streams share one queue."""
+    world = len(plans)
+    if [p.rank for p in plans] != list(range(world)):
+        raise ValueError(f"serialized needs one plan per rank, in rank order; got ranks {[p.rank for p in plans]}")
+    bodies = [p.commands[:join_start(p)] for p in plans]
+    for p, body in zip(plans, bodies):
+        _check_events(p, body)
+    done = [[False] * len(body) for body in bodies]
+    flags: list[set[int]] = [set() for _ in plans]
+    events: list[set[str]] = [set() for _ in plans]
+    orders: list[list[Command]] = [[] for _ in plans]
+    left = sum(len(b) for b in bodies)
+    while left:
+        progressed = False
+        for r in range(world):
+            while (i := _next_ready(bodies[r], done[r], flags, events[r])) is not None:
+                cmd = bodies[r][i]
+                done[r][i] = True
+                orders[r].append(cmd)
+                if isinstance(cmd, SetFlag):
+                    flags[r].add(cmd.slot)
+                elif isinstance(cmd, Record):
+                    events[r].add(cmd.event)
+                left -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r}: {bodies[r][done[r].index(False)]}" for r in range(world) if not all(done[r])]
+            raise UnorderablePlan(f"{plans[0].op}: the plans deadlock; first command left per rank: {stuck}")
+    return tuple(replace(p, commands=tuple(order) + p.commands[len(body):])
+                 for p, body, order in zip(plans, bodies, orders))
+
+
+def _next_ready(body: tuple[Command, ...], done: list[bool], flags: list[set[int]],
+                events: set[str]) -> int | None:
+    """The first command, in the plan's order, that is next on its stream and waits for nothing
+    still to come."""
+    blocked: set[str] = set()
+    for i, cmd in enumerate(body):
+        if done[i] or cmd.stream in blocked:
+            continue
+        if _released(cmd, flags, events):
+            return i
+        blocked.add(cmd.stream)
+    return None
+
+
+def _released(cmd: Command, flags: list[set[int]], events: set[str]) -> bool:
+    if isinstance(cmd, WaitFlag):
+        return cmd.delta < 0 or cmd.slot in flags[cmd.peer]  # delta < 0: an earlier call's flag
+    if isinstance(cmd, WaitEvent):
+        return cmd.event in events
+    return True
+
+
+def _check_events(plan: Plan, body: tuple[Command, ...]) -> None:
+    """Each event is recorded at most once before the join and waited for only after its record:
+    then a wait means the same record in any order that keeps it after the record."""
+    recorded: set[str] = set()
+    for cmd in body:
+        if isinstance(cmd, Record):
+            if cmd.event in recorded:
+                raise ValueError(f"{plan.op}: event {cmd.event!r} is recorded twice in one call")
+            recorded.add(cmd.event)
+        elif isinstance(cmd, WaitEvent) and cmd.event not in recorded:
+            raise ValueError(f"{plan.op}: {cmd} comes before the event's record")
+        elif isinstance(cmd, WaitFlag) and cmd.delta > 0:
+            raise ValueError(f"{plan.op}: {cmd} waits for a later call")
