@@ -12,7 +12,10 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
   first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
   with other work before its ``wait_tensor``, checked the same way) and of the implementation
   called directly (the difference is the dispatcher's), the plan's commands by
-  kind, and the cost model's ``fused_host_seconds`` for it.
+  kind, and the cost model's ``fused_host_seconds`` for it; for the gathers also a copy of the op
+  whose CUDA kernel is registered through the custom op's wrapper, as before session 8
+  (``gather_as_before``).  The forms of a case take turns within every round: the lent machines'
+  hosts differ by up to 2x between runs, so only figures of one run compare.
 
     python benchmarks/fused_host_time.py        # one GPU: writes fused_host_time-h200.{json,md}
 """
@@ -44,18 +47,21 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
          ("matmul_all_reduce", 8192, 7168, 4096)]
 
 
-def host_us(fn, calls: int = 4, rounds: int = 15) -> float:
-    """Median over rounds of the host microseconds per call of ``calls`` calls issued after the
-    device went idle (few enough that no launch queue fills)."""
-    per_round = []
+def host_us(fns: dict, calls: int = 4, rounds: int = 15) -> dict[str, float]:
+    """Median over rounds of the host microseconds per call of ``calls`` calls of each function,
+    issued after the device went idle (few enough that no launch queue fills).  The functions
+    take turns within every round, so a host that speeds up or slows down during the run (the
+    lent machines' hosts differ by up to 2x between runs) moves them alike."""
+    per_round: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per_round.append((time.perf_counter() - t0) / calls * 1e6)
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_round[name].append((time.perf_counter() - t0) / calls * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(per_round)
+    return {name: statistics.median(v) for name, v in per_round.items()}
 
 
 def launch_costs() -> dict[str, float]:
@@ -84,11 +90,39 @@ def relative_error(op: str, result, rows: int, k: int, n: int, rank: int) -> flo
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
+_AS_BEFORE: list = []
+
+
+def gather_as_before():
+    """``compass::all_gather_matmul`` as registered until session 8, for comparison: a copy of
+    the op (namespace ``compass_bench``, same checks, autograd and implementation) whose CUDA
+    kernel goes through the custom op's ``register_kernel`` wrapper instead of straight to the
+    dispatcher.  Timed beside the real op, it shows what that wrapper costs per call."""
+    if not _AS_BEFORE:
+        from compass_fx.kernels import ops
+        from compass_fx.kernels.cuda import impl as cuda
+
+        schema = "(Tensor a_shard, Tensor[] bs, str schedule, str group_name, int group_size) -> (Tensor, Tensor[])"
+
+        @torch.library.custom_op("compass_bench::all_gather_matmul", mutates_args=(), schema=schema)
+        def copy(a_shard, bs, schedule, group_name, group_size):
+            raise NotImplementedError("compass_bench::all_gather_matmul runs on CUDA only")
+
+        @copy.register_kernel("cuda")
+        def _(a_shard, bs, schedule, group_name, group_size):
+            ops._check_common(a_shard, bs, schedule, group_size)
+            return cuda.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
+
+        copy.register_autograd(ops._ag_backward, setup_context=ops._ag_setup)
+        _AS_BEFORE.append(torch.ops.compass_bench.all_gather_matmul)
+    return _AS_BEFORE[0]
+
+
 def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
-    from compass_fx.kernels.protocol import call_plans
+    from compass_fx.kernels.issue_order import call_plans
 
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
@@ -100,11 +134,11 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
     for _ in range(3):
         through_op(a, *args)
     dist.barrier()
-    res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err,
-           "host_us_op": host_us(lambda: through_op(a, *args))}
-    dist.barrier()
-    res["host_us_impl"] = host_us(lambda: direct(a, *args))
-    dist.barrier()
+    res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err}
+    timed = {"host_us_op": lambda: through_op(a, *args), "host_us_impl": lambda: direct(a, *args)}
+    if op == "all_gather_matmul":
+        before = gather_as_before()
+        timed["host_us_op_wrapped"] = lambda: before(a, *args)
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
@@ -117,9 +151,10 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
         res["async_relative_error"] = max(relative_error(op, started(), rows, k, n, rank) for _ in range(5))
         if res["async_relative_error"] > TOLERANCE:
             raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
-        dist.barrier()
-        res["host_us_async"] = host_us(started)
-        dist.barrier()
+        timed["host_us_async"] = started
+    dist.barrier()
+    res.update(host_us(timed))  # every rank runs the same sequence of calls: they are collective
+    dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     plans = call_plans(op, "direct", WORLD, rank, rows, cols, 1, 2, host=True)
     counts: dict[str, int] = {}
@@ -157,13 +192,15 @@ def worker(rank: int, init: str, out_path: str) -> None:
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              "Host microseconds of one fused call (2 ranks sharing one GPU, host-staged transport, schedule "
-             "direct, bf16); median of 15 rounds of 4 calls issued after the device went idle.", "",
+             "direct, bf16); median of 15 rounds of 4 calls issued after the device went idle, the forms "
+             "of a case taking turns within each round.", "",
              "Launch alone (us): " + ", ".join(f"{k} {v:.1f}" for k, v in payload["launch_us"].items()), "",
              output.markdown_table(
                  [dict(r, n_commands=sum(r["commands"].values()), model_over_op=r["model_us"] / r["host_us_op"])
                   for r in payload["rows"]],
                  ["op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
-                  ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
+                  ("host_us_impl", "host us (impl)"), ("host_us_op_wrapped", "host us (op, kernel as before)"),
+                  ("host_us_async", "host us (start, wait)"),
                   ("model_us", "model us"), ("model_over_op", "model / op")])]
     return "\n".join(lines)
 

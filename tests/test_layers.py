@@ -8,7 +8,7 @@ run on it (``cost``, ``kernels``) and what every stage shares (``graph``, ``opti
 (``lowering``); the pass on top (``passes.run``); the entry points (backend, explain) and the
 tools beside them (``tools``: commands, sweep, calibration driver, timeline picture); the CLI last.
 Inside ``kernels`` the same rule holds one level down: the pure plans (``schedules``, then
-``protocol``), what runs them (``simulate``, ``reference``, then the ``cuda`` path), the
+``protocol``, then ``issue_order``), what runs them (``simulate``, ``reference``, then the ``cuda`` path), the
 ``torch.library`` surface (``ops``), the package last; and of the kernels the stages before the
 finding import only the pure plans (the cost model prices them; it never runs an operator).
 Imports inside functions count too.
@@ -28,10 +28,10 @@ STAGES = {"machine": 0, "cli_args": 0, "groups": 0,  # cli_args: argument types;
           "lowering": 3,
           "tools": 5, "cli": 6}  # passes: 2 (finding, deciding) or 4 (the pass); anything else (entry points): 5
 FINDING_AND_DECIDING = {"passes.match", "passes.agree", "passes.decide"}
-KERNEL_STAGES = {"kernels.schedules": 0, "kernels.protocol": 1,  # the plans: pure Python
-                 "kernels.simulate": 2, "kernels.reference": 2, "kernels.cuda": 3,  # what runs them
-                 "kernels.ops": 4, "kernels": 5}  # the torch.library surface, then the package
-PURE_PLANS = ("kernels.schedules", "kernels.protocol")
+KERNEL_STAGES = {"kernels.schedules": 0, "kernels.protocol": 1, "kernels.issue_order": 2,  # the plans: pure Python
+                 "kernels.simulate": 3, "kernels.reference": 3, "kernels.cuda": 4,  # what runs them
+                 "kernels.ops": 5, "kernels": 6}  # the torch.library surface, then the package
+PURE_PLANS = ("kernels.schedules", "kernels.protocol", "kernels.issue_order")
 
 
 def _module(path: Path) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from compass_fx.kernels import protocol as pr
-from compass_fx.kernels.issue_order import UnorderablePlan, serialized
+from compass_fx.kernels.issue_order import UnorderablePlan, call_plans, serialized
 from compass_fx.kernels.schedules import SCHEDULES
 from compass_fx.kernels.simulate import Deadlock, ProtocolViolation, Simulator
 
@@ -159,9 +159,9 @@ def test_consumer_group_rows_is_waves_of_tiles():
     assert pr.consumer_group_rows(7168, 132, waves=1) == 604
     assert pr.consumer_group_rows(7168, 132) == 1207  # two waves by default
     # peer-to-peer plans group, host-staged pieces stay one GEMM each
-    (peer,) = pr.call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=False, group_rows=1024)
+    (peer,) = call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=False, group_rows=1024)
     assert len(_gemm_rows(peer)) == 3
-    (host,) = pr.call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=True, group_rows=1024)
+    (host,) = call_plans("all_gather_matmul", "direct", 4, 0, 512, 64, 1, 2, host=True, group_rows=1024)
     assert len(_gemm_rows(host)) == 4
 
 
@@ -306,24 +306,24 @@ def test_call_plans_are_what_a_call_runs():
     and is a reduce-scatter then a gather (no GEMM) under the ring schedules.  Each stream runs
     the plan as built; only the order across streams is the issue order (test below)."""
     mib = 1 << 20
-    (peer,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=False)
+    (peer,) = call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=False)
     assert _stream_programs(peer) == _stream_programs(pr.all_gather_plan("direct", 2, 0, 2048, 2, 1))
-    (host,) = pr.call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=True)
+    (host,) = call_plans("all_gather_matmul", "direct", 2, 0, 2048, 4096, 2, 2, host=True)
     assert _stream_programs(host) == _stream_programs(
         pr.host_staged(pr.all_gather_plan("direct", 2, 0, 2048, 2, pr.host_split(2048 * 4096 * 2))))
     assert any(c.stream == pr.PUB for c in host.commands) and not any(c.stream == pr.PUB for c in peer.commands)
-    (rs,) = pr.call_plans("matmul_reduce_scatter", "ring", 4, 1, 4096, 4096, 1, 2, host=True)
+    (rs,) = call_plans("matmul_reduce_scatter", "ring", 4, 1, 4096, 4096, 1, 2, host=True)
     assert _stream_programs(rs) == _stream_programs(
         pr.host_staged(pr.reduce_scatter_plan("ring", 4, 1, 1024, pr.host_split(1024 * 4096 * 2))))
-    (pulls,) = pr.call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, host=False)
+    (pulls,) = call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, host=False)
     assert pulls.op == "matmul_all_reduce" and pr.all_reduce_pull_chunks("direct", 2, 8192, 64 * mib, False) == 2
-    ring = pr.call_plans("matmul_all_reduce", "ring", 2, 0, 8192, 4096, 1, 2, host=False)
+    ring = call_plans("matmul_all_reduce", "ring", 2, 0, 8192, 4096, 1, 2, host=False)
     assert [p.op for p in ring] == ["matmul_reduce_scatter", "all_gather_matmul"]
     # gathers the reduced rows, no GEMM
     assert _stream_programs(ring[1]) == _stream_programs(pr.all_gather_plan("ring", 2, 0, 4096, 0, 1))
     assert pr.all_reduce_pull_chunks("direct", 4, 6, 64 * mib, True) == 0  # no chunk count splits 6 rows
     with pytest.raises(ValueError, match="unknown fused operator"):
-        pr.call_plans("all_to_all_matmul", "direct", 2, 0, 8, 8, 1, 2, host=False)
+        call_plans("all_to_all_matmul", "direct", 2, 0, 8, 8, 1, 2, host=False)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -363,8 +363,8 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
             for world in (2, 3, 4):
                 for staged in (False, True):
                     rows = 8 * world * 4
-                    plain = pr.call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged)
-                    detached = pr.call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged, detach=True)
+                    plain = call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged)
+                    detached = call_plans(op, schedule, world, 1, rows, 64, 1, 2, staged, detach=True)
                     assert any(_waits_of_the_caller_for_other_streams(p) for p in plain), (op, schedule, world)
                     for plan in detached:  # the ring all-reduce's gather of its sums (no GEMM) included
                         assert not _waits_of_the_caller_for_other_streams(plan), (op, schedule, world, staged)
@@ -376,7 +376,7 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
                         checked += 1
     assert checked >= 30
     ag = pr.all_gather_plan("direct", 2, 0, 8, 1)
-    assert pr.call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False, detach=True) == (ag,)
+    assert call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False, detach=True) == (ag,)
     with pytest.raises(ValueError, match="guards"):  # its GEMMs need the pulled rows
         pr.detached(ag)
 
@@ -430,7 +430,7 @@ def test_issue_order_survives_one_hardware_queue_per_rank(op, schedule, world):
     rows = 16 * world
     for host in (False, True):
         for detach in (False, True):
-            per_rank = [pr.call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, detach=detach)
+            per_rank = [call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, detach=detach)
                         for r in range(world)]
             for stage, plans in enumerate(zip(*per_rank)):
                 stage_rows = rows if stage == 0 else rows // world  # a ring all-reduce gathers its sums

@@ -193,7 +193,7 @@ def fused_host_costs() -> tuple[float, dict[str, float]]:
 def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
     them for this transport) priced by kind, plus the per-call dispatch."""
-    from ..kernels.protocol import call_plans
+    from ..kernels.issue_order import call_plans
 
     host = topo.host_staged(w.group_size)
     g = w.group_size

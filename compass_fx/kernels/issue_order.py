@@ -1,5 +1,5 @@
-"""The order in which a rank issues its plan's commands: one that cannot deadlock even when the GPU
-runs all of the rank's streams through one hardware queue.
+"""The plans a call of a fused operator issues, and the order it issues them in: one that cannot
+deadlock even when the GPU runs all of a rank's streams through one hardware queue.
 
 Why: CUDA feeds streams to the GPU through a few hardware queues (``CUDA_DEVICE_MAX_CONNECTIONS``,
 8 by default, shared by every stream of the process: NCCL's, the compiler's, ours).  Two streams
@@ -28,9 +28,32 @@ blocked head (that head would be earlier still), so it has run, and the head is 
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 from typing import Sequence
 
-from .protocol import Command, Plan, Record, SetFlag, WaitEvent, WaitFlag, join_start
+from .protocol import HOST_PIECE_BYTES, Command, Plan, Record, SetFlag, WaitEvent, WaitFlag, join_start, stream_plans
+
+
+def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
+               itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
+               detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
+    """The plans one call of a fused operator runs, in order, as the CUDA path issues them (the
+    cost model counts their commands to price the host's work): :func:`.protocol.stream_plans`
+    (which documents the arguments) put in the order of :func:`serialized`."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return _every_rank(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                       group_rows)[rank]
+
+
+@lru_cache(maxsize=256)
+def _every_rank(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
+                host: bool, piece_bytes: int, detach: bool, group_rows: int) -> tuple[tuple[Plan, ...], ...]:
+    """Every rank's plans (``[rank][stage]``): the order is found for all ranks together."""
+    per_rank = [stream_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                             group_rows) for r in range(world)]
+    stages = [serialized(stage) for stage in zip(*per_rank)]
+    return tuple(zip(*stages))
 
 
 class UnorderablePlan(ValueError):

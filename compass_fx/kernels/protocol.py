@@ -42,7 +42,7 @@ peer.  The old protocol (flags zeroed at the start of a call, before a barrier) 
 zeroed" rule: a fast rank could zero a flag a slow peer had not read yet; the simulator shows
 that it hangs.  The argument above assumes that each stream advances on its own; a GPU may
 feed several streams through one hardware queue in issue order, so the plans are issued in the
-order of :mod:`.issue_order` (:func:`call_plans`), which completes even then.
+order of :mod:`.issue_order`, which completes even then.
 """
 from __future__ import annotations
 
@@ -455,35 +455,11 @@ def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: i
     return all_reduce_chunks(rows, world, HOST_MOST_PIECES, out_bytes, world * piece_bytes)
 
 
-def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
-               itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
-               detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
-    """The plans one call of a fused operator runs, in order, as the CUDA path builds them (the
-    cost model counts their commands to price the host's work), each in the issue order of
-    :func:`.issue_order.serialized` (safe when the GPU runs the rank's streams through one
-    hardware queue).  Arguments as :func:`stream_plans`."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a world of {world}")
-    return _every_rank(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
-                       group_rows)[rank]
-
-
-@lru_cache(maxsize=256)
-def _every_rank(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
-                host: bool, piece_bytes: int, detach: bool, group_rows: int) -> tuple[tuple[Plan, ...], ...]:
-    from .issue_order import serialized  # it builds on this module's commands
-
-    per_rank = [stream_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
-                             group_rows) for r in range(world)]
-    stages = [serialized(stage) for stage in zip(*per_rank)]
-    return tuple(zip(*stages))
-
-
 def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                  itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
                  detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
     """The plans of one call as built stream by stream (each stream's order right, the order
-    across streams not yet the one to issue in: :func:`call_plans`).
+    across streams not yet the one to issue in: :func:`.issue_order.call_plans`).
 
     ``rows``: rows of the A operand (a shard for ``all_gather_matmul``); ``cols``: width of the
     tensor that travels (k for the gather, n for the reduced output); ``host``: host-staged

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
-                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, call_plans, consumer_group_rows,
-                        join_start)
+                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
+from ..issue_order import call_plans
 from ..reference import resolve_group
 from . import driver, watchdog
 from .host_memory import Layout, SharedHostArena
@@ -92,7 +92,7 @@ class _Workspace:
                  device: torch.device) -> None:
         group = resolve_group(group_name, plan.world_size)[0]
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
-        index = _device_index(device)
+        index = self.device_index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.comm = _side_stream(index, COMM)
         self.pub = _side_stream(index, PUB)
@@ -288,7 +288,7 @@ class _Workspace:
                 if not t.is_contiguous():
                     raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
         self.epoch += 1
-        streams = {MAIN: torch.cuda.current_stream()}
+        streams = {MAIN: torch.cuda.current_stream(self.device_index)}  # an index: no device lookup (~30 us)
         steps = self.steps[self.epoch % 2]
         for step in steps[:self.join_at]:
             step(tensors, self.epoch, streams)
@@ -350,7 +350,7 @@ class Join:
     def wait(self) -> None:
         if self.steps is None:
             return
-        streams = {MAIN: torch.cuda.current_stream()}
+        streams = {MAIN: torch.cuda.current_stream(self.workspace.device_index)}
         for step in self.steps:
             step(self.tensors, self.epoch, streams)
         self.steps = self.tensors = None
@@ -401,6 +401,8 @@ def _group_rows(cols: tuple[int, ...], device: torch.device) -> int:
 
 
 def _rank(group_name: str, group_size: int) -> int:
+    """This process's rank in the group (looked up when a workspace is built, not per call: the
+    workspace's key holds the group's name and size)."""
     return resolve_group(group_name, group_size)[1]
 
 
@@ -412,12 +414,12 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     if group_size == 1:
         return a_shard.clone(), [a_shard @ b for b in bs]
     deferred = deferred and not bs
-    rank, host = _rank(group_name, group_size), transport() == "host"
+    host = transport() == "host"
     cols = tuple(int(b.shape[1]) for b in bs)
     key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, rank, m, k, len(bs),
-                                            a_shard.element_size(), host, host_piece_bytes(), detach=deferred,
-                                            group_rows=_group_rows(cols, a_shard.device))[0],
+    ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, _rank(group_name, group_size),
+                                            m, k, len(bs), a_shard.element_size(), host, host_piece_bytes(),
+                                            detach=deferred, group_rows=_group_rows(cols, a_shard.device))[0],
                     group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
@@ -435,10 +437,11 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     rows, n = a.shape[0], b.shape[1]
     if group_size == 1:
         return a @ b
-    rank, host = _rank(group_name, group_size), transport() == "host"
+    host = transport() == "host"
     a = a.contiguous()
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("matmul_reduce_scatter", schedule, group_size, rank, rows, n, 1,
+    ws = _workspace(key, lambda: call_plans("matmul_reduce_scatter", schedule, group_size,
+                                            _rank(group_name, group_size), rows, n, 1,
                                             a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
@@ -464,10 +467,10 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size, deferred)
         return gathered
-    rank = _rank(group_name, group_size)
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("matmul_all_reduce", schedule, group_size, rank, rows, n, 1,
+    ws = _workspace(key, lambda: call_plans("matmul_all_reduce", schedule, group_size, _rank(group_name, group_size),
+                                            rows, n, 1,
                                             a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows, n))
