@@ -16,7 +16,8 @@ every reduce-scatter schedule beyond two ranks.
 The order: each rank issues a command only once everything it waits for has been issued before
 it, by this rank (the event it waits for was recorded) or by the peer (the flag it waits for was
 set).  The ranks' orders are found together, as one run of the whole call in which every
-command executes the moment it is issued.  Each stream keeps its own order (nothing changes on
+command executes the moment it is issued, in rounds (a rank sees the flags its peers set in
+earlier rounds, so ranks with alike plans get alike orders).  Each stream keeps its own order (nothing changes on
 a GPU whose streams have queues of their own), and the join (the caller's last waits) stays last.
 
 Why it cannot deadlock however the streams share queues: the construction is one global
@@ -74,10 +75,11 @@ def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
     events: list[set[str]] = [set() for _ in plans]
     orders: list[list[Command]] = [[] for _ in plans]
     left = sum(len(b) for b in bodies)
-    while left:
+    while left:  # in rounds: a rank sees the flags its peers set in earlier rounds, so alike plans get alike orders
         progressed = False
+        seen = [set(f) for f in flags]
         for r in range(world):
-            while (i := _next_ready(bodies[r], done[r], flags, events[r])) is not None:
+            while (i := _next_ready(bodies[r], done[r], seen, events[r])) is not None:
                 cmd = bodies[r][i]
                 done[r][i] = True
                 orders[r].append(cmd)
