@@ -38,12 +38,24 @@ def git_commit() -> str:
         return ""
 
 
+def source_digest() -> str:
+    """SHA-1 of the package's Python sources: which code ran, even where the checkout's git HEAD is
+    stale (a copied working tree keeps the ``.git`` it was first copied with)."""
+    import hashlib
+
+    digest = hashlib.sha1()
+    for path in sorted((ROOT / "compass_fx").rglob("*.py")):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def environment(dry_run: bool) -> dict:
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "commit": git_commit(), "dry_run": dry_run,
-        "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT")},
+        "commit": git_commit(), "source_sha1": source_digest(), "dry_run": dry_run,
+        "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT",
+                                           "CUDA_DEVICE_MAX_CONNECTIONS")},
         "teardown_warnings": list(TEARDOWN_WARNINGS),
     }
     if not dry_run and torch.cuda.is_available():
