@@ -68,7 +68,7 @@ def evaluate(grid: dict) -> dict:
 
     topo = Topology.from_dict(grid["topology"]["2"]["description"])
     fused = tuple(grid["topology"]["2"].get("fused_schedules") or SCHEDULES)
-    errors, d_hits, pick_hits, regressions = [], 0, 0, []
+    errors, d_hits, pick_hits, regressions, pick_errors = [], 0, 0, [], []
     for row in grid["rows"]:
         measured = {label: c["measured_s"] for label, c in row["candidates"].items() if c.get("measured_s")}
         w = Workload(row["kind"], row["m"], row["n"], row["k"], "bfloat16", row["group_size"])
@@ -81,10 +81,12 @@ def evaluate(grid: dict) -> dict:
         if picked is not None:
             pick_hits += picked <= 1.03 * min(measured.values())
             regressions.append(picked / measured["sequential"] - 1)
+            pick_errors.append(abs(decision.predicted_s - picked) / picked)
     n = len(grid["rows"])
     return {"decompose_median_error": statistics.median(errors),
             "decompose_p90_error": sorted(errors)[int(0.9 * (len(errors) - 1))],
             "model_d_within_3pct": d_hits / n, "pick_hit_rate": pick_hits / n,
+            "pick_median_error": statistics.median(pick_errors),
             "worst_regression_vs_sequential": max(regressions)}
 
 
@@ -126,7 +128,8 @@ def main(argv=None) -> int:
                "rows": part_rows + call_rows}
     columns = ["grid", ("value_us", "us"), ("decompose_median_error", "decompose median err"),
                ("decompose_p90_error", "p90"), ("model_d_within_3pct", "model d ok"),
-               ("pick_hit_rate", "pick hit rate"), ("worst_regression_vs_sequential", "worst regression")]
+               ("pick_hit_rate", "pick hit rate"), ("worst_regression_vs_sequential", "worst regression"),
+               ("pick_median_error", "pick median err")]
     lines = [f"# The cost model's software constants fitted to the operator grids ({args.tag})", "",
              f"Grids: {', '.join(grids)}; calibration: {payload['calibration'] or 'none (datasheet)'}.  "
              "In-sample fits: the next grid measured is their test.", "",
