@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -85,6 +86,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
 
         with use_calibration(opts.calibration):
             report = compass_pass(graph, kind, opts, topology)
+        _note_shared_queues(report)
         _record(report)
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)
@@ -96,6 +98,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
     # options) and skip inner_compile altogether; keep it out of the way.
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+
+
+STREAMS_OF_A_PAIR = 4  # a rewritten pair's work runs on up to 4 streams: the caller's, NCCL's or the fused ops' side streams
+
+
+def _note_shared_queues(report: GraphReport) -> None:
+    """Say so when ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron sets it to 1) leaves fewer hardware
+    queues than a rewritten pair has streams: streams that share a queue run in issue order, so the
+    overlap the cost model priced may not happen.  (The fused operators stay deadlock-free there:
+    their issue order allows one shared queue, ``kernels/issue_order.py``.)"""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip()
+    if not value.isdigit() or int(value) >= STREAMS_OF_A_PAIR:
+        return
+    if any(p.status == "rewritten" for p in report.pairs):
+        report.notes.append(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: this process's CUDA streams share {value} hardware "
+                            f"queue(s), where they run in issue order; the overlap predicted for the rewritten pairs "
+                            f"assumes a queue per stream (no gain was measured with shared queues)")
 
 
 @contextlib.contextmanager

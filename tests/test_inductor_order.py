@@ -54,6 +54,32 @@ def test_decomposed_parts_stay_pipelined_under_inductor(ranks, kind):
     assert any("reorder_for_peak_memory" in n for n in notes)
 
 
+def _notes_with(rank: int, world: int, options: dict, env: dict) -> list[str]:
+    import os
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return _generated_order(rank, world, "reduce_scatter", options)[1]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_the_report_says_when_streams_share_hardware_queues(ranks):
+    """Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware queue: a graph
+    with a rewritten pair says that the predicted overlap assumes otherwise; a graph left alone,
+    or enough queues, says nothing of it."""
+    shared = ranks(2).run(_notes_with, 2, {"chunks": 2}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})[0]
+    assert any("CUDA_DEVICE_MAX_CONNECTIONS=1" in n for n in shared), shared
+    untouched = ranks(2).run(_notes_with, 2, {"strategy": "off"}, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})[0]
+    plenty = ranks(2).run(_notes_with, 2, {"chunks": 2}, {"CUDA_DEVICE_MAX_CONNECTIONS": "32"})[0]
+    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in n for n in untouched + plenty), untouched + plenty
+
+
 def test_graphs_without_decomposition_keep_inductors_defaults(ranks):
     calls, notes = ranks(2).run(_generated_order, 2, "reduce_scatter", {"strategy": "off"})[0]
     assert notes == [] and len(calls) == 2
