@@ -1,5 +1,8 @@
 """The fused operators' watchdog: a wait that outlives the timeout is reported, released and
 turns every later call into a RuntimeError (no GPU needed: the pending call is a stand-in)."""
+import threading
+import time
+
 import pytest
 
 from compass_fx.kernels.cuda import watchdog
@@ -43,3 +46,38 @@ def test_a_bad_timeout_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "-1")
     with pytest.raises(ValueError, match="COMPASS_FUSED_TIMEOUT_S must be > 0"):
         watchdog.timeout_s()
+
+
+def test_a_diagnosis_that_hangs_still_ends_in_the_error(monkeypatch, caplog):
+    """Reading a stuck call's flags takes GPU work that a blocked hardware queue can hold up: the
+    watchdog then reports the call without the detail instead of hanging with it."""
+    monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "0.05")
+    monkeypatch.setattr(watchdog, "DIAGNOSE_S", 0.2)
+    dog = watchdog.Watchdog(0)
+    never = threading.Event()
+    w = watchdog.Watched(lambda epoch: never.wait() and ("unreachable", None),
+                         what="compass::matmul_reduce_scatter on rank 1")
+    dog.watched.append(w)
+    w.pending.append(watchdog._Pending(3, _Never(), 0.0))
+    started = time.monotonic()
+    dog.scan()
+    assert time.monotonic() - started < 5
+    never.set()
+    with pytest.raises(RuntimeError, match=r"matmul_reduce_scatter on rank 1: call 3 .*could not be read"):
+        dog.check_failed()
+    assert "could not be read" in caplog.text
+
+
+def test_a_release_that_hangs_is_logged(monkeypatch, caplog):
+    monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "0.05")
+    monkeypatch.setattr(watchdog, "DIAGNOSE_S", 0.2)
+    dog = watchdog.Watchdog(0)
+    never = threading.Event()
+    w = watchdog.Watched(lambda epoch: (f"op waits in call {epoch} for rank 0", never.wait))
+    dog.watched.append(w)
+    w.pending.append(watchdog._Pending(4, _Never(), 0.0))
+    dog.scan()
+    never.set()
+    assert "op waits in call 4 for rank 0" in caplog.text and "could not be released" in caplog.text
+    with pytest.raises(RuntimeError, match="call 4 for rank 0"):
+        dog.check_failed()

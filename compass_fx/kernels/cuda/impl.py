@@ -112,7 +112,7 @@ class _Workspace:
         self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
         self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in (0, 1)]
         self.join_at = join_start(plan)
-        self.watched = watchdog.Watched(self._diagnose)
+        self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
 
     def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
                      device: torch.device) -> None:

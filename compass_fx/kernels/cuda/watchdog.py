@@ -7,7 +7,9 @@ unfinished call has been waiting longer than ``COMPASS_FUSED_TIMEOUT_S`` (defaul
 collective timeout: a peer whose host is busy for minutes, e.g. saving a checkpoint, is not an
 error).  When one has, it reads the flags the call waits for, logs which rank and which piece it
 waits on, releases the wait (so that nothing stays frozen), and marks the process failed: every
-later call of a fused operator raises a ``RuntimeError`` with that message.
+later call of a fused operator raises a ``RuntimeError`` with that message.  Reading and
+releasing a flag in GPU memory take GPU work of their own, which a blocked hardware queue can hold
+up too; each gets ``DIAGNOSE_S`` seconds, after which the error is reported without the detail.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 log = logging.getLogger("compass_fx")
+DIAGNOSE_S = 10.0  # the most the watchdog waits to read (or release) a stuck call's flags
 
 
 def timeout_s() -> float:
@@ -44,6 +47,7 @@ class Watched:
     diagnose: Callable[[int], tuple[str, Callable[[], None]]]  # epoch -> (message, release)
     pending: list[_Pending] = field(default_factory=list)
     pool: list = field(default_factory=list)
+    what: str = "a compass fused operator"  # named in the error when the diagnosis itself is stuck
 
 
 class Watchdog:
@@ -85,12 +89,39 @@ class Watchdog:
                     w.pool.append(w.pending.pop(0).event)
                 late = [p for p in w.pending if now - p.since > self.timeout]
                 if late:
-                    message, release = w.diagnose(late[0].epoch)
+                    epoch = late[0].epoch
+                    diagnosis = _within(DIAGNOSE_S, lambda: w.diagnose(epoch))
+                    message, release = diagnosis if diagnosis is not None else (
+                        f"{w.what}: call {epoch} waits for a peer that is late, has died, or calls the fused "
+                        f"operators in another order (its flags could not be read within {DIAGNOSE_S:g} s: the "
+                        f"GPU's queues are blocked). Every later call of a compass fused operator on this rank "
+                        f"raises this error.", None)
                     self.failure = (f"{message} (no progress for {now - late[0].since:.0f} s, "
                                     f"COMPASS_FUSED_TIMEOUT_S={self.timeout:g})")
                     log.error(self.failure)
-                    release()
+                    if release is not None and _within(DIAGNOSE_S, lambda: release() or True) is None:
+                        log.error(f"{w.what}: the stuck wait of call {epoch} could not be released within "
+                                  f"{DIAGNOSE_S:g} s")
                     return
+
+
+def _within(seconds: float, fn: Callable[[], object]) -> object | None:
+    """``fn()``'s result, or None when it has not returned within ``seconds`` (it runs on in a daemon
+    thread; an exception it raises is re-raised here)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="compass-fused-diagnosis", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 _dogs: dict[int, Watchdog] = {}
