@@ -28,6 +28,7 @@ blocked head (that head would be earlier still), so it has run, and the head is 
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
@@ -70,7 +71,7 @@ def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
     bodies = [p.commands[:join_start(p)] for p in plans]
     for p, body in zip(plans, bodies):
         _check_events(p, body)
-    done = [[False] * len(body) for body in bodies]
+    heads = [_stream_queues(body) for body in bodies]
     flags: list[set[int]] = [set() for _ in plans]
     events: list[set[str]] = [set() for _ in plans]
     orders: list[list[Command]] = [[] for _ in plans]
@@ -79,9 +80,9 @@ def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
         progressed = False
         seen = [set(f) for f in flags]
         for r in range(world):
-            while (i := _next_ready(bodies[r], done[r], seen, events[r])) is not None:
+            while (i := _next_ready(bodies[r], heads[r], seen, events[r])) is not None:
                 cmd = bodies[r][i]
-                done[r][i] = True
+                heads[r][cmd.stream].popleft()
                 orders[r].append(cmd)
                 if isinstance(cmd, SetFlag):
                     flags[r].add(cmd.slot)
@@ -90,24 +91,27 @@ def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
                 left -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"rank {r}: {bodies[r][done[r].index(False)]}" for r in range(world) if not all(done[r])]
+            stuck = [f"rank {r}: {bodies[r][min(q[0] for q in heads[r].values() if q)]}"
+                     for r in range(world) if any(heads[r].values())]
             raise UnorderablePlan(f"{plans[0].op}: the plans deadlock; first command left per rank: {stuck}")
     return tuple(replace(p, commands=tuple(order) + p.commands[len(body):])
                  for p, body, order in zip(plans, bodies, orders))
 
 
-def _next_ready(body: tuple[Command, ...], done: list[bool], flags: list[set[int]],
-                events: set[str]) -> int | None:
-    """The first command, in the plan's order, that is next on its stream and waits for nothing
-    still to come."""
-    blocked: set[str] = set()
+def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
+    """The positions of each stream's commands, in order: the head of each is what it runs next."""
+    queues: dict[str, deque[int]] = {}
     for i, cmd in enumerate(body):
-        if done[i] or cmd.stream in blocked:
-            continue
-        if _released(cmd, flags, events):
-            return i
-        blocked.add(cmd.stream)
-    return None
+        queues.setdefault(cmd.stream, deque()).append(i)
+    return queues
+
+
+def _next_ready(body: tuple[Command, ...], heads: dict[str, deque[int]], flags: list[set[int]],
+                events: set[str]) -> int | None:
+    """Of the commands next on their streams and waiting for nothing still to come, the first in
+    the plan's order."""
+    ready = [q[0] for q in heads.values() if q and _released(body[q[0]], flags, events)]
+    return min(ready) if ready else None
 
 
 def _released(cmd: Command, flags: list[set[int]], events: set[str]) -> bool:
