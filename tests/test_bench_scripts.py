@@ -6,6 +6,7 @@ rank 0 writing the files) is the one that runs on the GPUs with NCCL.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -34,8 +35,19 @@ def _run(script: str, out: Path, *extra: str) -> dict:
     env = data["environment"]["env"]  # the regime's settings are recorded with every result
     assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                    "NCCL_P2P_DISABLE": os.environ.get("NCCL_P2P_DISABLE"),
-                   "COMPASS_FUSED_TRANSPORT": os.environ.get("COMPASS_FUSED_TRANSPORT")}
+                   "COMPASS_FUSED_TRANSPORT": os.environ.get("COMPASS_FUSED_TRANSPORT"),
+                   "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    assert data["environment"]["source_sha1"] == _source_digest()  # which code ran, whatever git HEAD says
     return data
+
+
+@functools.cache
+def _source_digest() -> str:
+    """harness.output.source_digest() of this checkout (in a subprocess: importing the harness sets
+    the benchmarks' environment)."""
+    code = f"import sys; sys.path.insert(0, {str(BENCH)!r}); from harness.output import source_digest; print(source_digest())"
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                          timeout=120).stdout.strip()
 
 
 def test_correctness_dry_run(tmp_path):
