@@ -17,14 +17,17 @@ The order: each rank issues a command only once everything it waits for has been
 it, by this rank (the event it waits for was recorded) or by the peer (the flag it waits for was
 set).  The ranks' orders are found together, as one run of the whole call in which every
 command executes the moment it is issued, in rounds (a rank sees the flags its peers set in
-earlier rounds, so ranks with alike plans get alike orders).  Each stream keeps its own order (nothing changes on
-a GPU whose streams have queues of their own), and the join (the caller's last waits) stays last.
+earlier rounds, so ranks with alike plans get alike orders).  Each stream keeps its own order
+(nothing changes on a GPU whose streams have queues of their own), and the join (the caller's
+last waits) stays last.
 
 Why it cannot deadlock however the streams share queues: the construction is one global
 sequence S of every rank's commands in which each wait comes after what releases it.  A queue
 holds a subsequence of one rank's issue order, hence of S.  If every queue's head were blocked,
 take the blocked head earliest in S: what releases it is earlier in S, so it is not behind a
 blocked head (that head would be earlier still), so it has run, and the head is not blocked.
+Back-to-back calls keep this: a rank's queue holds its calls in order, so by induction every
+earlier call of every rank completes, which is all that a wait for an earlier call's flag needs.
 """
 from __future__ import annotations
 
