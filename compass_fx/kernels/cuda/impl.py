@@ -1,4 +1,5 @@
-"""CUDA implementation of the fused operators: :mod:`..protocol`'s plans on real streams.
+"""CUDA implementation of the fused operators: :mod:`..protocol`'s plans on real streams, issued in
+the order of :mod:`..issue_order` (safe when streams share a hardware queue).
 
 Compute (cuBLAS GEMMs, the sums of a reduce-scatter) runs on the caller's stream, one GEMM per
 piece, own rows first, so it keeps every multiprocessor.  Everything else runs on a high-priority
