@@ -30,25 +30,7 @@ def _run_all_gather(schedule, world, block_rows, n_calls, seed, lateness=0.5, n_
     plans = [pr.all_gather_plan(schedule, world, r, block_rows, n_weights, split, group_rows) for r in range(world)]
     plans = [pr.host_staged(p) for p in plans] if staged else plans
     plans = [pr.detached(p) for p in plans] if detach else plans
-    gen = torch.Generator().manual_seed(seed)
-    calls, expect = [], []
-    for _ in range(n_calls):
-        shards = [torch.randn(block_rows, K, generator=gen, dtype=torch.float64) for _ in range(world)]
-        ws = _weights(gen, n_weights)
-        rows = world * block_rows
-        calls.append([{"A": [shards[r]], "W": ws,
-                       "OUT": [torch.full((rows, COLS), float("nan"), dtype=torch.float64) for _ in ws],
-                       "GATHERED": [torch.full((rows, K), float("nan"), dtype=torch.float64)]}
-                      for r in range(world)])
-        full = torch.cat(shards)
-        expect.append((full, [full @ w for w in ws]))
-    # symmetric G is k wide, unlike the outputs: give the simulator that width
-    Simulator(plans, K, seed=seed).run(calls, lateness)
-    for call, (full, outs) in zip(calls, expect):
-        for r in range(world):
-            torch.testing.assert_close(call[r]["GATHERED"][0], full)
-            for got, want in zip(call[r]["OUT"], outs):
-                torch.testing.assert_close(got, want)
+    _run_stage(plans, block_rows, n_calls, seed, one_queue=False, lateness=lateness)
 
 
 def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5, staged=False, split=1,
@@ -62,21 +44,7 @@ def _run_reducing(kind, schedule, world, block_rows, n_calls, seed, lateness=0.5
         plans = [pr.all_reduce_plan(world, r, rows, chunks) for r in range(world)]
     plans = [pr.host_staged(p) for p in plans] if staged else plans
     plans = [pr.detached(p) for p in plans] if detach else plans
-    gen = torch.Generator().manual_seed(seed)
-    calls, expect = [], []
-    for _ in range(n_calls):
-        a = [torch.randn(rows, K, generator=gen, dtype=torch.float64) for _ in range(world)]
-        ws = [_weights(gen, 1) for _ in range(world)]
-        out_rows = block_rows if kind == "reduce_scatter" else rows
-        calls.append([{"A": [a[r]], "W": ws[r],
-                       "OUT": [torch.full((out_rows, COLS), float("nan"), dtype=torch.float64)]}
-                      for r in range(world)])
-        expect.append(sum(a[r] @ ws[r][0] for r in range(world)))
-    Simulator(plans, COLS, seed=seed).run(calls, lateness)
-    for call, total in zip(calls, expect):
-        for r in range(world):
-            want = total[r * block_rows:(r + 1) * block_rows] if kind == "reduce_scatter" else total
-            torch.testing.assert_close(call[r]["OUT"][0], want)
+    _run_stage(plans, rows, n_calls, seed, one_queue=False, lateness=lateness)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -381,9 +349,10 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
         pr.detached(ag)
 
 
-def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_queue: bool) -> None:
-    """Run one stage of a call (``plans[r]``: rank r's) ``n_calls`` times back to back and check
-    every rank's result.  ``rows``: rows of A (a shard for a gather)."""
+def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_queue: bool,
+               lateness: float = 0.4) -> None:
+    """Run one stage of a call (``plans[r]``: rank r's) ``n_calls`` times back to back, under random
+    interleavings, and check every rank's result.  ``rows``: rows of A (a shard for a gather)."""
     world, op = len(plans), plans[0].op
     gen = torch.Generator().manual_seed(seed)
     gather = op == "all_gather_matmul"
@@ -403,7 +372,7 @@ def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_que
             calls.append([{"A": [a[r]], "W": ws[r], "OUT": [torch.full((out_rows, COLS), float("nan"),
                                                                        dtype=torch.float64)]}
                           for r in range(world)])
-    Simulator(plans, width if gather else COLS, seed=seed, one_queue=one_queue).run(calls, lateness=0.4)
+    Simulator(plans, width if gather else COLS, seed=seed, one_queue=one_queue).run(calls, lateness)
     for call in calls:
         if gather:
             full = torch.cat([call[r]["A"][0] for r in range(world)])
