@@ -4,9 +4,9 @@ A model of the GPUs that is strict where the hardware is loose: every stream of 
 queue of commands (or, with ``one_queue``, all of a rank's streams are one queue in issue
 order, as when the GPU feeds them through one hardware queue), and at each step one runnable
 command (or one rank's host issuing its next call) is picked at random, so a rank's host, or one
-of its streams, can fall arbitrarily far behind the others.  Every row of a symmetric buffer carries the epoch of the call that wrote it,
-and every read checks it: a read of stale data, or of data a fast peer already overwrote for a
-later call, raises :class:`ProtocolViolation` at once.  A state in which work remains and nothing
+of its streams, can fall arbitrarily far behind the others.  Every row of a symmetric buffer
+carries the epoch of the call that wrote it, and every read checks it: a read of stale data, or
+of data a fast peer already overwrote for a later call, raises :class:`ProtocolViolation` at once.  A state in which work remains and nothing
 can run raises :class:`Deadlock`.  The results are compared with plain matmuls and sums.
 
 The plans are :mod:`.protocol`'s, the same objects the CUDA implementation executes.
