@@ -186,8 +186,9 @@ def test_schedules_available_cuda_p2p_valve(monkeypatch):
 
 
 def test_fused_ops_are_kept_out_of_cuda_graphs():
-    """Their CUDA implementation is not capturable (a per-call epoch), so Inductor must not put
-    them in a CUDA graph: every op carries the cudagraph_unsafe tag where torch has it."""
+    """A captured call needs its twin workspace (``COMPASS_FUSED_GRAPHS=1``, built by an eager call
+    first), which Inductor's CUDA graphs know nothing of, so Inductor must not put them in a CUDA
+    graph: every op carries the cudagraph_unsafe tag where torch has it."""
     tag = getattr(torch.Tag, "cudagraph_unsafe", None)
     if tag is None:
         pytest.skip("this torch has no cudagraph_unsafe tag")
@@ -256,3 +257,18 @@ def test_cuda_kernels_go_straight_to_the_dispatcher():
         table = torch._C._dispatch_dump(f"compass::{name}")
         (cuda,) = [line for line in table.splitlines() if line.startswith("CUDA:")]
         assert "compass_fx/kernels/ops.py" in cuda.replace("\\", "/"), cuda
+
+
+def test_a_capture_without_its_twin_workspace_is_a_clear_error(monkeypatch):
+    """A call captured in a CUDA graph runs a twin workspace that only an eager call can build
+    (allocations and a rendezvous are forbidden in a capture): without it, an error that says
+    what to do, before anything is issued."""
+    from compass_fx.kernels.cuda import impl
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="COMPASS_FUSED_GRAPHS=1 on every rank and run the same call"):
+        impl._workspace(("rs", "direct", "g", 2, 8, 8), lambda fence: pytest.fail("built a plan"), "g", 8,
+                        torch.bfloat16, torch.device("cuda", 0))
+    for value, on in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv("COMPASS_FUSED_GRAPHS", value)
+        assert impl.graphs_enabled() is on

@@ -245,6 +245,59 @@ def test_a_single_buffer_is_caught():
     assert caught >= 1, "a single buffer went unnoticed in 10 runs of 200 calls"
 
 
+def test_the_fence_makes_a_single_buffer_safe():
+    """The same runs as above with the plans fenced (what calls captured in CUDA graphs run): no
+    rank ever reads data of another call."""
+    world, rows = 2, 2
+    plans = [pr.fenced(pr.all_gather_plan("direct", world, r, rows, 1)) for r in range(world)]
+    for seed in range(10):
+        _run_stage(plans, rows, n_calls=200, seed=seed, one_queue=False, lateness=0.3, buffers=1)
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fenced_plans_run_call_after_call_on_one_buffer(op, schedule):
+    """Every operator, schedule, transport and form (detached or not), at 2 and 3 ranks, fenced as
+    the CUDA path runs captured calls: right results on one set of buffers, also with all of a
+    rank's streams on one hardware queue."""
+    for world in (2, 3):
+        rows = 16 * world
+        for host in (False, True):
+            for detach in (False, True):
+                per_rank = [call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, detach=detach,
+                                       fence=True) for r in range(world)]
+                for stage, plans in enumerate(zip(*per_rank)):
+                    stage_rows = rows if stage == 0 else rows // world
+                    for one_queue in (False, True):
+                        _run_stage(list(plans), stage_rows, n_calls=6, seed=world + stage, one_queue=one_queue,
+                                   buffers=1)
+
+
+def test_the_fence_waits_before_the_first_write_and_signals_after_the_last_pull():
+    plans = [pr.all_gather_plan("ring", 3, 0, 4, 1), pr.reduce_scatter_plan("direct", 2, 1, 4),
+             pr.host_staged(pr.all_reduce_plan(2, 0, 8, 2))]
+    for plan in plans:
+        fenced = pr.fenced(plan)
+        done, cmds = plan.n_flags, fenced.commands
+        assert fenced.n_flags == done + 1 and len(fenced.slot_names) == fenced.n_flags
+        pulls = [i for i, c in enumerate(cmds) if isinstance(c, pr.Copy) and c.src.owner != pr.SELF]
+        assert cmds[pulls[-1] + 1] == pr.SetFlag(cmds[pulls[-1]].stream, done)
+        peers = [p for p in range(plan.world_size) if p != plan.rank]
+        writers = {}
+        for i, c in enumerate(cmds):
+            dst = getattr(c, "dst", None)
+            if dst is not None and dst.owner == pr.SELF and dst.buf in plan.symmetric_rows:
+                writers.setdefault(c.stream, i)
+        assert writers
+        for stream, first in writers.items():
+            fence = [c for c in cmds[:first] if isinstance(c, pr.WaitFlag) and c.slot == done and c.stream == stream]
+            assert fence == [pr.WaitFlag(stream, p, done, delta=-1) for p in peers]
+    alone = pr.all_gather_plan("direct", 1, 0, 4, 1)
+    assert pr.fenced(alone) is alone
+    assert call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False, fence=True)[0].n_flags == \
+        call_plans("all_gather_matmul", "direct", 2, 0, 8, 64, 1, 2, False)[0].n_flags + 1
+
+
 def test_plans_are_deterministic_and_every_flag_is_published():
     for world in (2, 4):
         for r in range(world):
@@ -350,9 +403,10 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
 
 
 def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_queue: bool,
-               lateness: float = 0.4) -> None:
+               lateness: float = 0.4, buffers: int = 2) -> None:
     """Run one stage of a call (``plans[r]``: rank r's) ``n_calls`` times back to back, under random
-    interleavings, and check every rank's result.  ``rows``: rows of A (a shard for a gather)."""
+    interleavings, and check every rank's result.  ``rows``: rows of A (a shard for a gather);
+    ``buffers``: sets of symmetric buffers (1: what a call captured in a CUDA graph has)."""
     world, op = len(plans), plans[0].op
     gen = torch.Generator().manual_seed(seed)
     gather = op == "all_gather_matmul"
@@ -372,7 +426,7 @@ def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_que
             calls.append([{"A": [a[r]], "W": ws[r], "OUT": [torch.full((out_rows, COLS), float("nan"),
                                                                        dtype=torch.float64)]}
                           for r in range(world)])
-    Simulator(plans, width if gather else COLS, seed=seed, one_queue=one_queue).run(calls, lateness)
+    Simulator(plans, width if gather else COLS, seed=seed, one_queue=one_queue, buffers=buffers).run(calls, lateness)
     for call in calls:
         if gather:
             full = torch.cat([call[r]["A"][0] for r in range(world)])

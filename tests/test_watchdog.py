@@ -81,3 +81,20 @@ def test_a_release_that_hangs_is_logged(monkeypatch, caplog):
     assert "op waits in call 4 for rank 0" in caplog.text and "could not be released" in caplog.text
     with pytest.raises(RuntimeError, match="call 4 for rank 0"):
         dog.check_failed()
+
+
+def test_a_captured_wait_that_timed_out_is_reported(caplog):
+    """A call replayed from a CUDA graph bounds its own waits on the GPU and stores which one timed
+    out in a host word; the watchdog turns that into the error every later call raises."""
+    import torch
+
+    dog = watchdog.Watchdog(0)
+    status = torch.zeros(1, dtype=torch.int32)
+    dog.statuses.append((status, lambda code: f"captured wait {code} on rank 0 for rank 1's rows"))
+    dog.scan()
+    dog.check_failed()  # nothing timed out yet
+    status[0] = 3
+    dog.scan()
+    assert "captured wait 3 on rank 0 for rank 1's rows" in caplog.text
+    with pytest.raises(RuntimeError, match="captured wait 3 .*captured in a CUDA graph"):
+        dog.check_failed()

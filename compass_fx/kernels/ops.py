@@ -21,8 +21,9 @@ from . import reference
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# The CUDA implementation passes each call's epoch as an argument, so a CUDA graph that captured one
-# call would replay a stale epoch: Inductor must keep these ops out of its CUDA graphs.
+# A call captured in a CUDA graph runs a twin workspace (one set of buffers, the epoch in GPU memory)
+# that an eager call must build first, with COMPASS_FUSED_GRAPHS=1 (cuda/impl.py); Inductor's CUDA
+# graphs know nothing of that, so they must keep these ops out.
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 

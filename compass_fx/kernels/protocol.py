@@ -28,7 +28,9 @@ in call ``e + 1`` (each result depends on every rank's input), and (2) a rank pu
 or the caller's stream waits for them at the end of call ``e``).  So when a rank starts writing
 call ``e + 2`` into the buffer that call ``e`` used, every peer has finished reading it.  One
 buffer would not do (a rank writes call ``e + 1`` while a slow peer may still read call ``e``),
-and the simulator catches that (``tests/test_protocol.py``).
+and the simulator catches that (``tests/test_protocol.py``).  A call captured in a CUDA graph replays fixed
+addresses, so it cannot alternate: its plan is :func:`fenced` (one set of buffers, and a flag that
+says a rank has finished reading the previous call).
 
 Why a plan cannot deadlock.  Every wait is a ``WaitFlag`` on a flag that only its owner writes,
 with the epoch that the owner writes unconditionally in that call, or a ``WaitEvent`` on an event
@@ -503,6 +505,42 @@ def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int,
     if host:
         return host_all_reduce_chunks(rows, world, out_bytes, piece_bytes)
     return all_reduce_chunks(rows, world, out_bytes=out_bytes)
+
+
+def fenced(plan: Plan) -> Plan:
+    """``plan`` for one set of symmetric buffers instead of two: a call publishes into them only
+    after every peer has finished reading them in the previous call.
+
+    Why: a call captured in a CUDA graph replays with the addresses it was captured with, so the
+    epoch's parity cannot pick the buffer (see the double-buffering argument above).  Each rank
+    sets one more flag, ``done``, to the call's epoch once its last pull is complete; before its
+    first write into a symmetric buffer (on each stream that writes one) a rank waits until every
+    peer's ``done`` has reached the previous call.  The argument for deadlock-freedom is
+    unchanged: the fence waits only for an earlier call's flag, which its owner sets
+    unconditionally once that call's pulls are done."""
+    if plan.world_size == 1:
+        return plan
+    reads = [i for i, c in enumerate(plan.commands) if isinstance(c, Copy) and c.src.owner != SELF]
+    if not reads:
+        raise ValueError(f"{plan.op}: a plan that reads no peer's buffer needs no fence")
+    streams = {plan.commands[i].stream for i in reads}
+    if len(streams) > 1:
+        raise ValueError(f"{plan.op}: pulls on several streams ({sorted(streams)}); the fence needs them on one")
+    done = plan.n_flags
+    peers = [p for p in range(plan.world_size) if p != plan.rank]
+    cmds: list[Command] = []
+    fenced_streams: set[str] = set()
+    for i, cmd in enumerate(plan.commands):
+        dst = getattr(cmd, "dst", None)
+        writes = (dst is not None and dst.owner == SELF and dst.buf in plan.symmetric_rows)
+        if writes and cmd.stream not in fenced_streams:
+            cmds += [WaitFlag(cmd.stream, p, done, delta=-1) for p in peers]
+            fenced_streams.add(cmd.stream)
+        cmds.append(cmd)
+        if i == reads[-1]:
+            cmds.append(SetFlag(cmd.stream, done))
+    return replace(plan, commands=tuple(cmds), n_flags=plan.n_flags + 1,
+                   slot_names=plan.slot_names + ("end of its reads of the previous call",))
 
 
 def join_start(plan: Plan) -> int:

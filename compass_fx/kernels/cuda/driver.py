@@ -40,6 +40,11 @@ def _lib() -> dict:
         "host_register": fn(("cuMemHostRegister_v2", "cuMemHostRegister"), [_ptr, ctypes.c_size_t, ctypes.c_uint]),
         "host_device_pointer": fn(("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
                                   [ctypes.POINTER(_u64), _ptr, ctypes.c_uint]),
+        "module_load": fn(("cuModuleLoadData",), [ctypes.POINTER(_ptr), ctypes.c_char_p]),
+        "module_function": fn(("cuModuleGetFunction",), [ctypes.POINTER(_ptr), _ptr, ctypes.c_char_p]),
+        "launch": fn(("cuLaunchKernel",), [_ptr, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _ptr,
+                                          ctypes.POINTER(_ptr), _ptr]),
+        "capture_mode": fn(("cuThreadExchangeStreamCaptureMode",), [ctypes.POINTER(ctypes.c_int)]),
     }
 
 
@@ -84,3 +89,34 @@ def host_register(addr: int, nbytes: int) -> int:
     dptr = _u64()
     check(_lib()["host_device_pointer"](ctypes.byref(dptr), addr, 0), "cuMemHostGetDevicePointer")
     return dptr.value
+
+
+def load_function(ptx: bytes, name: str) -> int:
+    """The handle of kernel ``name`` in the compiled module ``ptx`` (loaded into the current context)."""
+    module, function = _ptr(), _ptr()
+    check(_lib()["module_load"](ctypes.byref(module), ptx), "cuModuleLoadData")
+    check(_lib()["module_function"](ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
+    return function.value
+
+
+def launcher(function: int, args: list):
+    """A function ``launch(stream)`` that runs ``function`` as one thread with ``args`` (ctypes
+    values, kept alive here): the arguments are packed once, so a launch is one driver call."""
+    kept = list(args)
+    params = (_ptr * len(kept))(*[ctypes.cast(ctypes.byref(a), _ptr) for a in kept])
+    launch = _lib()["launch"]
+
+    def run(stream: int) -> None:
+        check(launch(function, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+    run.kept = (kept, params)  # the packed arguments live as long as the launcher
+    return run
+
+
+_CAPTURE_MODE_RELAXED = 2
+
+
+def relax_capture_mode() -> None:
+    """Let this thread make CUDA calls (e.g. query events) while another thread captures a CUDA
+    graph: in the default ("global") mode such a call fails and invalidates that capture."""
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    check(_lib()["capture_mode"](ctypes.byref(mode)), "cuThreadExchangeStreamCaptureMode")

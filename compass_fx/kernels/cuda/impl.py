@@ -11,8 +11,15 @@ streams of a rank meet at CUDA events; the ranks meet only at flags.  The watchd
 Per (operator, schedule, group, shape, dtype) a workspace is built once (collectively, on first
 use, in the same order on every rank): the double-buffered symmetric buffers, the flags, the
 staging buffers, the peers' addresses and the events.  A call then does no host synchronisation
-and no allocation beyond its outputs, and issues a fixed list of launches.  Not capturable in a
-CUDA graph: the epoch is an argument that changes every call.
+and no allocation beyond its outputs, and issues a fixed list of launches.
+
+CUDA graphs.  An eager call passes its epoch to the flag operations as a number, which a graph
+would replay stale, and picks its buffers by the epoch's parity, which a graph would replay
+fixed.  So a call captured in a graph runs a twin workspace: one set of buffers with the
+protocol's fence (:func:`..protocol.fenced`) and the epoch in GPU memory (:mod:`.graph_flags`).
+The twin is built beside the eager workspace when ``COMPASS_FUSED_GRAPHS=1`` (the first call with
+those shapes must run outside the capture, as a graph's warm-up does: building a workspace
+allocates and meets the peers, which a capture forbids).
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Mat
                         SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, watchdog
+from . import driver, graph_flags, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,11 +97,13 @@ class _Workspace:
     """One rank's buffers, flags, peer addresses and events for one plan."""
 
     def __init__(self, plan: Plan, group_name: str, cols: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, captured: bool = False) -> None:
         group = resolve_group(group_name, plan.world_size)[0]
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
         index = self.device_index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
+        self.captured = captured  # replayed from CUDA graphs: one set of buffers, the epoch on the GPU
+        self.copies = 1 if captured else 2
         self.comm = _side_stream(index, COMM)
         self.pub = _side_stream(index, PUB)
         self.tail = _side_stream(index, TAIL)
@@ -106,12 +115,17 @@ class _Workspace:
             self._host_memory(group, peers, cols, dtype)
         else:
             self._peer_memory(group_name, peers, cols, dtype, device)
-        self.private = {name: torch.empty((2, rows, cols), dtype=dtype, device=device)
+        self.private = {name: torch.empty((self.copies, rows, cols), dtype=dtype, device=device)
                         for name, rows in plan.private_rows.items()}
         self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
                       for _ in range(plan.stage_slots)]
         self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
-        self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in (0, 1)]
+        if captured:
+            self.device_epoch = torch.zeros(1, dtype=torch.int32, device=device)
+            self.status = torch.zeros(1, dtype=torch.int32).pin_memory()  # a timed-out wait's code, 0: none
+            self.bump = graph_flags.bump(index, self.device_epoch.data_ptr())
+            self.dog.watch_status(self.status, self._explain_timeout)
+        self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in range(self.copies)]
         self.join_at = join_start(plan)
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
 
@@ -126,7 +140,7 @@ class _Workspace:
             symm_mem.enable_symm_mem_for_group(group_name)
         flags = symm_mem.empty((plan.n_flags,), dtype=torch.int32, device=device)
         flags.zero_()
-        self.buffers = {name: symm_mem.empty((2, rows, cols), dtype=dtype, device=device)
+        self.buffers = {name: symm_mem.empty((self.copies, rows, cols), dtype=dtype, device=device)
                         for name, rows in plan.symmetric_rows.items()}
         torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
         handle = symm_mem.rendezvous(flags, group_name)
@@ -145,7 +159,7 @@ class _Workspace:
         layout = Layout()
         layout.add("flags", 4 * plan.n_flags)
         for name, rows in plan.symmetric_rows.items():
-            layout.add(name, 2 * rows * cols * dtype.itemsize)
+            layout.add(name, self.copies * rows * cols * dtype.itemsize)
         arena = _arena_for(group, layout.nbytes)  # fresh files: the flags read zero
         self.memory = arena  # the addresses below stay valid only while the mappings live
         flags_at = layout.offsets["flags"]
@@ -155,9 +169,9 @@ class _Workspace:
         self.buffers = {}
         for name, rows in plan.symmetric_rows.items():
             at = layout.offsets[name]
-            self.buffers[name] = arena.view(self.rank, at, (2, rows, cols), dtype)
+            self.buffers[name] = arena.view(self.rank, at, (self.copies, rows, cols), dtype)
             for p in peers:
-                self.peer_buffers[(name, p)] = arena.view(p, at, (2, rows, cols), dtype)
+                self.peer_buffers[(name, p)] = arena.view(p, at, (self.copies, rows, cols), dtype)
 
     # -- addressing -------------------------------------------------------------------------
     def _fixed(self, region: Region, parity: int) -> torch.Tensor | None:
@@ -204,6 +218,17 @@ class _Workspace:
             stream_of = lambda streams: handle  # noqa: E731
         else:
             stream_of = lambda streams: streams[MAIN].cuda_stream  # noqa: E731
+        if isinstance(cmd, WaitFlag) and self.captured:
+            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
+                                      self.device_epoch.data_ptr(), cmd.delta, self.status.data_ptr(),
+                                      self.plan.commands.index(cmd) + 1, self.dog.timeout)
+            return lambda tensors, epoch, streams: launch(stream_of(streams))
+        if isinstance(cmd, SetFlag) and self.captured:  # the counter copied onto the flag
+            memcpy, addr, counter = driver.raw("memcpy"), self.flag_address + 4 * cmd.slot, self.device_epoch.data_ptr()
+
+            def copy_epoch(tensors, epoch, streams):
+                driver.check(memcpy(addr, counter, 4, stream_of(streams)), "cuMemcpyAsync")
+            return copy_epoch
         if isinstance(cmd, WaitFlag):
             wait, addr, delta = driver.raw("wait"), self.peer_flag_address[cmd.peer] + 4 * cmd.slot, cmd.delta
 
@@ -281,27 +306,37 @@ class _Workspace:
         if self.pending is not None:
             self.pending.wait()
         self.dog.check_failed()
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"compass::{self.plan.op} cannot be captured in a CUDA graph (each call has its "
-                               "own epoch): run it outside the graph, or use strategy='decompose'")
+        if not self.captured and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"compass::{self.plan.op}: this workspace runs eager calls only (each call has "
+                               "its own epoch); captured calls run a twin workspace (COMPASS_FUSED_GRAPHS=1)")
         for name in ("A", "OUT", "GATHERED"):
             for t in tensors.get(name, ()):
                 if not t.is_contiguous():
                     raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
         self.epoch += 1
         streams = {MAIN: torch.cuda.current_stream(self.device_index)}  # an index: no device lookup (~30 us)
-        steps = self.steps[self.epoch % 2]
+        if self.captured:
+            self.bump(streams[MAIN].cuda_stream)  # before the call's first command on any stream
+        steps = self.steps[self.epoch % self.copies]
         for step in steps[:self.join_at]:
             step(tensors, self.epoch, streams)
-        done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
-        done.record(self.comm)
-        self.dog.add(self.watched, self.epoch, done)
+        if not self.captured:  # a captured call's waits bound themselves (graph_flags)
+            done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
+            done.record(self.comm)
+            self.dog.add(self.watched, self.epoch, done)
         join = Join(self, steps[self.join_at:], tensors, self.epoch)
         if not deferred:
             join.wait()
             return None
         self.pending = join
         return join
+
+    def _explain_timeout(self, code: int) -> str:
+        """What the captured wait that stored ``code`` (its command's position + 1) waited for."""
+        cmd = self.plan.commands[code - 1]
+        return (f"compass::{self.plan.op} on rank {self.rank}, captured in a CUDA graph, waited for rank "
+                f"{cmd.peer}'s {self.plan.slot_names[cmd.slot]} (flag {cmd.slot}); that rank is late, has died, "
+                f"or replays its graphs in another order")
 
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""
@@ -385,12 +420,32 @@ def host_piece_bytes() -> int:
     return int(value * (1 << 20))
 
 
-def _workspace(key: tuple, make_plan: Callable[[], Plan], group_name: str, cols: int,
+_OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
+
+
+def graphs_enabled() -> bool:
+    """``COMPASS_FUSED_GRAPHS=1``: build each workspace's twin for calls captured in CUDA graphs."""
+    return os.environ.get("COMPASS_FUSED_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, cols: int,
                dtype: torch.dtype, device: torch.device) -> _Workspace:
-    ws = _workspaces.get(key)
-    if ws is None:  # a collective rendezvous: not after a failure (every call checks in run())
-        watchdog.for_device(_device_index(device)).check_failed()
-        ws = _workspaces[key] = _Workspace(make_plan(), group_name, cols, dtype, device)
+    """The workspace of ``key`` for an eager call, or its twin while a CUDA graph is captured.
+    ``make_plan(fence)``: the plan, fenced for the twin's one set of buffers."""
+    captured = torch.cuda.is_current_stream_capturing()
+    ws = _workspaces.get((key, captured))
+    if ws is not None:
+        return ws
+    if captured:
+        raise RuntimeError(
+            f"compass::{_OP_NAMES[key[0]]} captured in a CUDA graph with no workspace built for it: set "
+            "COMPASS_FUSED_GRAPHS=1 on every rank and run the same call (same shapes) once before the capture, "
+            "as a graph's warm-up does (building a workspace allocates memory and meets the peers, which a "
+            "capture forbids)")
+    watchdog.for_device(_device_index(device)).check_failed()  # a collective rendezvous: not after a failure
+    ws = _workspaces[(key, False)] = _Workspace(make_plan(False), group_name, cols, dtype, device)
+    if graphs_enabled():
+        _workspaces[(key, True)] = _Workspace(make_plan(True), group_name, cols, dtype, device, captured=True)
     return ws
 
 
@@ -418,9 +473,10 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     host = transport() == "host"
     cols = tuple(int(b.shape[1]) for b in bs)
     key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("all_gather_matmul", schedule, group_size, _rank(group_name, group_size),
-                                            m, k, len(bs), a_shard.element_size(), host, host_piece_bytes(),
-                                            detach=deferred, group_rows=_group_rows(cols, a_shard.device))[0],
+    ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
+                                                  _rank(group_name, group_size), m, k, len(bs), a_shard.element_size(),
+                                                  host, host_piece_bytes(), detach=deferred,
+                                                  group_rows=_group_rows(cols, a_shard.device), fence=fence)[0],
                     group_name, k, a_shard.dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
@@ -441,9 +497,9 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     host = transport() == "host"
     a = a.contiguous()
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("matmul_reduce_scatter", schedule, group_size,
-                                            _rank(group_name, group_size), rows, n, 1,
-                                            a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
+    ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
+                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(), host,
+                                                  host_piece_bytes(), detach=deferred, fence=fence)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
@@ -470,9 +526,9 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
         return gathered
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda: call_plans("matmul_all_reduce", schedule, group_size, _rank(group_name, group_size),
-                                            rows, n, 1,
-                                            a.element_size(), host, host_piece_bytes(), detach=deferred)[0],
+    ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
+                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(), host,
+                                                  host_piece_bytes(), detach=deferred, fence=fence)[0],
                     group_name, n, a.dtype, a.device)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)

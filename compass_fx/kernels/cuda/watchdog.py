@@ -10,6 +10,12 @@ waits on, releases the wait (so that nothing stays frozen), and marks the proces
 later call of a fused operator raises a ``RuntimeError`` with that message.  Reading and
 releasing a flag in GPU memory take GPU work of their own, which a blocked hardware queue can hold
 up too; each gets ``DIAGNOSE_S`` seconds, after which the error is reported without the detail.
+
+A call captured in a CUDA graph has no host work per replay to register: its waits bound
+themselves on the GPU (:mod:`.graph_flags`) and report into a host word, which the thread reads
+too (:meth:`Watchdog.watch_status`).  The thread may query events while the caller captures a
+graph, so it runs in the relaxed capture mode (in the default mode that query would invalidate
+the capture).
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ class Watchdog:
         self.failure: str | None = None
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.statuses: list[tuple[object, Callable[[int], str]]] = []  # (host int32 word, code -> message)
 
     def check_failed(self) -> None:
         if self.failure:
@@ -68,6 +75,16 @@ class Watchdog:
             w.pending.append(_Pending(epoch, event, time.monotonic()))
             if w not in self.watched:
                 self.watched.append(w)
+        self._start()
+
+    def watch_status(self, status, explain: Callable[[int], str]) -> None:
+        """Watch a host int32 word (``status[0]``) that captured waits set to a nonzero code when
+        they time out; ``explain(code)`` says which wait that was."""
+        with self.lock:
+            self.statuses.append((status, explain))
+        self._start()
+
+    def _start(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._loop, name="compass-fused-watchdog", daemon=True)
             self.thread.start()
@@ -75,7 +92,10 @@ class Watchdog:
     def _loop(self) -> None:
         import torch
 
+        from . import driver
+
         torch.cuda.set_device(self.device_index)  # the driver calls below need this thread's context
+        driver.relax_capture_mode()
         while self.failure is None:
             time.sleep(min(1.0, self.timeout / 10))
             self.scan()
@@ -84,6 +104,13 @@ class Watchdog:
         """Drop finished calls; diagnose and release the oldest one past the timeout."""
         now = time.monotonic()
         with self.lock:
+            for status, explain in self.statuses:
+                code = int(status[0])
+                if code:
+                    self.failure = (f"{explain(code)} (a call captured in a CUDA graph waited longer than "
+                                    f"COMPASS_FUSED_TIMEOUT_S={self.timeout:g} s and stopped the GPU's work)")
+                    log.error(self.failure)
+                    return
             for w in self.watched:
                 while w.pending and w.pending[0].event.query():
                     w.pool.append(w.pending.pop(0).event)
