@@ -99,15 +99,16 @@ def load_function(ptx: bytes, name: str) -> int:
     return function.value
 
 
-def launcher(function: int, args: list):
-    """A function ``launch(stream)`` that runs ``function`` as one thread with ``args`` (ctypes
-    values, kept alive here): the arguments are packed once, so a launch is one driver call."""
+def launcher(function: int, args: list, blocks: int = 1, threads: int = 1):
+    """A function ``launch(stream)`` that runs ``function`` on ``blocks`` x ``threads`` with
+    ``args`` (ctypes values, kept alive here): the arguments are packed once, so a launch is one
+    driver call (a caller may change an argument's ``.value`` between launches)."""
     kept = list(args)
     params = (_ptr * len(kept))(*[ctypes.cast(ctypes.byref(a), _ptr) for a in kept])
     launch = _lib()["launch"]
 
     def run(stream: int) -> None:
-        check(launch(function, 1, 1, 1, 1, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+        check(launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
     run.kept = (kept, params)  # the packed arguments live as long as the launcher
     return run
 

@@ -10,16 +10,50 @@ counter + delta.  The spinning kernel is a single program, so it never waits for
 become resident, and it is bounded: past ``COMPASS_FUSED_TIMEOUT_S`` it writes which wait failed
 into a host word that the watchdog reads (:func:`.watchdog.Watchdog.watch_status`), then stops
 the process's GPU work with a trap, so a lost peer fails the job loudly instead of freezing it.
+
+Small messages.  Inside a graph, each switch between a kernel and the copy engines on one stream
+costs about 3.5 us (one H200: a kernel then a 64 KiB copy 7.3 us, alone 0.8 and 2.8 us; copy
+after copy and kernel after kernel cost nothing extra), and a captured call alternates between
+them at every flag.  So a captured copy of at most ``SMALL_COPY_BYTES`` runs as a kernel
+(:func:`copy`), which also sets the flag that announces it when the plan sets one right after
+(the last block to finish stores it, after a system-wide fence); a flag set after a kernel is a
+kernel too (:func:`set_flag`).  Larger copies stay on the copy engines, whose rate a handful of
+blocks would not reach.
 """
 from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
 
+from ..protocol import Copy, Plan, Record, SetFlag, WaitEvent
 from . import driver
 
 SOURCE = r"""
 extern "C" __global__ void compass_bump_epoch(int* epoch) { *epoch += 1; }
+
+extern "C" __global__ void compass_set_flag(volatile int* flag, const volatile int* epoch) {
+  __threadfence_system();
+  *flag = *epoch;
+  __threadfence_system();
+}
+
+// dst[0:n16] = src[0:n16] (16-byte words; either side may be host or peer memory: loads bypass the
+// caches), then, if flag: once every block's stores are fenced, the last block stores the epoch.
+extern "C" __global__ void compass_copy(uint4* dst, const uint4* src, unsigned long long n16,
+                                        volatile int* flag, const volatile int* epoch, unsigned int* arrived) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n16;
+       i += (unsigned long long)gridDim.x * blockDim.x)
+    __stwt(dst + i, __ldcv(src + i));
+  if (flag == 0) return;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(arrived, 1u) == gridDim.x - 1) {
+    *arrived = 0;
+    __threadfence_system();
+    *flag = *epoch;
+    __threadfence_system();
+  }
+}
 
 extern "C" __global__ void compass_wait_flag(const volatile int* flag, const volatile int* epoch, int delta,
                                              volatile int* status, int code, unsigned long long timeout_ns) {
@@ -43,7 +77,7 @@ extern "C" __global__ void compass_wait_flag(const volatile int* flag, const vol
 
 @lru_cache(maxsize=None)
 def _functions(device_index: int) -> dict[str, int]:
-    """The two kernels, compiled (NVRTC, through torch) and loaded for ``device_index``'s context."""
+    """The kernels, compiled (NVRTC, through torch) and loaded for ``device_index``'s context."""
     import torch
 
     try:
@@ -54,7 +88,7 @@ def _functions(device_index: int) -> dict[str, int]:
     with torch.cuda.device(device_index):
         torch.cuda.current_stream().synchronize()  # the context exists before the driver loads into it
         out = {}
-        for name in ("compass_bump_epoch", "compass_wait_flag"):
+        for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy"):
             ptx, mangled = _nvrtc_compile(SOURCE, name)
             out[name] = driver.load_function(ptx, mangled)
     return out
@@ -73,3 +107,80 @@ def wait(device_index: int, flag_address: int, epoch_address: int, delta: int, s
                            [ctypes.c_uint64(flag_address), ctypes.c_uint64(epoch_address), ctypes.c_int(delta),
                             ctypes.c_uint64(status_address), ctypes.c_int(code),
                             ctypes.c_uint64(int(timeout_s * 1e9))])
+
+
+SMALL_COPY_BYTES = 256 << 10  # captured copies up to this size run as a kernel (see the module docstring)
+COPY_THREADS = 256
+COPY_MOST_BLOCKS = 64
+
+
+def copy_fits(nbytes: int) -> bool:
+    """Whether a captured copy of ``nbytes`` runs as a kernel: small, and whole 16-byte words."""
+    return 0 < nbytes <= SMALL_COPY_BYTES and nbytes % 16 == 0
+
+
+def set_flag(device_index: int, flag_address: int, epoch_address: int):
+    """``launch(stream)``: store the counter at ``flag_address`` once the stream's earlier kernels are done."""
+    return driver.launcher(_functions(device_index)["compass_set_flag"],
+                           [ctypes.c_uint64(flag_address), ctypes.c_uint64(epoch_address)])
+
+
+def copy(device_index: int, nbytes: int, flag_address: int = 0, epoch_address: int = 0, arrived_address: int = 0):
+    """``(launch(stream), set_addresses(dst, src))``: copy ``nbytes`` (:func:`copy_fits`) with
+    one block per 4 KiB (at most ``COPY_MOST_BLOCKS``: one load per thread in flight, whatever the
+    memory's distance), then, with ``flag_address``, store the counter there (``arrived_address``:
+    an int32 in device memory, zero, that the blocks count on)."""
+    if not copy_fits(nbytes):
+        raise ValueError(f"a copy kernel moves whole 16-byte words up to {SMALL_COPY_BYTES} bytes, not {nbytes}")
+    words = nbytes // 16
+    blocks = min(COPY_MOST_BLOCKS, -(-words // COPY_THREADS))
+    dst, src = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    launch = driver.launcher(_functions(device_index)["compass_copy"],
+                             [dst, src, ctypes.c_uint64(words), ctypes.c_uint64(flag_address),
+                              ctypes.c_uint64(epoch_address), ctypes.c_uint64(arrived_address)],
+                             blocks=blocks, threads=COPY_THREADS)
+
+    def set_addresses(to: int, frm: int) -> None:
+        if (to | frm) % 16:
+            raise ValueError(f"a copy kernel needs 16-byte aligned addresses, got {to:#x} <- {frm:#x}")
+        dst.value, src.value = to, frm
+    return launch, set_addresses
+
+
+# How a captured call lowers its copies and flag sets (:func:`engines`)
+KERNEL_COPY, KERNEL_COPY_AND_FLAG, DONE_BY_COPY, KERNEL_FLAG, COPY_ENGINE_FLAG = (
+    "kernel copy", "kernel copy + flag", "set by its copy", "kernel flag", "copy-engine flag")
+
+
+def engines(plan: Plan, row_bytes: int) -> dict[int, str]:
+    """For each ``Copy`` and ``SetFlag`` of ``plan`` (by position), how a captured call runs it:
+    a copy of a small message is a kernel, which also sets the flag the plan sets right after it
+    on the same stream (that ``SetFlag`` is then done by the copy); any other flag is a kernel
+    unless the stream's previous command runs on the copy engines (a large copy), where a 4-byte
+    copy of the counter avoids the switch.  Larger copies (absent here) stay on the copy engines.
+    ``row_bytes``: bytes per row of every buffer the plan's copies touch."""
+    out: dict[int, str] = {}
+    last: dict[str, str] = {}  # stream -> "kernel" or "copy": what its previous command ran on
+    pending: dict[str, int] = {}  # stream -> a kernel copy whose stream has had nothing since
+    for i, cmd in enumerate(plan.commands):
+        stream = cmd.stream
+        if isinstance(cmd, (Record, WaitEvent)):
+            continue
+        if isinstance(cmd, SetFlag) and stream in pending:
+            out[pending.pop(stream)] = KERNEL_COPY_AND_FLAG
+            out[i] = DONE_BY_COPY
+            continue
+        pending.pop(stream, None)
+        if isinstance(cmd, Copy):
+            if copy_fits(cmd.dst.rows * row_bytes):
+                out[i] = KERNEL_COPY
+                pending[stream] = i
+                last[stream] = "kernel"
+            else:
+                last[stream] = "copy"
+            continue
+        if isinstance(cmd, SetFlag):
+            out[i] = COPY_ENGINE_FLAG if last.get(stream) == "copy" else KERNEL_FLAG
+            continue
+        last[stream] = "kernel"  # a GEMM, a sum, a flag wait
+    return out

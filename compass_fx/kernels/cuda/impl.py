@@ -16,7 +16,8 @@ and no allocation beyond its outputs, and issues a fixed list of launches.
 CUDA graphs.  An eager call passes its epoch to the flag operations as a number, which a graph
 would replay stale, and picks its buffers by the epoch's parity, which a graph would replay
 fixed.  So a call captured in a graph runs a twin workspace: one set of buffers with the
-protocol's fence (:func:`..protocol.fenced`) and the epoch in GPU memory (:mod:`.graph_flags`).
+protocol's fence (:func:`..protocol.fenced`), the epoch in GPU memory, and its small
+messages moved by kernels (:mod:`.graph_flags`).
 The twin is built beside the eager workspace when ``COMPASS_FUSED_GRAPHS=1`` (the first call with
 those shapes must run outside the capture, as a graph's warm-up does: building a workspace
 allocates and meets the peers, which a capture forbids).
@@ -125,7 +126,10 @@ class _Workspace:
             self.status = torch.zeros(1, dtype=torch.int32).pin_memory()  # a timed-out wait's code, 0: none
             self.bump = graph_flags.bump(index, self.device_epoch.data_ptr())
             self.dog.watch_status(self.status, self._explain_timeout)
-        self.steps = [[self._compile(c, parity) for c in plan.commands] for parity in range(self.copies)]
+            self.row_bytes = cols * dtype.itemsize
+            self.engines = graph_flags.engines(plan, self.row_bytes)
+            self.arrived = torch.zeros(len(plan.commands), dtype=torch.int32, device=device)  # copy kernels' block counts
+        self.steps = [[self._compile(c, parity, i) for i, c in enumerate(plan.commands)] for parity in range(self.copies)]
         self.join_at = join_start(plan)
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
 
@@ -205,7 +209,7 @@ class _Workspace:
         return address
 
     # -- one command -> one closure over what stays fixed -----------------------------------
-    def _compile(self, cmd, parity: int) -> Step:
+    def _compile(self, cmd, parity: int, index: int) -> Step:
         """One command as a closure over everything that stays fixed between calls: addresses of
         the workspace's buffers, the side streams' handles, the driver functions (the host issues
         every call's commands one after another, so each closure keeps its work to the launch)."""
@@ -218,17 +222,10 @@ class _Workspace:
             stream_of = lambda streams: handle  # noqa: E731
         else:
             stream_of = lambda streams: streams[MAIN].cuda_stream  # noqa: E731
-        if isinstance(cmd, WaitFlag) and self.captured:
-            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
-                                      self.device_epoch.data_ptr(), cmd.delta, self.status.data_ptr(),
-                                      self.plan.commands.index(cmd) + 1, self.dog.timeout)
-            return lambda tensors, epoch, streams: launch(stream_of(streams))
-        if isinstance(cmd, SetFlag) and self.captured:  # the counter copied onto the flag
-            memcpy, addr, counter = driver.raw("memcpy"), self.flag_address + 4 * cmd.slot, self.device_epoch.data_ptr()
-
-            def copy_epoch(tensors, epoch, streams):
-                driver.check(memcpy(addr, counter, 4, stream_of(streams)), "cuMemcpyAsync")
-            return copy_epoch
+        if self.captured and isinstance(cmd, (WaitFlag, SetFlag, Copy)):
+            step = self._compile_captured(cmd, parity, index, stream_of)
+            if step is not None:
+                return step
         if isinstance(cmd, WaitFlag):
             wait, addr, delta = driver.raw("wait"), self.peer_flag_address[cmd.peer] + 4 * cmd.slot, cmd.delta
 
@@ -286,6 +283,42 @@ class _Workspace:
                 return lambda tensors, epoch, streams: fixed_stream.wait_event(event)
             return lambda tensors, epoch, streams: streams[MAIN].wait_event(event)
         raise TypeError(f"no CUDA lowering for {cmd!r}")
+
+    def _compile_captured(self, cmd, parity: int, index: int, stream_of) -> Step | None:
+        """A flag wait, flag set or small copy of a captured call (:mod:`.graph_flags`); None for a
+        copy that stays on the copy engines."""
+        counter = self.device_epoch.data_ptr()
+        if isinstance(cmd, WaitFlag):
+            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot, counter,
+                                      cmd.delta, self.status.data_ptr(), index + 1, self.dog.timeout)
+            return lambda tensors, epoch, streams: launch(stream_of(streams))
+        how = self.engines.get(index)
+        if isinstance(cmd, SetFlag):
+            addr = self.flag_address + 4 * cmd.slot
+            if how == graph_flags.DONE_BY_COPY:
+                return lambda tensors, epoch, streams: None
+            if how == graph_flags.KERNEL_FLAG:
+                launch = graph_flags.set_flag(self.device_index, addr, counter)
+                return lambda tensors, epoch, streams: launch(stream_of(streams))
+            memcpy = driver.raw("memcpy")
+
+            def copy_epoch(tensors, epoch, streams):  # after a copy-engine copy: the counter copied onto the flag
+                driver.check(memcpy(addr, counter, 4, stream_of(streams)), "cuMemcpyAsync")
+            return copy_epoch
+        if how is None:
+            return None
+        flag = 0
+        if how == graph_flags.KERNEL_COPY_AND_FLAG:
+            following = next(c for c in self.plan.commands[index + 1:] if isinstance(c, SetFlag) and c.stream == cmd.stream)
+            flag = self.flag_address + 4 * following.slot
+        launch, aim = graph_flags.copy(self.device_index, cmd.dst.rows * self.row_bytes, flag, counter,
+                                       self.arrived.data_ptr() + 4 * index)
+        dst, src = self._address(cmd.dst, parity), self._address(cmd.src, parity)
+
+        def copy(tensors, epoch, streams):
+            aim(dst(tensors), src(tensors))
+            launch(stream_of(streams))
+        return copy
 
     def _row_bytes(self, cmd: Copy) -> Callable[[dict], int]:
         """Bytes per row of a copy: every buffer involved is contiguous with the same width."""
