@@ -167,6 +167,66 @@ def _checked_case(rank: int, world: int, case: dict, replays: int, group: str, n
                 gemm_us=round(gemm_ms / TIMED * 1e3, 1))
 
 
+def _compiled_case(rank: int, world: int, group: str, steps: int) -> dict:
+    """A sequence-parallel MLP block (all-gather -> matmul -> relu -> matmul -> reduce-scatter)
+    compiled with ``backend="compass"`` and both pairs forced to the fused operators, with
+    Inductor's default mode and with "reduce-overhead" (its CUDA graphs, which take the fused
+    operators in when ``COMPASS_FUSED_GRAPHS=1``): outputs checked for new inputs every step, and
+    the step time of each."""
+    import torch._dynamo
+    from torch.distributed import _functional_collectives as funcol
+
+    from compass_fx.kernels.cuda import impl
+
+    rows, dim, hidden = 128, 512, 1024
+
+    def weights(r):
+        g = torch.Generator(device="cuda").manual_seed(1000 + r)
+        return ((torch.randn(dim, hidden, generator=g, device="cuda") / dim ** 0.5).bfloat16(),
+                (torch.randn(hidden, dim, generator=g, device="cuda") / hidden ** 0.5).bfloat16())
+
+    def shard(r, s):
+        g = torch.Generator(device="cuda").manual_seed(10 * s + r)
+        return torch.randn(rows, dim, generator=g, device="cuda").bfloat16()
+
+    w1, w2 = weights(rank)
+    every = [weights(r) for r in range(world)]
+
+    def block(x):
+        full = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
+        y = torch.relu(full @ w1) @ w2
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(y, "sum", 0, group))
+
+    def reference(s):
+        full = torch.cat([shard(r, s) for r in range(world)]).float()
+        total = sum(torch.relu(full @ a.float()).bfloat16().float() @ b.float() for a, b in every)
+        return total.chunk(world)[rank]
+
+    refs = [reference(s) for s in range(3)]
+    inputs = [shard(rank, s) for s in range(3)]
+    out: dict = {}
+    with torch.no_grad():
+        for mode in ("default", "reduce-overhead"):
+            torch._dynamo.reset()
+            fn = torch.compile(block, backend="compass",
+                               options={"strategy": "fuse", "schedule": "direct", "mode": mode})
+            worst = 0.0
+            for step in range(steps):
+                s = step % 3
+                y = fn(inputs[s]).clone()  # a CUDA graph's output is overwritten by its next replay
+                worst = max(worst, float((y.float() - refs[s]).abs().max() / refs[s].abs().max()))
+            dist.barrier()
+            ms, host_ms = _time_ms(lambda: [fn(inputs[0]) for _ in range(TIMED)])
+            out[mode] = dict(relative_error=worst, step_us=round(ms / TIMED * 1e3, 1),
+                             host_us=round(host_ms / TIMED * 1e3, 1))
+    twins = sum(1 for key in impl._workspaces if key[1])
+    ok = all(v["relative_error"] < TOL for v in out.values()) and twins > 0
+    return dict(status="pass" if ok else "FAIL", relative_error=max(v["relative_error"] for v in out.values()),
+                compiled=out, captured_workspaces=twins,
+                eager_us=out["default"]["step_us"], graph_us=out["reduce-overhead"]["step_us"],
+                eager_host_us=out["default"]["host_us"], replay_host_us=out["reduce-overhead"]["host_us"])
+
+
 def _no_twin_case(rank: int, world: int, group: str) -> dict:
     """Without COMPASS_FUSED_GRAPHS the capture must fail with an error that says what to do."""
     os.environ["COMPASS_FUSED_GRAPHS"] = "0"
@@ -213,6 +273,9 @@ def _timeout_case(rank: int, world: int, group: str) -> dict:
 
 
 def worker(rank: int, world: int, case: dict, replays: int, init: str, out_path: str) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code still says where
     gpus = torch.cuda.device_count()
     if gpus < world:
         os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # ranks sharing a GPU meet in host memory
@@ -230,6 +293,8 @@ def worker(rank: int, world: int, case: dict, replays: int, init: str, out_path:
             res = _no_twin_case(rank, world, group)
         elif case["kind"] == "timeout":
             res = _timeout_case(rank, world, group)
+        elif case["kind"] == "compiled":
+            res = _compiled_case(rank, world, group, replays)
         else:
             res = _checked_case(rank, world, case, replays, group, nccl)
     except Exception as e:  # noqa: BLE001 - the case's outcome
@@ -266,7 +331,7 @@ def run_case(case: dict, replays: int, tmp: str, index: int, deadline_s: float) 
                wall_s=round(time.time() - t0, 1))
     first = ranks[0]
     for key in ("relative_error", "calls_checked", "eager_us", "eager_host_us", "graph_us", "replay_host_us",
-                "gemm_us", "comm_us", "overhead_us", "error_seen", "waited_s", "gpu_error", "watchdog_error"):
+                "gemm_us", "comm_us", "overhead_us", "compiled", "captured_workspaces", "error_seen", "waited_s", "gpu_error", "watchdog_error"):
         if key in first:
             row[key] = first[key]
     if "relative_error" in first:
@@ -282,6 +347,7 @@ def run_case(case: dict, replays: int, tmp: str, index: int, deadline_s: float) 
 def cases(world: int, schedules: list[str], checks: bool = True) -> list[dict]:
     out = [dict(kind=kind, world=world, schedule=s, m=m, n=n, k=k)
            for kind, m, n, k in SHAPES for s in schedules]
+    out.append(dict(kind="compiled", world=world, schedule="direct", m=128 * world, n=512, k=512))
     if not checks:
         return out
     return out + [dict(kind="no_twin", world=world, schedule="direct"),
@@ -312,6 +378,12 @@ def markdown(payload: dict) -> str:
         lines += ["* per call, graph vs eager (GPU time of back-to-back calls): "
                   + ", ".join(f"{r['kind']} {r['schedule']} m={r['m']}: {r['graph_us']} vs {r['eager_us']} us"
                               for r in checked), ""]
+    for r in rows:
+        if r["kind"] == "compiled" and "compiled" in r:
+            lines += [f"* compiled SP MLP block (both pairs fused, `backend=\"compass\"`), per step: default mode "
+                      f"{r['compiled']['default']['step_us']} us, \"reduce-overhead\" (Inductor's CUDA graphs) "
+                      f"{r['compiled']['reduce-overhead']['step_us']} us (in the table: eager = default mode, "
+                      "graph = reduce-overhead)", ""]
     lines.append(output.markdown_table(rows, ["kind", "world", "schedule", "m", "n", "k", "status",
                                               ("relative_error", "rel. error"), ("eager_us", "eager us/call"),
                                               ("eager_host_us", "eager host us/call"), ("graph_us", "graph us/call"),
@@ -338,6 +410,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-failure-cases", action="store_true",
                    help="leave out the capture without a twin and the peer that never replays (whose trap "
                         "would take down an MPS server shared by the ranks)")
+    p.add_argument("--only", default=None, help="run only cases of these kinds (comma-separated)")
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
@@ -346,6 +419,8 @@ def main(argv=None) -> int:
     shared = torch.cuda.device_count() < args.world
     tag = args.tag or ("h200" if shared else f"h200x{args.world}")
     todo = cases(args.world, args.schedules.split(","), not args.no_failure_cases)
+    if args.only:
+        todo = [c for c in todo if c["kind"] in args.only.split(",")]
     rows, t0 = [], time.time()
     payload = {"benchmark": NAME, "tag": tag, "replays": args.replays, "environment": output.environment(False),
                "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),

@@ -170,3 +170,34 @@ def test_dump_dir_holds_code_before_and_after(ranks, tmp_path):
     assert kinds == {"forward_before.py", "forward_after.py", "backward_before.py", "backward_after.py"}
     after = next(f for f in files if f.endswith("forward_after.py"))
     assert (tmp_path / after).read_text().count("all_reduce.default(") == 2
+
+
+def _explicit_waits(rank: int, world: int) -> dict:
+    """A gather waited on explicitly (``funcol.wait_tensor`` on the collective's result: two waits
+    in the traced graph) still pairs with its matmul, and the result is the plain one."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    import compass_fx.backend
+
+    group = dist.group.WORLD.group_name
+    gen = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 6, generator=torch.Generator().manual_seed(9))
+
+    def block(x):
+        full = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
+        return torch.relu(full @ w)
+
+    torch._dynamo.reset()
+    before = len(compass_fx.backend.history)
+    got = torch.compile(block, backend="compass", options={"chunks": 2})(x)
+    reports = list(compass_fx.backend.history)[before:]
+    return {"rewritten": sum(p.status == "rewritten" for r in reports for p in r.pairs),
+            "skipped": [s.reason for r in reports for s in r.skipped],
+            "error": float((got - block(x)).abs().max())}
+
+
+def test_an_explicit_wait_on_a_collective_still_pairs(ranks):
+    for result in ranks(2).run(_explicit_waits, 2):
+        assert result["rewritten"] == 1 and not result["skipped"], result
+        assert result["error"] < 1e-5

@@ -272,3 +272,19 @@ def test_a_capture_without_its_twin_workspace_is_a_clear_error(monkeypatch):
     for value, on in (("1", True), ("on", True), ("0", False), ("", False)):
         monkeypatch.setenv("COMPASS_FUSED_GRAPHS", value)
         assert impl.graphs_enabled() is on
+
+
+def test_with_graphs_enabled_inductor_may_capture_the_ops():
+    """``COMPASS_FUSED_GRAPHS=1`` when the ops are registered: no cudagraph_unsafe tag, so Inductor's
+    CUDA graphs (mode "reduce-overhead") take them in; their warm-up run builds the twins."""
+    import subprocess
+    import sys
+
+    if getattr(torch.Tag, "cudagraph_unsafe", None) is None:
+        pytest.skip("this torch has no cudagraph_unsafe tag")
+    code = ("import torch, compass_fx.kernels; "
+            "print(torch.Tag.cudagraph_unsafe in torch.ops.compass.matmul_reduce_scatter.default.tags)")
+    for value, tagged in (("1", "False"), ("0", "True")):
+        env = dict(__import__("os").environ, COMPASS_FUSED_GRAPHS=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip().splitlines()[-1] == tagged, out.stderr[-2000:]

@@ -18,13 +18,15 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .cuda import graphs_enabled
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# A call captured in a CUDA graph runs a twin workspace (one set of buffers, the epoch in GPU memory)
-# that an eager call must build first, with COMPASS_FUSED_GRAPHS=1 (cuda/impl.py); Inductor's CUDA
-# graphs know nothing of that, so they must keep these ops out.
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+# A call captured in a CUDA graph runs a twin workspace (the epoch in GPU memory) that an eager call
+# builds first, and only with COMPASS_FUSED_GRAPHS=1 (cuda/impl.py).  Without it, Inductor's CUDA
+# graphs must keep these ops out; with it they may take them in (their warm-up run is that eager
+# call).  Read once, when the ops are registered.
+_TAGS = () if graphs_enabled() else tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 # The CUDA kernels are registered with the dispatcher directly rather than through the custom op's

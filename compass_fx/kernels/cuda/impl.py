@@ -34,7 +34,7 @@ from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Mat
                         SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, graph_flags, watchdog
+from . import driver, graph_flags, graphs_enabled, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -454,11 +454,6 @@ def host_piece_bytes() -> int:
 
 
 _OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
-
-
-def graphs_enabled() -> bool:
-    """``COMPASS_FUSED_GRAPHS=1``: build each workspace's twin for calls captured in CUDA graphs."""
-    return os.environ.get("COMPASS_FUSED_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, cols: int,
