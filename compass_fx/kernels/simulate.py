@@ -59,8 +59,12 @@ class Simulator:
     """Several ranks running ``plans`` (one per rank) call after call."""
 
     def __init__(self, plans: list[Plan], cols: int, seed: int = 0,
-                 handlers: dict[type, Handler] | None = None, buffers: int = 2, one_queue: bool = False) -> None:
+                 handlers: dict[type, Handler] | None = None, buffers: int = 2, one_queue: bool = False,
+                 parity: Callable[[int], int] | None = None) -> None:
         self.plans = plans
+        # which buffer call e uses: e % buffers, as eager calls alternate; a CUDA graph's replays
+        # repeat the parities they were captured with, so two calls in a row may share one
+        self.parity = parity or (lambda epoch: epoch % buffers)
         self.one_queue = one_queue  # every stream of a rank on one queue, in issue order (shared hardware queues)
         self.buffers = buffers  # 2: double-buffered by the epoch's parity, as on the GPU
         self.world = len(plans)
@@ -126,7 +130,7 @@ class Simulator:
         if region.owner != SELF and region.buf not in self.plans[owner.rank].symmetric_rows:
             raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
         if region.buf in owner.symmetric:
-            parity = call.epoch % self.buffers
+            parity = self.parity(call.epoch)
             tags = owner.tags[region.buf][parity][region.start:region.stop]
             if reading and bool((tags != call.epoch).any()):
                 raise ProtocolViolation(
