@@ -172,32 +172,46 @@ def test_dump_dir_holds_code_before_and_after(ranks, tmp_path):
     assert (tmp_path / after).read_text().count("all_reduce.default(") == 2
 
 
-def _explicit_waits(rank: int, world: int) -> dict:
-    """A gather waited on explicitly (``funcol.wait_tensor`` on the collective's result: two waits
-    in the traced graph) still pairs with its matmul, and the result is the plain one."""
+def _user_styles(rank: int, world: int) -> dict:
+    """TP code written with the collectives' other spellings still pairs with its matmuls, and the
+    results are the plain ones: an explicit wait on a functional collective (two waits when
+    traced), a gather into a list put back together with ``cat``, in-place c10d collectives."""
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
     import compass_fx.backend
 
     group = dist.group.WORLD.group_name
-    gen = torch.Generator().manual_seed(rank)
-    x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 6, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    w = torch.randn(8, 6, generator=torch.Generator().manual_seed(9))
 
-    def block(x):
-        full = funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
-        return torch.relu(full @ w)
+    def explicit_wait(x):
+        return torch.relu(funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group)) @ w)
 
-    torch._dynamo.reset()
-    before = len(compass_fx.backend.history)
-    got = torch.compile(block, backend="compass", options={"chunks": 2})(x)
-    reports = list(compass_fx.backend.history)[before:]
-    return {"rewritten": sum(p.status == "rewritten" for r in reports for p in r.pairs),
-            "skipped": [s.reason for r in reports for s in r.skipped],
-            "error": float((got - block(x)).abs().max())}
+    def gather_into_list(x):
+        pieces = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(pieces, x)
+        return torch.cat(pieces) @ w
+
+    def in_place_all_reduce(x):
+        y = x @ w
+        dist.all_reduce(y)
+        return y
+
+    out = {}
+    for fn in (explicit_wait, gather_into_list, in_place_all_reduce):
+        torch._dynamo.reset()
+        before = len(compass_fx.backend.history)
+        got = torch.compile(fn, backend="compass", options={"chunks": 2})(x)
+        reports = list(compass_fx.backend.history)[before:]
+        out[fn.__name__] = {"rewritten": sum(p.status == "rewritten" for r in reports for p in r.pairs),
+                            "skipped": [s.reason for r in reports for s in r.skipped],
+                            "error": float((got - fn(x)).abs().max())}
+    return out
 
 
-def test_an_explicit_wait_on_a_collective_still_pairs(ranks):
-    for result in ranks(2).run(_explicit_waits, 2):
-        assert result["rewritten"] == 1 and not result["skipped"], result
-        assert result["error"] < 1e-5
+def test_other_spellings_of_the_collectives_still_pair(ranks):
+    for result in ranks(2).run(_user_styles, 2):
+        for name, r in result.items():
+            assert r["rewritten"] == 1 and not r["skipped"], (name, r)
+            assert r["error"] < 1e-5, (name, r)

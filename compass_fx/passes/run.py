@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from ..cost.decision import Decision
 from ..machine.calibration import calibration_in_use
+from ..graph.normalize import normalize
 from ..graph.pairs import Pair
 from ..lowering import RewriteFailed, rewrite
 from ..options import CompassOptions
@@ -31,24 +32,6 @@ def count_collectives(gm: fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES)
 
 
-def drop_repeated_waits(gm: fx.GraphModule) -> int:
-    """Replace ``wait_tensor(wait_tensor(x))`` by the inner wait; returns how many were dropped.
-
-    Why: code that waits explicitly on a functional collective's result
-    (``funcol.wait_tensor(funcol.all_gather_tensor(...))``) traces to two waits in a row; the
-    second waits for nothing, but it hides the gathered tensor's matmul from the matcher, and the
-    pair was left alone ("gathered tensor feeds no matmul")."""
-    wait = torch.ops._c10d_functional.wait_tensor.default
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        inner = node.args[0] if node.op == "call_function" and node.target is wait and node.args else None
-        if isinstance(inner, fx.Node) and inner.op == "call_function" and inner.target is wait:
-            node.replace_all_uses_with(inner)
-            gm.graph.erase_node(node)
-            dropped += 1
-    return dropped
-
-
 def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
                  topology: object | None = None) -> GraphReport:
     """Rewrite ``gm`` in place and return what was found and done.
@@ -58,7 +41,10 @@ def compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
     another rewrite has replaced.
     """
     gm.graph.eliminate_dead_code()
-    drop_repeated_waits(gm)
+    changed = {what: n for what, n in normalize(gm).items() if n}
+    if changed:
+        log.info("compass_fx: %s graph: normalized before matching: %s", graph_kind,
+                 ", ".join(f"{n} {what}" for what, n in changed.items()))
     report = GraphReport(graph_kind, collectives_before=count_collectives(gm))
     _dump(gm, graph_kind, "before", options)
     handled: set[str] = set()
