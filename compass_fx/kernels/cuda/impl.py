@@ -374,7 +374,7 @@ class _Workspace:
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""
         in_host_memory = self.transport == "host"  # then the host reads and writes the flags itself
-        side = torch.cuda.Stream(device=self.comm.device)
+        side = None if in_host_memory else torch.cuda.Stream(device=self.comm.device)  # off the blocked streams
         if in_host_memory:
             seen = {p: f.tolist() for p, f in self.peer_flags.items()}
         else:
@@ -404,7 +404,8 @@ class _Workspace:
                     continue
                 addr = self.peer_flag_address[c.peer] + 4 * c.slot
                 driver.write(addr, epoch + c.delta, side.cuda_stream)
-            side.synchronize()
+            if side is not None:
+                side.synchronize()
 
         return message, release
 
