@@ -128,8 +128,10 @@ class _Workspace:
             self.dog.watch_status(self.status, self._explain_timeout)
             self.row_bytes = cols * dtype.itemsize
             self.engines = graph_flags.engines(plan, self.row_bytes)
-            self.arrived = torch.zeros(len(plan.commands), dtype=torch.int32, device=device)  # copy kernels' block counts
-        self.steps = [[self._compile(c, parity, i) for i, c in enumerate(plan.commands)] for parity in range(self.copies)]
+            # the copy kernels' counts of finished blocks, one per command
+            self.arrived = torch.zeros(len(plan.commands), dtype=torch.int32, device=device)
+        self.steps = [[self._compile(c, parity, i) for i, c in enumerate(plan.commands)]
+                      for parity in range(self.copies)]
         self.join_at = join_start(plan)
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
 
@@ -309,7 +311,8 @@ class _Workspace:
             return None
         flag = 0
         if how == graph_flags.KERNEL_COPY_AND_FLAG:
-            following = next(c for c in self.plan.commands[index + 1:] if isinstance(c, SetFlag) and c.stream == cmd.stream)
+            following = next(c for c in self.plan.commands[index + 1:]
+                             if isinstance(c, SetFlag) and c.stream == cmd.stream)
             flag = self.flag_address + 4 * following.slot
         launch, aim = graph_flags.copy(self.device_index, cmd.dst.rows * self.row_bytes, flag, counter,
                                        self.arrived.data_ptr() + 4 * index)
