@@ -282,11 +282,13 @@ def worker(rank: int, world: int, case: dict, replays: int, init: str, out_path:
     os.environ["COMPASS_FUSED_TIMEOUT_S"] = "3" if case["kind"] == "timeout" else "20"
     os.environ["COMPASS_FUSED_GRAPHS"] = "1"
     torch.cuda.set_device(rank % gpus)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    own_gpu = gpus >= world  # one GPU per rank: NCCL for CUDA tensors (the comparison, anything left unfused)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if own_gpu else "gloo", init_method=init, rank=rank,
+                            world_size=world)
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
     group = dist.group.WORLD.group_name
-    nccl = dist.new_group(backend="nccl") if gpus >= world else None
+    nccl = dist.group.WORLD if own_gpu else None
     res: dict = {}
     try:
         if case["kind"] == "no_twin":
