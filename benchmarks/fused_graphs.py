@@ -33,10 +33,9 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 
 from fused_host_stress import TOL, operands, reference  # noqa: E402
 
@@ -307,33 +306,15 @@ def worker(rank: int, world: int, case: dict, replays: int, init: str, out_path:
 
 
 def run_case(case: dict, replays: int, tmp: str, index: int, deadline_s: float) -> dict:
-    world = case["world"]
-    out = os.path.join(tmp, f"case{index}")
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=worker, args=(r, world, case, replays, f"file://{tmp}/store{index}", out))
-             for r in range(world)]
     t0 = time.time()
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(max(0.0, deadline_s - (time.time() - t0)))
-    killed = [r for r, proc in enumerate(procs) if proc.is_alive()]
-    for r in killed:
-        procs[r].kill()
-        procs[r].join()
-    ranks = []
-    for r in range(world):
-        try:
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        except FileNotFoundError:
-            ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})"})
+    ranks, killed = launch.fresh_ranks(worker, case["world"], (case, replays), tmp, index, deadline_s)
     statuses = {r["status"] for r in ranks}
     row = dict(case, status="pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error",
                wall_s=round(time.time() - t0, 1))
     first = ranks[0]
     for key in ("relative_error", "calls_checked", "eager_us", "eager_host_us", "graph_us", "replay_host_us",
-                "gemm_us", "comm_us", "overhead_us", "compiled", "captured_workspaces", "error_seen", "waited_s", "gpu_error", "watchdog_error"):
+                "gemm_us", "comm_us", "overhead_us", "compiled", "captured_workspaces", "error_seen", "waited_s",
+                "gpu_error", "watchdog_error"):
         if key in first:
             row[key] = first[key]
     if "relative_error" in first:

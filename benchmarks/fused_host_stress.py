@@ -30,10 +30,9 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 
 NAME = "fused_host_stress"
 TOL = 2e-2
@@ -105,27 +104,8 @@ def worker(rank: int, world: int, case: dict, calls: int, init: str, out_path: s
 def run_case(case: dict, calls: int, tmp: str, index: int, deadline_s: float) -> dict:
     """One case in fresh processes; ranks still running after ``deadline_s`` (a stall whose
     streams stay blocked after the watchdog's error) are killed and the case says so."""
-    world = case["world"]
-    out = os.path.join(tmp, f"case{index}")
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=worker, args=(r, world, case, calls, f"file://{tmp}/store{index}", out))
-             for r in range(world)]
     t0 = time.time()
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(max(0.0, deadline_s - (time.time() - t0)))
-    killed = [r for r, proc in enumerate(procs) if proc.is_alive()]
-    for r in killed:
-        procs[r].kill()
-        procs[r].join()
-    ranks = []
-    for r in range(world):
-        try:
-            with open(f"{out}.{r}") as f:
-                ranks.append(json.load(f))
-        except FileNotFoundError:
-            ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})"})
+    ranks, killed = launch.fresh_ranks(worker, case["world"], (case, calls), tmp, index, deadline_s)
     statuses = {r["status"] for r in ranks}
     status = "pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error"
     row = dict(case, status=status, calls=calls, wall_s=round(time.time() - t0, 1),

@@ -190,3 +190,31 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     fit = json.loads((tmp_path / "model_constants_fit-h200x2.json").read_text())
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
+
+
+def _fresh_rank(rank: int, world: int, how: str, init: str, out_path: str) -> None:
+    """A rank of ``test_fresh_ranks_reports_every_rank``: rank 0 answers, rank 1 behaves as ``how``."""
+    import time
+
+    if rank == 1 and how == "hangs":
+        time.sleep(60)
+    if rank == 1 and how == "dies":
+        os._exit(3)
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump({"status": "pass", "rank": rank, "world": world}, f)
+
+
+def test_fresh_ranks_reports_every_rank(tmp_path):
+    """The GPU stress scripts' launcher (``harness.launch.fresh_ranks``): every rank's result, a
+    rank that wrote none as an error with its exit code, a rank past the deadline killed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from harness.launch import fresh_ranks
+    finally:
+        sys.path.remove(str(BENCH))
+    ranks, killed = fresh_ranks(_fresh_rank, 2, ("answers",), str(tmp_path), 0, 60)
+    assert [r["rank"] for r in ranks] == [0, 1] and killed == []
+    ranks, killed = fresh_ranks(_fresh_rank, 2, ("dies",), str(tmp_path), 1, 60)
+    assert ranks[0]["status"] == "pass" and "exit code 3" in ranks[1]["error"] and killed == []
+    ranks, killed = fresh_ranks(_fresh_rank, 2, ("hangs",), str(tmp_path), 2, 8)
+    assert killed == [1] and ranks[1]["status"] == "error"

@@ -160,3 +160,34 @@ def gathered(results: list[tuple[int, Any]], key: str = "rows") -> list:
 def is_writer() -> bool:
     """The process that writes the files: rank 0 under torchrun, the parent otherwise."""
     return not under_torchrun() or int(os.environ["RANK"]) == 0
+
+
+def fresh_ranks(worker: Callable, world: int, args: tuple, tmp: str, index: int,
+                deadline_s: float) -> tuple[list[dict], list[int]]:
+    """Run ``worker(rank, world, *args, init_method, out_path)`` in ``world`` freshly spawned
+    processes, each writing its result as JSON to ``out_path.<rank>``; ranks still running after
+    ``deadline_s`` (streams still blocked after a watchdog's error) are killed.  Returns each rank's
+    result (an error for a rank that wrote none, with its exit code) and the ranks killed."""
+    import multiprocessing as mp
+
+    out = os.path.join(tmp, f"case{index}")
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=worker, args=(r, world, *args, f"file://{tmp}/store{index}", out))
+             for r in range(world)]
+    t0 = time.time()
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(max(0.0, deadline_s - (time.time() - t0)))
+    killed = [r for r, proc in enumerate(procs) if proc.is_alive()]
+    for r in killed:
+        procs[r].kill()
+        procs[r].join()
+    ranks = []
+    for r in range(world):
+        try:
+            with open(f"{out}.{r}") as f:
+                ranks.append(json.load(f))
+        except FileNotFoundError:
+            ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})"})
+    return ranks, killed
