@@ -87,6 +87,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
         with use_calibration(opts.calibration):
             report = compass_pass(graph, kind, opts, topology)
         _note_shared_queues(report)
+        _note_cuda_graphs(report, opts)
         _record(report)
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)
@@ -115,6 +116,25 @@ def _note_shared_queues(report: GraphReport) -> None:
         report.notes.append(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: this process's CUDA streams share {value} hardware "
                             f"queue(s), where they run in issue order; the overlap predicted for the rewritten pairs "
                             f"assumes a queue per stream (no gain was measured with shared queues)")
+
+
+def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
+    """Say what becomes of the fused calls when the Inductor mode captures CUDA graphs: captured
+    with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported: the ops carry no
+    ``cudagraph_unsafe`` tag), or left out, which splits the graph or leaves it uncaptured."""
+    if opts.mode is None or not torch._inductor.list_mode_options(opts.mode).get("triton.cudagraphs"):
+        return
+    fused = [p for p in report.pairs if p.status == "rewritten" and p.strategy == "fuse"]
+    if not fused:
+        return
+    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if unsafe is not None and unsafe in torch.ops.compass.all_gather_matmul.default.tags:
+        report.notes.append(f"mode={opts.mode!r} captures CUDA graphs, but they leave the {len(fused)} fused pair(s) "
+                            "out (the graph is split around them, or not captured): set COMPASS_FUSED_GRAPHS=1 "
+                            "before importing compass_fx to capture them too")
+    else:
+        report.notes.append(f"mode={opts.mode!r}: the {len(fused)} fused pair(s) are captured in Inductor's CUDA "
+                            "graphs (COMPASS_FUSED_GRAPHS=1; Inductor's warm-up run builds their workspaces)")
 
 
 @contextlib.contextmanager
