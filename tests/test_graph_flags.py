@@ -1,0 +1,60 @@
+"""The CUDA source of the kernels that calls captured in CUDA graphs run (``graph_flags``)
+compiles: NVRTC (NVIDIA's runtime compiler, from its wheel) needs no GPU, so a slip in the source
+fails here rather than on the scarce GPU machine.  Which kernel a captured call runs for each copy
+and flag is tested with the plans (``tests/test_protocol.py``)."""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+
+import pytest
+
+from compass_fx.kernels.cuda import graph_flags
+
+KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy")
+
+
+def _nvrtc() -> ctypes.CDLL:
+    try:
+        import nvidia.cuda_nvrtc as wheel
+    except ImportError:
+        pytest.skip("no NVRTC wheel (nvidia-cuda-nvrtc-cu12, in the test extra)")
+    found = sorted(glob.glob(os.path.join(list(wheel.__path__)[0], "lib", "libnvrtc.so*")))
+    if not found:
+        pytest.skip("the NVRTC wheel holds no libnvrtc.so")
+    return ctypes.CDLL(found[0])
+
+
+def _compile(source: str, arch: str = "compute_90") -> tuple[int, str, str]:
+    """(NVRTC's result code, its log, the PTX) for ``source``."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"graph_flags.cu", 0, None, None) == 0
+    options = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
+    result = lib.nvrtcCompileProgram(prog, 1, options)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    ptx = ""
+    if result == 0:
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, buf)
+        ptx = buf.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return result, log.value.decode(), ptx
+
+
+def test_the_captured_calls_kernels_compile_for_hopper():
+    result, log, ptx = _compile(graph_flags.SOURCE)
+    assert result == 0, log
+    for name in KERNELS:
+        assert f".entry {name}(" in ptx, name
+    assert "globaltimer" in ptx and "trap" in ptx  # the bounded wait reads the clock and stops on timeout
+
+
+def test_a_slip_in_the_source_fails_the_check():
+    result, log, _ = _compile(graph_flags.SOURCE + '\nextern "C" __global__ void slip(int* p) { *p = q; }\n')
+    assert result != 0 and "undefined" in log
