@@ -511,6 +511,12 @@ def test_captured_calls_keep_small_messages_off_the_copy_engines():
     after_gemm = [i for i, c in enumerate(rs.commands) if isinstance(c, pr.SetFlag) and c.stream == pr.MAIN]
     assert after_gemm and all(gf.engines(rs, 512)[i] == gf.KERNEL_FLAG for i in after_gemm)
     assert gf.copy_fits(16) and not gf.copy_fits(24) and not gf.copy_fits(gf.SMALL_COPY_BYTES + 16)
+    # a flag after a wait for another stream announces that stream's work too: not set by the copy
+    copy = pr.Copy(pr.COMM, pr.Region("GATHERED", 0, 4), pr.Region("G", 0, 4, owner=1))
+    waited = replace(plan, commands=(copy, pr.WaitEvent(pr.COMM, "gemm"), pr.SetFlag(pr.COMM, 0)))
+    assert gf.engines(waited, 512) == {0: gf.KERNEL_COPY, 2: gf.KERNEL_FLAG}
+    recorded = replace(plan, commands=(copy, pr.Record(pr.COMM, "got"), pr.SetFlag(pr.COMM, 0)))
+    assert gf.engines(recorded, 512) == {0: gf.KERNEL_COPY_AND_FLAG, 2: gf.DONE_BY_COPY}
 
 
 def _replayed_parities(seed: int, calls: int):

@@ -164,7 +164,10 @@ def engines(plan: Plan, row_bytes: int) -> dict[int, str]:
     pending: dict[str, int] = {}  # stream -> a kernel copy whose stream has had nothing since
     for i, cmd in enumerate(plan.commands):
         stream = cmd.stream
-        if isinstance(cmd, (Record, WaitEvent)):
+        if isinstance(cmd, Record):  # marks what is done; changes nothing the flag announces
+            continue
+        if isinstance(cmd, WaitEvent):  # a flag after it may announce another stream's work: no merge
+            pending.pop(stream, None)
             continue
         if isinstance(cmd, SetFlag) and stream in pending:
             out[pending.pop(stream)] = KERNEL_COPY_AND_FLAG
