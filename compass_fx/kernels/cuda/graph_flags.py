@@ -4,9 +4,9 @@ Why: a call issued eagerly passes its epoch to the stream memory operations as a
 replays the numbers it was captured with, so a replayed wait would see a stale flag as fresh.  A
 captured call instead keeps its epoch in a 4-byte counter in GPU memory: the call's first command
 raises it (a one-thread kernel on the caller's stream, before anything of the call starts on
-any stream), a flag is set by copying the counter onto it (the copy engine, in stream order after
-the data it announces), and a flag wait is a one-thread kernel that spins until the flag reaches
-counter + delta.  The spinning kernel is a single program, so it never waits for a peer's grid to
+any stream), a flag is set by storing the counter onto it (in stream order after the data it
+announces: a kernel, or a 4-byte copy after a copy-engine copy, see below), and a flag wait is a
+one-thread kernel that spins until the flag reaches counter + delta.  The spinning kernel is a single program, so it never waits for a peer's grid to
 become resident, and it is bounded: past ``COMPASS_FUSED_TIMEOUT_S`` it writes which wait failed
 into a host word that the watchdog reads (:func:`.watchdog.Watchdog.watch_status`), then stops
 the process's GPU work with a trap, so a lost peer fails the job loudly instead of freezing it.
