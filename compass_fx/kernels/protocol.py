@@ -4,11 +4,11 @@ A plan is the list of commands one rank issues for one call of a fused operator,
 each bound to a stream (``MAIN``: the GEMMs and reductions, the caller's stream; ``COMM``: copies
 and flag waits, a high-priority side stream; ``PUB``: publications through host memory,
 :func:`host_staged`; ``TAIL``: the sums of a :func:`detached` reduction, which leaves the caller's
-stream free once its GEMMs are issued).  The CUDA implementation
-(:mod:`.cuda.impl`) executes plans with peer-to-peer copies (the copy engines), cuBLAS and stream
-memory operations for the flags (one-thread kernels in calls captured in CUDA graphs); the simulator (:mod:`.simulate`) executes the very same plans for
-several ranks on the CPU under random interleavings.  So the protocol that the tests check is
-the protocol the GPUs run.
+stream free once its GEMMs are issued).  The CUDA implementation (:mod:`.cuda.impl`) executes
+plans with peer-to-peer copies (the copy engines), cuBLAS and stream memory operations for the
+flags (one-thread kernels in calls captured in CUDA graphs); the simulator (:mod:`.simulate`)
+executes the very same plans for several ranks on the CPU under random interleavings.  So the
+protocol that the tests check is the protocol the GPUs run.
 
 Data moves by *pulls*: a rank copies what it needs out of a peer's symmetric buffer into its own
 memory.  No rank ever writes into a peer's memory, so the only cross-rank questions are "has the
