@@ -218,3 +218,31 @@ def test_fresh_ranks_reports_every_rank(tmp_path):
     assert ranks[0]["status"] == "pass" and "exit code 3" in ranks[1]["error"] and killed == []
     ranks, killed = fresh_ranks(_fresh_rank, 2, ("hangs",), str(tmp_path), 2, 8)
     assert killed == [1] and ranks[1]["status"] == "error"
+
+
+def test_every_benchmark_script_starts():
+    """Each script in benchmarks/ imports and answers ``--help`` (the GPU-only ones too, which no
+    dry run exercises: an import or argument slip shows here, not on the GPU machine)."""
+    scripts = sorted(p.stem for p in BENCH.glob("*.py"))
+    driver = textwrap.dedent(f"""
+        import contextlib, importlib, io, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        for name in {scripts!r}:
+            module = importlib.import_module(name)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                sys.argv = [name + ".py", "--help"]
+                try:
+                    module.main()
+                except SystemExit as e:
+                    assert e.code in (0, None), (name, e.code)
+                else:
+                    raise AssertionError(name + " did not stop at --help")
+            assert "usage:" in out.getvalue(), name
+            print("ok", name)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", driver], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")) == scripts
