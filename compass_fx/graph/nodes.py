@@ -28,6 +28,12 @@ def shape_of(node: Any) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
+def slice_args(node: fx.Node) -> tuple[Any, Any, Any, Any, Any]:
+    """(source, dim, start, end, step) of an ``aten.slice.Tensor`` node, with its defaults filled in."""
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    return tuple(args[:5])
+
+
 aten = torch.ops.aten
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 # Ops that keep every element and the row-major element order (values and rows unchanged):

@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .nodes import shape_of
+from .nodes import shape_of, slice_args
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _aten = torch.ops.aten
@@ -93,8 +93,7 @@ def _cut_from(pieces: list) -> fx.Node | None:
     if all(_is(p, _aten.slice.Tensor) for p in pieces):
         whole, stop = pieces[0].args[0], 0
         for p in pieces:
-            args = list(p.args) + [0, None, None, 1][len(p.args) - 1:]
-            src, dim, start, end, step = args[:5]
+            src, dim, start, end, step = slice_args(p)
             if src is not whole or dim != 0 or step != 1 or p.kwargs or start != stop or not isinstance(end, int):
                 return None
             stop = end

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..graph.nodes import PART_MARK, is_reshape as _is_reshape, shape_of
+from ..graph.nodes import PART_MARK, is_reshape as _is_reshape, shape_of, slice_args
 from ..graph.pairs import (
     ALL_GATHER_MATMUL,
     MATMUL_ALL_REDUCE,
@@ -139,8 +139,7 @@ def _ordered_slices(slices: list[fx.Node], world: int, rows: int) -> list[fx.Nod
     """The slices ``[i*rows, (i+1)*rows)`` of dim 0 for i < world, in order, or NoMatch."""
     by_start = {}
     for s in slices:
-        args = list(s.args) + [0, None, None, 1][len(s.args) - 1:]
-        _, dim, start, end, step = args[:5]
+        _, dim, start, end, step = slice_args(s)
         if dim != 0 or step != 1 or s.kwargs or not isinstance(start, int) or end != start + rows:
             raise NoMatch("gathered tensor is sliced in a way that is not a gather-dim change")
         by_start[start] = s
