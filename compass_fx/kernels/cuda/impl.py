@@ -341,10 +341,7 @@ class _Workspace:
         workspace is ever outstanding, which the double-buffering argument needs."""
         if self.pending is not None:
             self.pending.wait()
-        self.dog.check_failed()
-        if not self.captured and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"compass::{self.plan.op}: this workspace runs eager calls only (each call has "
-                               "its own epoch); captured calls run a twin workspace (COMPASS_FUSED_GRAPHS=1)")
+        self.dog.check_failed()  # eager or captured: _workspace chose this workspace for the call
         for name in ("A", "OUT", "GATHERED"):
             for t in tensors.get(name, ()):
                 if not t.is_contiguous():
