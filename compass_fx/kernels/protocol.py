@@ -416,21 +416,21 @@ def host_staged(plan: Plan) -> Plan:
     Rows a plan copies from its input into a symmetric buffer only to publish them (the gather's
     own block) are staged straight from the input: that device copy would sit on the critical path
     of every call and nobody else reads those rows."""
-    from_input = {(c.dst.start, c.dst.stop): c.src for c in plan.commands
-                  if isinstance(c, Copy) and c.src.buf == "A" and c.dst.buf in HOST_MIRROR and c.dst.owner == SELF}
+    from_input = [c for c in plan.commands
+                  if isinstance(c, Copy) and c.src.buf == "A" and c.dst.buf in HOST_MIRROR and c.dst.owner == SELF]
     cmds: list[Command] = []
     for cmd in plan.commands[:-1]:  # the last command is the caller's wait for the side stream
-        if isinstance(cmd, Copy) and cmd.src.buf == "A" and (cmd.dst.start, cmd.dst.stop) in from_input \
-                and cmd.dst.buf in HOST_MIRROR and cmd.dst.owner == SELF:
+        if cmd in from_input:
             continue
         if isinstance(cmd, SetFlag):
             if cmd.publishes is None or cmd.publishes.buf not in HOST_MIRROR:
                 raise ValueError(f"{plan.op}: {cmd} announces no symmetric rows to stage")
             src = cmd.publishes
             mirror = Region(HOST_MIRROR[src.buf], src.start, src.stop)
-            for (lo, hi), a in from_input.items():
-                if lo <= src.start and src.stop <= hi:
-                    src = Region("A", a.start + src.start - lo, a.start + src.stop - lo, index=a.index)
+            for c in from_input:
+                if c.dst.start <= src.start and src.stop <= c.dst.stop:
+                    lo = c.src.start - c.dst.start
+                    src = Region("A", src.start + lo, src.stop + lo, index=c.src.index)
             event = f"publish{cmd.slot}"
             cmds += [Record(cmd.stream, event), WaitEvent(PUB, event), Copy(PUB, mirror, src),
                      SetFlag(PUB, cmd.slot, mirror)]
