@@ -12,8 +12,17 @@ for comparison), the rows and
 GEMM calls of rank 0's plan.  The cost model's prediction of the 8-piece ratio
 (``compass_fx.cost.split_gemm_seconds``) is printed beside it.
 
-Timing: CUDA events around 20 back-to-back repetitions, median of 9 rounds in which every
-candidate is timed once (interleaved, so clock drift hits them alike); bf16; one GPU.
+Also the consumer's GEMMs alternating over two streams (do cuBLAS calls of thin pieces run side
+by side?) and its tail: the last GEMM alone, which is what a fused call adds to its
+communication where communication is the longer.  Measured: two streams do not help (cuBLAS's
+Hopper kernels launch about one CTA per SM, so thin pieces still run one after the other), and a
+product of one wave of tiles (QKV at 4096 tokens) keeps 95-96% of its time in the tail however
+its own block is split off.
+
+Timing: CUDA events around 20 back-to-back repetitions queued before the first starts (the
+device's time: a 512-row piece's GEMM is shorter than its launch on the host), median of 9
+rounds in which every candidate is timed once (interleaved, so clock drift hits them alike);
+bf16; one GPU.
 
     python benchmarks/chunked_gemm.py        # writes chunked_gemm-h200.{json,md}
 """
@@ -49,23 +58,36 @@ def shapes() -> list[dict]:
 
 def interleaved_seconds(fns: dict, reps: int = 20, rounds: int = 9) -> dict:
     """Per candidate, the median over ``rounds`` of the mean seconds of ``reps`` back-to-back
-    calls; every round times each candidate once, so that clock drift hits them all alike."""
+    calls, all queued before the first starts (the device's time: a 512-row piece's GEMM takes
+    less than the host's launch of it); every round times each candidate once, so that clock
+    drift hits them all alike."""
     for fn in fns.values():
         for _ in range(3):
             fn()
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(timing.batch_seconds(fn, reps, True))
+            times[name].append(timing.queued_batch_seconds(fn, reps))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def pieces_fn(a, w, out, spans):
+def pieces_fn(a, w, out, spans, streams: int = 1):
+    """The GEMMs of ``spans`` in order, round robin over ``streams`` CUDA streams (the caller's
+    first): each side stream starts after the caller's prior work and the caller waits for it at
+    the end, as a fused call's streams do."""
     views = [(a[lo:hi], out[lo:hi]) for lo, hi in spans]
+    side = [torch.cuda.Stream() for _ in range(streams - 1)]
 
     def run():
-        for x, y in views:
-            torch.mm(x, w, out=y)
+        main = torch.cuda.current_stream()
+        for s in side:
+            s.wait_stream(main)
+        lanes = [main, *side]
+        for i, (x, y) in enumerate(views):
+            with torch.cuda.stream(lanes[i % streams]):
+                torch.mm(x, w, out=y)
+        for s in side:
+            main.wait_stream(s)
     return run
 
 
@@ -91,11 +113,18 @@ def measure(shape: dict) -> dict:
     spans.update({f"pieces{p}": [(i * m // p, (i + 1) * m // p) for i in range(p)] for p in PIECES})
     spans["consumer"] = consumer_spans(m, n, sms)
     spans["consumer_1wave"] = consumer_spans(m, n, sms, 1)
-    t = interleaved_seconds({name: pieces_fn(a, w, out, s) for name, s in spans.items()})
+    spans["tail"] = spans["consumer"][-1:]  # what is left after the last arrival
+    fns = {name: pieces_fn(a, w, out, s) for name, s in spans.items()}
+    spans["consumer_2streams"] = spans["consumer"]
+    fns["consumer_2streams"] = pieces_fn(a, w, out, spans["consumer"], 2)
+    t = interleaved_seconds(fns)
     whole = t["unsplit"]
     row = dict(shape, unsplit_ms=whole * 1e3)
     for name in spans:
         if name == "unsplit":
+            continue
+        if name == "tail":
+            row["tail_ms"], row["tail_share"] = t[name] * 1e3, t[name] / whole
             continue
         row[f"{name}_ms"] = t[name] * 1e3
         row[f"{name}_efficiency"] = whole / t[name]
@@ -110,7 +139,8 @@ def measure(shape: dict) -> dict:
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"Efficiency = one torch.mm over all rows / the same product as N row pieces (goal >= {GOAL} at "
-             "8 pieces); bf16, median of 9 rounds of 20 back-to-back calls, the candidates interleaved in each round; "
+             "8 pieces); bf16, device time: median of 9 rounds of 20 back-to-back calls queued before the first "
+             "starts, the candidates interleaved in each round; "
              "model = cost model's prediction; consumer: own block + arrivals grouped into GEMMs of >= 2 waves of "
              "tiles (the CUDA path's rule, protocol.consumer_group_rows), 1-wave: the same with >= 1 wave.", "",
              f"* worst efficiency at 8 pieces: {payload['summary']['worst_8']:.3f}; median "
@@ -118,12 +148,17 @@ def markdown(payload: dict) -> str:
              f"{len(payload['rows'])} shapes", "",
              f"* the consumer as grouped (own block, then groups of arrivals): worst "
              f"{payload['summary']['worst_consumer']:.3f}; median {payload['summary']['median_consumer']:.3f}; "
-             f"goal met on {payload['summary']['met_consumer']} of {len(payload['rows'])} shapes", "",
+             f"goal met on {payload['summary']['met_consumer']} of {len(payload['rows'])} shapes; on two "
+             f"streams (alternating): worst {payload['summary']['worst_consumer_2streams']:.3f}, median "
+             f"{payload['summary']['median_consumer_2streams']:.3f}", "",
+             "* tail / unsplit: the consumer's last GEMM (what is left to do after the last arrival) against "
+             "the whole product: what the fused call adds to its communication when communication is the longer", "",
              output.markdown_table(payload["rows"], [
                  "model", "proj", "m", "n", "k", ("unsplit_ms", "unsplit ms"), ("pieces2_efficiency", "eff. 2"),
                  ("pieces4_efficiency", "eff. 4"), ("pieces8_efficiency", "eff. 8"),
                  ("pieces8_model_efficiency", "model eff. 8"), ("consumer_groups", "consumer GEMMs (blocks)"),
-                 ("consumer_efficiency", "consumer eff."), ("consumer_1wave_groups", "1-wave groups"),
+                 ("consumer_efficiency", "consumer eff."), ("consumer_2streams_efficiency", "2 streams eff."),
+                 ("tail_share", "tail / unsplit"), ("consumer_1wave_groups", "1-wave groups"),
                  ("consumer_1wave_efficiency", "1-wave eff.")])]
     return "\n".join(lines)
 
@@ -139,7 +174,10 @@ def main(argv=None) -> int:
                "summary": {"worst_8": min(eff8), "median_8": statistics.median(eff8),
                            "met_8": sum(e >= GOAL for e in eff8),
                            "worst_consumer": min(grouped), "median_consumer": statistics.median(grouped),
-                           "met_consumer": sum(e >= GOAL for e in grouped)}}
+                           "met_consumer": sum(e >= GOAL for e in grouped),
+                           "worst_consumer_2streams": min(r["consumer_2streams_efficiency"] for r in rows),
+                           "median_consumer_2streams": statistics.median(r["consumer_2streams_efficiency"]
+                                                                         for r in rows)}}
     return output.print_and_write(NAME, args, payload, markdown(payload))
 
 

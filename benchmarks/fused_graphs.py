@@ -117,6 +117,28 @@ def _staged_ms(kind: str, a: torch.Tensor, n: int, world: int) -> float:
     return _time_ms(graph.replay)[0]
 
 
+PROFILE_ENV = "FUSED_GRAPHS_PROFILE"  # set by --profile: where rank 0 writes its traces
+
+
+def _profile(out_dir: str | None, case: dict, runs: dict) -> None:
+    """Each of ``runs`` once more on every rank (the peers wait for each other's calls); where
+    ``out_dir`` is given, its GPU activity (kernels, copies, stream memory operations) as a Chrome
+    trace there: where a call's time goes on each stream, eager against replayed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in runs.items():
+        dist.barrier()
+        if out_dir is None:
+            fn()
+            torch.cuda.synchronize()
+            continue
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(os.path.join(
+            out_dir, f"{case['kind']}-{case['schedule']}-m{case['m']}-{name}.json"))
+
+
 def _checked_case(rank: int, world: int, case: dict, replays: int, group: str, nccl) -> dict:
     kind, m, n, k, schedule = case["kind"], case["m"], case["n"], case["k"], case["schedule"]
     op = _op(kind, schedule, group, world)
@@ -157,6 +179,9 @@ def _checked_case(rank: int, world: int, case: dict, replays: int, group: str, n
     # the communication alone: NCCL with one GPU per rank, else the host copies; and what the graph
     # adds to the larger of the two
     comm_ms = _nccl_ms(kind, a, n, world, nccl) if nccl is not None else _staged_ms(kind, a, n, world)
+    if os.environ.get(PROFILE_ENV):  # every rank calls (the peers wait for each other), rank 0 records
+        _profile(os.environ[PROFILE_ENV] if rank == 0 else None, case,
+                 {"eager": lambda: [op(a, b) for _ in range(TIMED)], "graph": timed.replay})
     timings = dict(comm_us=round(comm_ms / TIMED * 1e3, 1),
                    overhead_us=round((graph_ms - max(gemm_ms, comm_ms)) / TIMED * 1e3, 1))
     return dict(**timings,status="pass" if max(worst, eager_error) < TOL else "FAIL", relative_error=max(worst, eager_error),
@@ -394,11 +419,16 @@ def main(argv=None) -> int:
                    help="leave out the capture without a twin and the peer that never replays (whose trap "
                         "would take down an MPS server shared by the ranks)")
     p.add_argument("--only", default=None, help="run only cases of these kinds (comma-separated)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="rank 0 writes Chrome traces of each checked case's timed eager calls and graph replay here")
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_graphs runs the CUDA path: it needs a GPU")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ[PROFILE_ENV] = os.path.abspath(args.profile)
     shared = torch.cuda.device_count() < args.world
     tag = args.tag or ("h200" if shared else f"h200x{args.world}")
     todo = cases(args.world, args.schedules.split(","), not args.no_failure_cases)

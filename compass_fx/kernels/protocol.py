@@ -185,9 +185,14 @@ def consumer_group_rows(cols: int, sms: int, waves: int = CONSUMER_WAVES) -> int
 
     Why: one GEMM per arriving piece leaves most of the GPU idle when a piece is thin (at TP = 8,
     a 512-row piece of Llama-3 8B's QKV projection fills 12 of 132 SMs).  On one H200, over the 12
-    TP = 8 Llama-3 shapes, eight piece-sized cuBLAS calls reached 0.34-1.04 of one call over all
-    rows (median 0.91), arrivals grouped into GEMMs of at least one wave 0.79-1.0 (median 0.92),
-    of two waves 0.79-1.0 (median 0.96) (``benchmarks/results/chunked_gemm-h200.json``)."""
+    TP = 8 Llama-3 shapes (device time), eight piece-sized cuBLAS calls reached 0.41-1.01 of one
+    call over all rows (median 0.91), the own block then arrivals grouped into GEMMs of at least
+    one wave 0.78-1.01 (median 0.93), of two waves 0.78-1.01 (median 0.96)
+    (``benchmarks/results/chunked_gemm-h200.json``).  The low end is a product of one wave
+    (Llama-3 QKV at 4096 tokens): its own-block GEMM takes 10-23 us beside the 36-107 us of the
+    whole, and the arrivals' GEMM is still one wave, 95-96% of the whole.  Alternating the
+    GEMMs over two streams does not help (0.80-1.0, median 0.95): cuBLAS's Hopper kernels launch
+    about one CTA per SM, so two of them do not run side by side."""
     return -(-waves * sms * WAVE_TILE_ELEMENTS // max(cols, 1))
 
 
