@@ -72,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after timing, run STEPS more steps under torch.profiler and record where rank 0's GPU "
                         "time goes (busy ms per category: GEMM, NCCL, copies by direction, other kernels; idle)")
+    p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
+                   help="Inductor's mode for every compiled mode (compass: its 'mode' option). 'reduce-overhead' "
+                        "replays each step's graphs as CUDA graphs; the fused operators join them only with "
+                        "COMPASS_FUSED_GRAPHS=1 in the environment (recorded per row)")
     p.add_argument("--fast", action="store_true",
                    help="dry-run helper: aot_eager instead of Inductor and compass inner='eager' (quick CPU check)")
     args = p.parse_args(argv)
@@ -179,15 +183,20 @@ def skip_reason(ctx: ranks.Ctx, mode: str, sp: bool, args) -> str | None:
 def compile_model(ctx: ranks.Ctx, mode: str, model: nn.Module, args, group_name: str):
     if mode == "eager":
         return model
+    inductor_mode = None if args.compile_mode == "default" or args.fast else args.compile_mode
     if mode.startswith("compass"):
         opts = dict(args.compass_variants[mode])
         if args.fast:
             opts.setdefault("inner", "eager")
+        if inductor_mode:
+            opts.setdefault("mode", inductor_mode)
         return torch.compile(model, backend="compass", options=opts)
     if mode == "async_tp":
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
         enable_symm_mem_for_group(group_name)  # the TP mesh's group (the world here)
-    return torch.compile(model, backend="aot_eager" if args.fast else "inductor")
+    if args.fast:
+        return torch.compile(model, backend="aot_eager")
+    return torch.compile(model, backend="inductor", mode=inductor_mode)
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -200,8 +209,12 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-4)
 
 
-def train_step(fn, opt, inputs: torch.Tensor, labels: torch.Tensor, flags: dict) -> torch.Tensor:
-    """Forward, loss, backward, optimizer step; returns the loss."""
+def train_step(fn, opt, inputs: torch.Tensor, labels: torch.Tensor, flags: dict, graphs: bool = False
+               ) -> torch.Tensor:
+    """Forward, loss, backward, optimizer step; returns the loss.  ``graphs``: the compiled
+    graphs replay as CUDA graphs ("reduce-overhead"), told that a new step begins."""
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
     with inductor_config(**flags):
         logits = fn(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -234,10 +247,11 @@ def run_mode(ctx: ranks.Ctx, args, mode: str, sp: bool, mesh) -> dict:
     if ctx.is_cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     flags = {"_micro_pipeline_tp": True} if mode == "async_tp" else {}
+    graphs = args.compile_mode == "reduce-overhead" and mode != "eager" and not args.fast
     for i, (inputs, labels) in enumerate(data):
         ranks.synchronize(ctx)
         t0 = time.perf_counter()
-        loss = train_step(fn, opt, inputs, labels, flags)
+        loss = train_step(fn, opt, inputs, labels, flags, graphs)
         ranks.synchronize(ctx)
         dt = ranks.max_over_ranks(ctx, time.perf_counter() - t0)
         step_times.append(dt)
@@ -246,7 +260,7 @@ def run_mode(ctx: ranks.Ctx, args, mode: str, sp: bool, mesh) -> dict:
             ctx.log(f"    first step (compiles) {dt:.1f}s, loss {losses[0]:.5f}")
     timed = step_times[args.warmup:]
     step_s = statistics.median(timed)
-    profile = profile_steps(ctx, args, partial(train_step, fn, opt, flags=flags), data[-1]) if args.profile else None
+    profile = profile_steps(ctx, args, partial(train_step, fn, opt, flags=flags, graphs=graphs), data[-1]) if args.profile else None
     out = {"first_step_s": step_times[0], "step_s": step_s, "step_s_min": min(timed), "step_s_max": max(timed),
            "tokens_per_s": args.batch * args.seq / step_s, "loss_first": losses[0], "loss_last": losses[-1],
            "step_times_s": timed}
@@ -354,7 +368,10 @@ def worker(ctx: ranks.Ctx, args) -> dict:
     progress = output.Progress(ctx, len(runs), f"w{ctx.world}")
     rows = []
     for sp, mode in runs:
-        base = {"world": ctx.world, "sequence_parallel": sp, "mode": mode}
+        base = {"world": ctx.world, "sequence_parallel": sp, "mode": mode, "compile_mode": args.compile_mode}
+        if mode.startswith("compass") and args.compile_mode == "reduce-overhead":
+            from compass_fx.kernels.cuda import graphs_enabled
+            base["fused_in_cuda_graphs"] = graphs_enabled()
         reason = skip_reason(ctx, mode, sp, args)
         if reason:
             rows.append(dict(base, status="skipped", note=reason))
@@ -418,12 +435,14 @@ def main(argv=None) -> int:
     payload = {"benchmark": NAME, "argv": sys.argv[1:] if argv is None else list(argv),
                "environment": output.environment(args.dry_run), "dtype": args.dtype, "model": model,
                "warmup": args.warmup, "steps": args.steps, "compass_variants": args.compass_variants, "fast": args.fast,
+               "compile_mode": args.compile_mode,
                "worlds": [w for w, _ in results], "goals": goals, "seconds": round(time.time() - t0, 1), "rows": rows}
     md = [f"# End-to-end training step ({tag}{', dry run on CPU: times are meaningless' if args.dry_run else ''})", "",
           (f"Llama-3-style model: {args.layers} layers, hidden {args.dim}, FFN {args.ffn}, {args.heads} heads / "
            f"{args.kv_heads} KV heads, vocab {args.vocab}; batch {args.batch} x seq {args.seq}; {args.dtype}; TP over "
            f"all ranks; median of {args.steps} steps after {args.warmup} warm-up (slowest rank per step); "
-           f"compass variants {json.dumps(args.compass_variants)}{'; --fast: aot_eager and compass inner eager' if args.fast else ''}."),
+           f"compass variants {json.dumps(args.compass_variants)}; Inductor mode {args.compile_mode}"
+           f"{'; --fast: aot_eager and compass inner eager' if args.fast else ''}."),
           ""]
     if args.dry_run:
         md += ["* goals: not judged on a dry run"]
