@@ -372,7 +372,8 @@ def markdown(payload: dict) -> str:
              f"inputs, the last rank late before one replay in five, every output checked; then {TIMED} calls timed "
              "eager and as one graph (per call), 20 GEMMs of the call's full size as one graph, and 20 rounds of the "
              f"communication alone as one graph ({comm}).", "",
-             f"* {sum(r['status'] == 'pass' for r in rows)} of {len(rows)} cases pass", ""]
+             f"* {sum(r['status'] == 'pass' for r in rows)} of {len(rows)} cases pass; captured calls on "
+             f"{payload.get('graph_buffer_sets', 1)} set(s) of buffers (COMPASS_FUSED_GRAPH_BUFFERS)", ""]
     if payload.get("mps"):
         lines += ["* Under MPS: the two ranks' kernels run side by side on the GPU (without it their processes "
                   "time-slice it, and a spinning wait kernel holds its slice: milliseconds per replayed call).  The "
@@ -426,6 +427,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_graphs runs the CUDA path: it needs a GPU")
+    from compass_fx.kernels.cuda import graph_buffer_sets
+
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         os.environ[PROFILE_ENV] = os.path.abspath(args.profile)
@@ -436,7 +439,7 @@ def main(argv=None) -> int:
         todo = [c for c in todo if c["kind"] in args.only.split(",")]
     rows, t0 = [], time.time()
     payload = {"benchmark": NAME, "tag": tag, "replays": args.replays, "environment": output.environment(False),
-               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")), "graph_buffer_sets": graph_buffer_sets(),
                "transport": (f"{args.world} ranks sharing one GPU, meeting in pinned host memory" if shared
                              else f"one GPU per rank, the fused operators' transport: {_transport()}"), "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:

@@ -234,6 +234,34 @@ def test_shared_host_arena_on_real_ranks(ranks, world):
     assert ranks(world).run(_arena_case) == [True] * world
 
 
+def _agreement_case(rank):
+    """Settings the peers address each other's buffers by: the same on every rank passes, a
+    difference is an error naming the setting on every rank (never a silent mismatch)."""
+    import torch.distributed as dist
+
+    from compass_fx.kernels.cuda.impl import _agreed
+
+    group = dist.group.WORLD
+    assert _agreed(group, 2, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS") == 2
+    with pytest.raises(RuntimeError, match=r"disagree on the fused operators' buffer sets in CUDA graphs "
+                                           r"\(\[1, 2\]\): set COMPASS_FUSED_GRAPH_BUFFERS alike"):
+        _agreed(group, 1 + rank, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
+    return True
+
+
+def test_ranks_agree_on_the_settings_that_lay_out_buffers(ranks, monkeypatch):
+    from compass_fx.kernels.cuda import graph_buffer_sets
+
+    assert ranks(2).run(_agreement_case) == [True, True]
+    monkeypatch.delenv("COMPASS_FUSED_GRAPH_BUFFERS", raising=False)
+    assert graph_buffer_sets() == 1
+    monkeypatch.setenv("COMPASS_FUSED_GRAPH_BUFFERS", "2")
+    assert graph_buffer_sets() == 2
+    monkeypatch.setenv("COMPASS_FUSED_GRAPH_BUFFERS", "3")
+    with pytest.raises(ValueError, match="COMPASS_FUSED_GRAPH_BUFFERS must be 1 or 2"):
+        graph_buffer_sets()
+
+
 def test_transport_choice(monkeypatch):
     from compass_fx.kernels.cuda.impl import transport
 

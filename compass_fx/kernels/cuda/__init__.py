@@ -15,3 +15,17 @@ def graphs_enabled() -> bool:
     workspace gets a twin for captured calls, ``impl``); read when ``compass_fx.kernels`` is
     imported, too, to let Inductor's CUDA graphs take the ops in (``..ops``)."""
     return os.environ.get("COMPASS_FUSED_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def graph_buffer_sets() -> int:
+    """``COMPASS_FUSED_GRAPH_BUFFERS`` (1, the default, or 2): sets of buffers of a captured call's
+    workspace.  One set: a call's first write into a symmetric buffer waits until every peer has
+    finished reading the previous call's (in a trace of a 4096-row host-staged gather on one H200,
+    ~85 us per call).  Two sets: it waits for the last call that used the same set, which costs
+    nothing in that trace, for twice the memory; timed there the two ranks' copies shared one
+    GPU's copy engines in a worse order (1.04 against 0.93 ms per call), so the default stays one
+    until two GPUs measure it.  Every rank must set it alike (checked when a workspace is built)."""
+    raw = os.environ.get("COMPASS_FUSED_GRAPH_BUFFERS", "1").strip()
+    if raw not in ("1", "2"):
+        raise ValueError(f"COMPASS_FUSED_GRAPH_BUFFERS must be 1 or 2, got {raw!r}")
+    return int(raw)

@@ -6,7 +6,11 @@ captured call instead keeps its epoch in a 4-byte counter in GPU memory: the cal
 raises it (a one-thread kernel on the caller's stream, before anything of the call starts on
 any stream), a flag is set by storing the counter onto it (in stream order after the data it
 announces: a kernel, or a 4-byte copy after a copy-engine copy, see below), and a flag wait is a
-one-thread kernel that spins until the flag reaches counter + delta.  The spinning kernel is a single program, so it never waits for a peer's grid to
+one-thread kernel that spins until the flag reaches counter + delta.  A graph also repeats the
+buffer parities it was captured with, which need not alternate from one replay to the next, so
+the plan's fence (:func:`..protocol.fenced`) waits for the peers' "done" flag of the last call
+that used the same buffers: the first kernel keeps one word per set of buffers with that call's
+epoch, and the fence's wait reads its target there.  The spinning kernel is a single program, so it never waits for a peer's grid to
 become resident, and it is bounded: past ``COMPASS_FUSED_TIMEOUT_S`` it writes which wait failed
 into a host word that the watchdog reads (:func:`.watchdog.Watchdog.watch_status`), then stops
 the process's GPU work with a trap, so a lost peer fails the job loudly instead of freezing it.
@@ -29,7 +33,14 @@ from ..protocol import Copy, Plan, Record, SetFlag, WaitEvent
 from . import driver
 
 SOURCE = r"""
-extern "C" __global__ void compass_bump_epoch(int* epoch) { *epoch += 1; }
+// A call's first command: the counter moves to the call's epoch, the fence's target becomes the
+// last call that used this call's buffers (``last_use``: one word per set of buffers), and this
+// call becomes that last call.
+extern "C" __global__ void compass_bump_epoch(int* epoch, int* last_use, int* fence_target) {
+  *fence_target = *last_use;
+  *epoch += 1;
+  *last_use = *epoch;
+}
 
 extern "C" __global__ void compass_set_flag(volatile int* flag, const volatile int* epoch) {
   __threadfence_system();
@@ -94,9 +105,13 @@ def _functions(device_index: int) -> dict[str, int]:
     return out
 
 
-def bump(device_index: int, epoch_address: int):
-    """``launch(stream)``: raise the call's epoch counter at ``epoch_address`` by one."""
-    return driver.launcher(_functions(device_index)["compass_bump_epoch"], [ctypes.c_uint64(epoch_address)])
+def bump(device_index: int, epoch_address: int, last_use_address: int, fence_target_address: int):
+    """``launch(stream)``: raise the call's epoch counter at ``epoch_address`` by one, after
+    moving the last call that used this call's buffers (``last_use_address``) to the fence's
+    target (``fence_target_address``) and recording this call there instead."""
+    return driver.launcher(_functions(device_index)["compass_bump_epoch"],
+                           [ctypes.c_uint64(epoch_address), ctypes.c_uint64(last_use_address),
+                            ctypes.c_uint64(fence_target_address)])
 
 
 def wait(device_index: int, flag_address: int, epoch_address: int, delta: int, status_address: int, code: int,

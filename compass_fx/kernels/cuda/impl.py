@@ -15,9 +15,10 @@ and no allocation beyond its outputs, and issues a fixed list of launches.
 
 CUDA graphs.  An eager call passes its epoch to the flag operations as a number, which a graph
 would replay stale, and picks its buffers by the epoch's parity, which a graph would replay
-fixed.  So a call captured in a graph runs a twin workspace: one set of buffers with the
-protocol's fence (:func:`..protocol.fenced`), the epoch in GPU memory, and its small
-messages moved by kernels (:mod:`.graph_flags`).
+fixed (two calls in a row may use the same buffers).  So a call captured in a graph runs a twin
+workspace: the protocol's fence (:func:`..protocol.fenced`) on the last call that used the same
+buffers (one set, or two: :func:`.graph_buffer_sets`), the epoch and that fence's target in GPU
+memory, and its small messages moved by kernels (:mod:`.graph_flags`).
 The twin is built beside the eager workspace when ``COMPASS_FUSED_GRAPHS=1`` (the first call with
 those shapes must run outside the capture, as a graph's warm-up does: building a workspace
 allocates and meets the peers, which a capture forbids).
@@ -34,7 +35,7 @@ from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Mat
                         SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, graph_flags, graphs_enabled, watchdog
+from . import driver, graph_buffer_sets, graph_flags, graphs_enabled, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -84,14 +85,18 @@ def transport() -> str:
     return wanted
 
 
-def _agreed_transport(group) -> str:
-    mine = transport()
+def _agreed(group, mine, what: str, settings: str):
+    """``mine``, checked to be every rank's: the peers address each other's buffers by it."""
     seen: list = [None] * group.size()
     torch.distributed.all_gather_object(seen, mine, group=group)
     if len(set(seen)) > 1:
-        raise RuntimeError(f"the ranks disagree on the fused operators' transport ({seen}): set "
-                           "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE alike on every rank")
+        raise RuntimeError(f"the ranks disagree on the fused operators' {what} ({seen}): set {settings} alike on "
+                           "every rank")
     return mine
+
+
+def _agreed_transport(group) -> str:
+    return _agreed(group, transport(), "transport", "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE")
 
 
 class _Workspace:
@@ -103,8 +108,9 @@ class _Workspace:
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
         index = self.device_index = _device_index(device)
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
-        self.captured = captured  # replayed from CUDA graphs: one set of buffers, the epoch on the GPU
-        self.copies = 1 if captured else 2
+        self.captured = captured  # replayed from CUDA graphs: the epoch and the fence's target on the GPU
+        self.copies = (_agreed(group, graph_buffer_sets(), "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
+                       if captured else 2)
         self.comm = _side_stream(index, COMM)
         self.pub = _side_stream(index, PUB)
         self.tail = _side_stream(index, TAIL)
@@ -124,7 +130,11 @@ class _Workspace:
         if captured:
             self.device_epoch = torch.zeros(1, dtype=torch.int32, device=device)
             self.status = torch.zeros(1, dtype=torch.int32).pin_memory()  # a timed-out wait's code, 0: none
-            self.bump = graph_flags.bump(index, self.device_epoch.data_ptr())
+            # the last call that used each set of buffers, and the fence's target for the running call
+            self.last_use = torch.zeros(self.copies + 1, dtype=torch.int32, device=device)
+            self.fence_target = self.last_use[self.copies:]
+            self.bumps = [graph_flags.bump(index, self.device_epoch.data_ptr(), self.last_use[p:].data_ptr(),
+                                           self.fence_target.data_ptr()) for p in range(self.copies)]
             self.dog.watch_status(self.status, self._explain_timeout)
             self.row_bytes = cols * dtype.itemsize
             self.engines = graph_flags.engines(plan, self.row_bytes)
@@ -291,8 +301,10 @@ class _Workspace:
         copy that stays on the copy engines."""
         counter = self.device_epoch.data_ptr()
         if isinstance(cmd, WaitFlag):
-            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot, counter,
-                                      cmd.delta, self.status.data_ptr(), index + 1, self.dog.timeout)
+            fence = cmd.slot == self.plan.n_flags - 1  # the fenced plan's "done" flag: its target is on the GPU
+            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
+                                      self.fence_target.data_ptr() if fence else counter, 0 if fence else cmd.delta,
+                                      self.status.data_ptr(), index + 1, self.dog.timeout)
             return lambda tensors, epoch, streams: launch(stream_of(streams))
         how = self.engines.get(index)
         if isinstance(cmd, SetFlag):
@@ -349,7 +361,7 @@ class _Workspace:
         self.epoch += 1
         streams = {MAIN: torch.cuda.current_stream(self.device_index)}  # an index: no device lookup (~30 us)
         if self.captured:
-            self.bump(streams[MAIN].cuda_stream)  # before the call's first command on any stream
+            self.bumps[self.epoch % self.copies](streams[MAIN].cuda_stream)  # before anything of the call
         steps = self.steps[self.epoch % self.copies]
         for step in steps[:self.join_at]:
             step(tensors, self.epoch, streams)
