@@ -22,9 +22,11 @@ def graph_buffer_sets() -> int:
     workspace.  One set: a call's first write into a symmetric buffer waits until every peer has
     finished reading the previous call's (in a trace of a 4096-row host-staged gather on one H200,
     ~85 us per call).  Two sets: it waits for the last call that used the same set, which costs
-    nothing in that trace, for twice the memory; timed there the two ranks' copies shared one
-    GPU's copy engines in a worse order (1.04 against 0.93 ms per call), so the default stays one
-    until two GPUs measure it.  Every rank must set it alike (checked when a workspace is built)."""
+    nothing in that trace, for twice the memory; yet timed there it was slower (1.05 against 0.94
+    ms per call, in turns within one run; the two ranks share that GPU's copy engines and PCIe
+    link, and a rank's pulls waited longer for its peer's publications: not yet explained), so
+    the default stays one until two GPUs measure it.  Every rank must set it alike (checked when a
+    workspace is built)."""
     raw = os.environ.get("COMPASS_FUSED_GRAPH_BUFFERS", "1").strip()
     if raw not in ("1", "2"):
         raise ValueError(f"COMPASS_FUSED_GRAPH_BUFFERS must be 1 or 2, got {raw!r}")
