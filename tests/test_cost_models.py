@@ -36,9 +36,13 @@ def test_gemm_roofline_and_dtype():
 
 
 def test_wave_quantization_makes_small_parts_expensive():
+    """Measured on one H200 (device time, gemm_model_validation-h200-tp8.json), Llama-3 8B's down
+    projection at TP = 8 and 4096 tokens costs 1.04x whole in 2 parts, 1.35x in 8, 1.79x in 16,
+    3.26x in 32 and 5.14x in 64: the model's ratios must stay within 25% of these."""
     whole = gemm_seconds(4096, 4096, 1792, "bfloat16", "H200")
-    assert split_gemm_seconds(4096, 4096, 1792, 2, "bfloat16", "H200") < 1.15 * whole
-    assert split_gemm_seconds(4096, 4096, 1792, 16, "bfloat16", "H200") > 2.0 * whole
+    for parts, measured in ((2, 1.04), (8, 1.35), (16, 1.79), (32, 3.26), (64, 5.14)):
+        ratio = split_gemm_seconds(4096, 4096, 1792, parts, "bfloat16", "H200") / whole
+        assert abs(ratio / measured - 1) <= 0.25, (parts, ratio, measured)
 
 
 def test_gemm_rejects_bad_arguments():

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from compass_fx.tools.timing import seconds_of_one_call
+from compass_fx.tools.timing import queued_seconds, seconds_of_one_call
 
 from .ranks import Ctx, barrier, max_over_ranks, synchronize
 
@@ -53,8 +53,7 @@ def time_back_to_back(ctx: Ctx, fn, batch: int, batches: int, device_only: bool 
 def queued_batch_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3) -> float:
     """:func:`batch_seconds` of a batch the host has all queued before the first call starts (the
     GPU sleeps ``sleep_s`` first, longer than the host's issue): the device's time alone."""
-    torch.cuda._sleep(int(sleep_s * 1.98e9))  # cycles at the H200's clock
-    return batch_seconds(fn, calls, True)
+    return queued_seconds(fn, calls, sleep_s)
 
 
 def batch_seconds(fn: Callable[[], Any], calls: int, cuda: bool) -> float:

@@ -70,14 +70,13 @@ def fit_gpu_spec(measurements: Sequence[GemmMeasurement], base: GpuSpec, dtype: 
         "efficiency": [x / 100 for x in range(40, 101, 2)],
         "kernel_overhead_s": [x * 1e-7 for x in range(0, 101, 5)],
         "wave_overhead_s": [x * 1e-7 for x in range(0, 61, 3)],
-        "tile1": [x / 20 for x in range(4, 21)],
-        "tile2": [x / 20 for x in range(2, 21)],
+        **{f"tile{i}": [x / 20 for x in range(2, 21)] for i in range(1, len(base.tiles))},  # the first is the reference
         "max_split_k": [1, 2, 4, 8],
     }
 
     def make(spec: GpuSpec, name: str, value: float) -> GpuSpec:
         if name.startswith("tile"):
-            i = int(name[-1])
+            i = int(name[4:])
             tiles = list(spec.tiles)
             tiles[i] = (tiles[i][0], tiles[i][1], value)
             return with_overrides(spec, tiles=tuple(tiles))

@@ -1,4 +1,4 @@
-"""One timed call of a function: CUDA events on a GPU, the wall clock elsewhere.
+"""Timed calls of a function: CUDA events on a GPU, the wall clock elsewhere.
 
 Shared by ``compass-fx calibrate`` and the benchmarks so that every figure is taken the same way.
 """
@@ -22,3 +22,24 @@ def seconds_of_one_call(fn: Callable[[], Any], cuda: bool) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+H200_CLOCK_HZ = 1.98e9  # cycles per second of torch.cuda._sleep on the H200 (its boost clock)
+
+
+def queued_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3) -> float:
+    """Mean device seconds per call of ``calls`` back-to-back calls that the host has all queued
+    before the first starts: the GPU first sleeps ``sleep_s`` (longer than the host's issue of
+    the batch), then events around the batch time the device alone.  Why: a GEMM of a few
+    hundred rows runs in less time than the host takes to launch it, and timed from an idle GPU
+    it measures the launches."""
+    import torch
+
+    torch.cuda._sleep(int(sleep_s * H200_CLOCK_HZ))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
