@@ -535,8 +535,9 @@ def fenced(plan: Plan) -> Plan:
     peer's ``done`` has reached the previous call.  The argument for deadlock-freedom is
     unchanged: the fence waits only for an earlier call's flag, which its owner sets
     unconditionally once that call's pulls are done.  This is the fence for one set of buffers;
-    the CUDA path keeps two and waits, on the device, only for the last call that used the same
-    set (:mod:`.cuda.graph_flags`), which is never later than the previous call."""
+    the CUDA path may keep two (``COMPASS_FUSED_GRAPH_BUFFERS=2``) and then waits, on the device,
+    only for the last call that used the same set (:mod:`.cuda.graph_flags`), which is never
+    later than the previous call."""
     if plan.world_size == 1:
         return plan
     reads = [i for i, c in enumerate(plan.commands) if isinstance(c, Copy) and c.src.owner != SELF]
