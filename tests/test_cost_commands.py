@@ -77,7 +77,7 @@ def test_plan_says_where_its_numbers_come_from_and_prices_what_auto_uses(capsys,
     monkeypatch.delenv("COMPASS_FX_CALIBRATION", raising=False)
     assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--json", "--no-png") == 0
     out, err = capsys.readouterr()
-    assert "datasheets, not measured" in err and "fused operators not priced" in err
+    assert "built-in GPU constants (datasheets; Hopper's GEMM constants fitted on one H200), not measured" in err and "fused operators not priced" in err
     labels = {label for pair in json.loads(out)["pairs"] for label in pair["candidates"]}
     assert not any(label.startswith("fuse") for label in labels)
     assert run("plan", "--model", "llama3-8b", "--tp", "4", "--tokens", "4096", "--json", "--no-png",

@@ -42,7 +42,8 @@ def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
     some GPU group planned has no peer access (where 'auto' prices the fused operators by default)."""
     path = calibration_path()
     constants = (f"GPU constants from the calibration file {path}" if path is not None else
-                 f"GPU constants from datasheets, not measured on this machine (run compass-fx calibrate "
+                 f"built-in GPU constants (datasheets; Hopper's GEMM constants fitted on one H200), not "
+                 f"measured on this machine (run compass-fx calibrate "
                  f"on a GPU and set {CALIBRATION_ENV} to the file it writes)")
     if fused is None and staged:
         priced = ("fused operators priced where the GPUs lack peer access (through host memory), as "
