@@ -4,13 +4,12 @@ returns the slowest rank's figure."""
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from compass_fx.tools.timing import queued_seconds, seconds_of_one_call
+from compass_fx.tools.timing import batch_seconds, queued_seconds, seconds_of_one_call
 
 from .ranks import Ctx, barrier, max_over_ranks, synchronize
 
@@ -54,23 +53,6 @@ def queued_batch_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e
     """:func:`batch_seconds` of a batch the host has all queued before the first call starts (the
     GPU sleeps ``sleep_s`` first, longer than the host's issue): the device's time alone."""
     return queued_seconds(fn, calls, sleep_s)
-
-
-def batch_seconds(fn: Callable[[], Any], calls: int, cuda: bool) -> float:
-    """Mean seconds per call of ``calls`` back-to-back calls: CUDA events around them on a GPU
-    (the device's time once the host keeps ahead), a wall clock on CPU."""
-    if not cuda:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - t0) / calls
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls
 
 
 def median_batch_seconds(fn: Callable[[], Any], calls: int, rounds: int, cuda: bool = True) -> float:

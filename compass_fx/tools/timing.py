@@ -36,6 +36,19 @@ def queued_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3) ->
     import torch
 
     torch.cuda._sleep(int(sleep_s * H200_CLOCK_HZ))
+    return batch_seconds(fn, calls, True)
+
+
+def batch_seconds(fn: Callable[[], Any], calls: int, cuda: bool) -> float:
+    """Mean seconds per call of ``calls`` back-to-back calls: CUDA events around them on a GPU
+    (the device's time once the host keeps ahead), a wall clock on CPU."""
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls
+    import torch
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
