@@ -56,16 +56,22 @@ def _summary(errors: dict) -> dict:
     return {k: v for k, v in errors.items() if k != "rows"}
 
 
+def _halves(meas: list) -> tuple[list, list]:
+    """The measurements of every other shape (sorted by m, n, k), and those of the rest."""
+    keys = sorted({(r.m, r.n, r.k) for r in meas})
+    first = {s for i, s in enumerate(keys) if i % 2 == 0}
+    return [r for r in meas if (r.m, r.n, r.k) in first], [r for r in meas if (r.m, r.n, r.k) not in first]
+
+
 def evaluate(meas: list, spec, dtype: str, info: dict) -> dict:
     """The model's errors on ``meas`` with the constants ``spec`` (built in), fitted to all of
     them, and fitted to every other shape and tested on the rest; ``info``: what was measured."""
     builtin = model_errors(meas, spec, dtype)
     fitted_spec = fit_gpu_spec(meas, spec, dtype)
     fitted = model_errors(meas, fitted_spec, dtype)
-    keys = sorted({(r.m, r.n, r.k) for r in meas})
-    train = {s for i, s in enumerate(keys) if i % 2 == 0}
-    train_spec = fit_gpu_spec([r for r in meas if (r.m, r.n, r.k) in train], spec, dtype)
-    holdout = model_errors([r for r in meas if (r.m, r.n, r.k) not in train], train_spec, dtype)
+    train, test = _halves(meas)
+    train_spec = fit_gpu_spec(train, spec, dtype)
+    holdout = model_errors(test, train_spec, dtype)
     result = dict(info, **{
         "builtin": {"constants": spec.to_dict(), **_summary(builtin)},
         "fitted_all": {"constants": fitted_spec.to_dict(), **_summary(fitted)},
@@ -116,12 +122,6 @@ def _reprice(path: str) -> tuple[list, str, str, dict]:
     info.setdefault("shapes_set", "grid")
     info["repriced_with_the_code_of"] = "this commit (measurements unchanged)"
     return meas, old["gpu_constants"], old["dtype"], info
-
-
-def _halves(meas: list) -> tuple[list, list]:
-    keys = sorted({(r.m, r.n, r.k) for r in meas})
-    first = {s for i, s in enumerate(keys) if i % 2 == 0}
-    return [r for r in meas if (r.m, r.n, r.k) in first], [r for r in meas if (r.m, r.n, r.k) not in first]
 
 
 def fit_jointly(paths: list[str], gpu: str = "H200") -> dict:

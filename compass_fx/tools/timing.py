@@ -10,18 +10,7 @@ from typing import Any, Callable
 
 def seconds_of_one_call(fn: Callable[[], Any], cuda: bool) -> float:
     """Seconds ``fn()`` takes; on CUDA, the device time between events around it."""
-    if not cuda:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return batch_seconds(fn, 1, cuda)
 
 
 H200_CLOCK_HZ = 1.98e9  # cycles per second of torch.cuda._sleep on the H200 (its boost clock)
