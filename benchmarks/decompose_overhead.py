@@ -11,8 +11,11 @@ beyond sequential less what splitting the GEMM alone costs, per extra part, once
 (where the host's issue is slower than the GPU, that is what shows) and once on the device
 alone (every call queued behind a GPU sleep first: the cost when the host runs ahead, as it does
 in a training step of long GEMMs); and the kernels one call launches are counted (torch.profiler).
+With ``--compile-mode reduce-overhead`` every variant runs as Inductor's CUDA graph replays: the
+host's issue of each part is gone, and what an extra part costs is the device's alone.
 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
+    python benchmarks/decompose_overhead.py --compile-mode reduce-overhead   # the same under CUDA graphs
     python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
-from compass_fx.tools.timing import seconds_of_one_call  # noqa: E402
+from compass_fx.tools.timing import H200_CLOCK_HZ, seconds_of_one_call  # noqa: E402
 from harness.timing import median_batch_seconds, queued_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
@@ -89,6 +93,23 @@ def device_only(fn, args, device: str, iters: int) -> float | None:
     return statistics.median(per_call)
 
 
+def host_issue(fn, args, device: str, iters: int) -> float | None:
+    """Host seconds to issue one call while the GPU is busy (it sleeps first, so no launch waits
+    for it), median of 5 batches: what each part adds to the host's side of a step."""
+    if device != "cuda":
+        return None
+    per_call = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(80e-3 * H200_CLOCK_HZ))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(*args)
+        per_call.append((time.perf_counter() - t0) / iters)
+    torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
 def kernels_per_call(fn, args, device: str) -> int | None:
     """GPU kernels and copies one call launches (torch.profiler)."""
     if device != "cuda":
@@ -99,6 +120,18 @@ def kernels_per_call(fn, args, device: str) -> int | None:
         fn(*args)
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def step_marked(fn, compile_mode: str):
+    """``fn``, each call starting a new step for Inductor's CUDA graph trees where the mode
+    captures graphs (the previous call's outputs may then be overwritten, as in training steps)."""
+    if compile_mode == "default" or not torch._inductor.list_mode_options(compile_mode).get("triton.cudagraphs"):
+        return fn
+
+    def call(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
+    return call
 
 
 def split_gemm(a: torch.Tensor, w: torch.Tensor, parts: int):
@@ -123,13 +156,15 @@ def run(args: argparse.Namespace) -> dict:
             base = None
             for parts in (None,) + PARTS:
                 options = {"strategy": "off"} if parts is None else {"chunks": parts}
+                if args.compile_mode != "default":
+                    options["mode"] = args.compile_mode
                 torch._dynamo.reset()
                 before = len(compass_fx.backend.history)
-                fn = torch.compile(pair_fn(kind), backend="compass", options=options)
+                fn = step_marked(torch.compile(pair_fn(kind), backend="compass", options=options), args.compile_mode)
                 with torch.no_grad():
                     result = fn(a, w)
                     if parts is None:
-                        expected = result
+                        expected = result.clone()  # a CUDA graph replay may overwrite its output
                     # the rewrite must not change the result (same GEMM per row, summed the same way)
                     error = ((result.float() - expected.float()).abs().max() /
                              expected.float().abs().max().clamp_min(1e-30)).item()
@@ -138,12 +173,13 @@ def run(args: argparse.Namespace) -> dict:
                     kernels = kernels_per_call(fn, (a, w), device)
                     gemm = back_to_back(lambda x, y: split_gemm(x, y, parts or 1)(), (a, w), device, args.iters)
                     queued = device_only(fn, (a, w), device, args.iters)
+                    host = host_issue(fn, (a, w), device, args.iters)
                     gemm_queued = device_only(lambda x, y: split_gemm(x, y, parts or 1)(), (a, w), device, args.iters)
                 rewritten = sum(p.status == "rewritten" for r in list(compass_fx.backend.history)[before:]
                                 for p in r.pairs)
                 if parts is None:
                     base, base_streamed, base_gemm, base_kernels = seconds, streamed, gemm, kernels
-                    base_queued, base_gemm_queued = queued, gemm_queued
+                    base_queued, base_gemm_queued, base_host = queued, gemm_queued, host
                 gpu = "H200"
                 predicted = (split_gemm_seconds(m, n, k, parts, "bfloat16", gpu=gpu) /
                              gemm_seconds(m, n, k, "bfloat16", gpu=gpu)) if parts else 1.0
@@ -152,12 +188,15 @@ def run(args: argparse.Namespace) -> dict:
                 # the same on the device alone (every call queued before the first runs)
                 per_part_device = (((queued - base_queued) - (gemm_queued - base_gemm_queued)) / (parts - 1)
                                    if parts and queued is not None else (0.0 if queued is not None else None))
-                rows.append({"kind": kind, "m": m, "n": n, "k": k, "parts": parts or 1,
+                rows.append({"kind": kind, "compile_mode": args.compile_mode, "m": m, "n": n, "k": k, "parts": parts or 1,
                              "rewritten": rewritten, "relative_error": error, "seconds": seconds, "ratio": seconds / base,
                              "back_to_back_seconds": streamed, "back_to_back_ratio": streamed / base_streamed,
                              "split_gemm_seconds": gemm, "per_part_overhead_s": per_part,
                              "device_only_seconds": queued, "split_gemm_device_only_seconds": gemm_queued,
                              "per_part_device_overhead_s": per_part_device,
+                             "host_issue_seconds": host,
+                             "host_issue_per_extra_part_s": ((host - base_host) / (parts - 1)
+                                                             if parts and host is not None else None),
                              "kernels_per_call": kernels,
                              "kernels_per_extra_part": ((kernels - base_kernels) / (parts - 1)
                                                         if parts and kernels is not None else None),
@@ -167,7 +206,8 @@ def run(args: argparse.Namespace) -> dict:
                       f"{streamed * 1e6:9.1f} us back to back ({streamed / base_streamed:.2f}x of sequential; "
                       f"split GEMM {gemm / base_gemm:.2f}x, model {predicted:.2f}x); per extra part "
                       f"{per_part * 1e6:.1f} us (device alone: "
-                      f"{'-' if per_part_device is None else f'{per_part_device * 1e6:.1f} us'}), kernels {kernels}, "
+                      f"{'-' if per_part_device is None else f'{per_part_device * 1e6:.1f} us'}; host issue "
+                      f"{'-' if host is None else f'{host * 1e6:.1f} us'}), kernels {kernels}, "
                       f"error {error:.1e}",
                       flush=True)
     wrong = [r for r in rows if r["relative_error"] > (2e-2 if dtype == torch.bfloat16 else 1e-4)]
@@ -176,8 +216,11 @@ def run(args: argparse.Namespace) -> dict:
                          + ", ".join(f"{r['kind']} m={r['m']} d={r['parts']} ({r['relative_error']:.1e})" for r in wrong))
     device_overheads = sorted(r["per_part_device_overhead_s"] for r in rows
                               if r["parts"] > 1 and r["per_part_device_overhead_s"] is not None)
+    host_parts = sorted(r["host_issue_per_extra_part_s"] for r in rows
+                        if r["parts"] > 1 and r["host_issue_per_extra_part_s"] is not None)
     return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": str(dtype),
+            "median_host_issue_per_extra_part_s": statistics.median(host_parts) if host_parts else None,
+            "torch": torch.__version__, "dtype": str(dtype), "compile_mode": args.compile_mode,
             "median_per_part_device_overhead_s": statistics.median(device_overheads) if device_overheads else None,
             "rows": rows}
 
@@ -186,7 +229,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, gloo")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/decompose_overhead-<device>.json)")
+    p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
+                   help="Inductor mode of every compiled variant (reduce-overhead: CUDA graphs)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default benchmarks/results/decompose_overhead-<device>[-<mode>].json)")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -199,7 +245,8 @@ def main() -> None:
         result = run(args)
     finally:
         dist.destroy_process_group()
-    out = Path(args.out or f"benchmarks/results/decompose_overhead-{'cpu' if args.dry_run else 'h200'}.json")
+    mode = "" if args.compile_mode == "default" else f"-{args.compile_mode}"
+    out = Path(args.out or f"benchmarks/results/decompose_overhead-{'cpu' if args.dry_run else 'h200'}{mode}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

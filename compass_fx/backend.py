@@ -119,16 +119,24 @@ def _note_shared_queues(report: GraphReport) -> None:
 
 
 def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
-    """Say what becomes of the fused calls when the Inductor mode captures CUDA graphs: captured
-    with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported: the ops carry no
-    ``cudagraph_unsafe`` tag), or left out, which splits the graph or leaves it uncaptured."""
-    if opts.mode is None or not torch._inductor.list_mode_options(opts.mode).get("triton.cudagraphs"):
+    """Say that the cost model priced the pairs as CUDA graph replays, and what becomes of the
+    fused calls: captured with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported:
+    the ops carry no ``cudagraph_unsafe`` tag), or left out, which splits the graph or leaves it
+    uncaptured (so "auto" does not price them then)."""
+    if not opts.captures_cuda_graphs():
         return
+    from .kernels import fused_ops_capturable
+
+    captured = fused_ops_capturable()
+    if opts.strategy == "auto" and opts.chunks is None:  # the cost model chose (forced strategies price nothing)
+        report.notes.append(f"mode={opts.mode!r} replays CUDA graphs: the pairs were priced without host issue "
+                            "costs (an extra InterDecom part costs its device time alone"
+                            + (", a fused call no host floor)" if captured else
+                               "; the fused operators, which would split the graphs, were not offered to 'auto')"))
     fused = [p for p in report.pairs if p.status == "rewritten" and p.strategy == "fuse"]
     if not fused:
         return
-    unsafe = getattr(torch.Tag, "cudagraph_unsafe", None)
-    if unsafe is not None and unsafe in torch.ops.compass.all_gather_matmul.default.tags:
+    if not captured:
         report.notes.append(f"mode={opts.mode!r} captures CUDA graphs, but they leave the {len(fused)} fused pair(s) "
                             "out (the graph is split around them, or not captured): set COMPASS_FUSED_GRAPHS=1 "
                             "before importing compass_fx to capture them too")

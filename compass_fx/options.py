@@ -81,6 +81,15 @@ class CompassOptions:
             return ("fuse", 1, self.schedule)
         return None
 
+    def captures_cuda_graphs(self) -> bool:
+        """Whether ``mode`` makes Inductor replay the compiled graphs as CUDA graphs
+        ("reduce-overhead", "max-autotune"): the cost model then charges no host issue."""
+        if self.mode is None:
+            return False
+        import torch._inductor
+
+        return bool(torch._inductor.list_mode_options(self.mode).get("triton.cudagraphs"))
+
     def cache_key(self) -> str:
         """A stable digest of everything that changes what the pass produces."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

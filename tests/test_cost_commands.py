@@ -35,6 +35,25 @@ def test_plan_json_without_fused_operators(capsys):
     assert all(not label.startswith("fuse") for p in data["pairs"] for label in p["candidates"])
 
 
+def test_plan_prices_cuda_graph_replays_when_asked(capsys):
+    """``--cuda-graphs`` prices the layer as CUDA graph replays: the sequential pairs cost the same,
+    every decomposition less (no host issue per part), and the output says so."""
+    common = ("plan", "--model", "llama3-8b", "--tp", "2", "--tokens", "8192", "--topology",
+              "h200-host-staged-8", "--json", "--no-png")
+    assert run(*common) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert run(*common, "--cuda-graphs") == 0
+    out = capsys.readouterr()
+    graphs = json.loads(out.out)
+    assert not eager["cuda_graphs"] and graphs["cuda_graphs"]
+    assert "priced as CUDA graph replays" in out.err
+    assert graphs["sequential_s"] == eager["sequential_s"] and graphs["planned_s"] <= eager["planned_s"]
+    for e, g in zip(eager["pairs"], graphs["pairs"]):
+        for label, seconds in e["candidates"].items():
+            if label.startswith("decompose"):
+                assert g["candidates"][label] < seconds, (e["name"], label)
+
+
 def test_plan_writes_a_timeline_picture(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"

@@ -195,3 +195,29 @@ def test_at_two_ranks_a_tie_goes_to_direct_not_the_double_ring():
         d = plan(Workload(kind, m=16384, n=n, k=k, group_size=2), two)
         assert d.candidate("fuse(direct)").seconds == d.candidate("fuse(double_ring)").seconds
         assert d.label == "fuse(direct)", d.reason
+
+
+def test_cuda_graph_replays_are_priced_without_host_issue():
+    """Replayed as CUDA graphs the host issues nothing: an extra InterDecom part costs the device's
+    overhead alone (``graph_part_overhead_s``, measured under "reduce-overhead" on one H200), a
+    fused call its device time however small, and every other price stays as it was."""
+    from dataclasses import replace
+
+    from compass_fx.cost.strategies import fused_breakdown, fused_seconds
+    from compass_fx.machine.gpus import GPUS
+
+    spec = GPUS["H200"]
+    assert spec.graph_part_overhead_s < 0.2 * spec.part_overhead_s
+    eager = Workload("matmul_reduce_scatter", m=8192, n=4096, k=7168, group_size=2)
+    graphs = replace(eager, cuda_graphs=True)
+    nvlink = Topology.preset("h200-nvswitch-8")
+    for parts, model in decomposition_models(eager, nvlink).items():
+        replayed = decomposition_models(graphs, nvlink)[parts]
+        saved = model.seconds(parts) - replayed.seconds(parts)
+        assert saved == pytest.approx((spec.part_overhead_s - spec.graph_part_overhead_s) * parts, rel=1e-6)
+    small = Workload("all_gather_matmul", 512, 7168, 4096, "bfloat16", 2)
+    assert fused_seconds(replace(small, cuda_graphs=True), nvlink, "direct") == fused_breakdown(small, nvlink, "direct").seconds
+    assert fused_seconds(small, nvlink, "direct") > fused_breakdown(small, nvlink, "direct").seconds
+    assert select(graphs, nvlink).candidate("sequential").seconds == select(eager, nvlink).candidate("sequential").seconds
+    # fewer host costs can only make the alternatives to sequential cheaper
+    assert select(graphs, nvlink).predicted_s <= select(eager, nvlink).predicted_s

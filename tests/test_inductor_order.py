@@ -154,9 +154,13 @@ def test_the_in_place_writer_multiplies_strided_rows_too():
 def test_the_report_says_what_cuda_graphs_do_with_the_fused_calls(ranks):
     """A mode that captures CUDA graphs ("reduce-overhead") and fused pairs: the report says that
     Inductor's graphs leave them out unless COMPASS_FUSED_GRAPHS=1 was set at import (it was not
-    in these ranks); without such a mode, or with no fused pair, it says nothing of it."""
+    in these ranks); without such a mode, or with no fused pair, it says nothing of it.  Where the
+    cost model chose under such a mode, the report says that it priced CUDA graph replays and kept
+    the (uncapturable) fused operators out of the choice."""
     graphs = ranks(2).run(_notes_with, 2, {"strategy": "fuse", "mode": "reduce-overhead"}, {})[0]
     assert any("COMPASS_FUSED_GRAPHS=1" in n and "leave the 1 fused pair" in n for n in graphs), graphs
     plain = ranks(2).run(_notes_with, 2, {"strategy": "fuse"}, {})[0]
     decomposed = ranks(2).run(_notes_with, 2, {"chunks": 2, "mode": "reduce-overhead"}, {})[0]
     assert not any("CUDA graphs" in n for n in plain + decomposed), plain + decomposed
+    chosen = ranks(2).run(_notes_with, 2, {"mode": "reduce-overhead"}, {})[0]
+    assert any("priced without host issue costs" in n and "were not offered to 'auto'" in n for n in chosen), chosen

@@ -159,10 +159,14 @@ def test_world_size_one_without_process_group(schedule):
 
 def test_opcheck_and_fake_shapes():
     a, b = torch.randn(8, 4), torch.randn(4, 3)
-    for op, args in ((torch.ops.compass.all_gather_matmul, (a, [b, b], "ring", "0", 1)),
-                     (torch.ops.compass.matmul_reduce_scatter, (a, b, "double_ring", "0", 1)),
-                     (torch.ops.compass.matmul_all_reduce, (a, b, "direct", "0", 1))):
-        torch.library.opcheck(op, args)
+    ops = torch.ops.compass
+    for packet, args in ((ops.all_gather_matmul, (a, [b, b], "ring", "0", 1)),
+                         (ops.matmul_reduce_scatter, (a, b, "double_ring", "0", 1)),
+                         (ops.matmul_all_reduce, (a, b, "direct", "0", 1))):
+        for op in (packet.default, packet.graph):  # the autograd-capable op and what rewritten graphs call
+            torch.library.opcheck(op, args)
+    for op in (ops.matmul_reduce_scatter_start.default, ops.matmul_all_reduce_start.default):
+        torch.library.opcheck(op, (a, b, "ring", "0", 1))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -281,10 +285,31 @@ def test_cuda_kernels_go_straight_to_the_dispatcher():
     """The CUDA kernels are registered with the dispatcher directly, not through the custom op's
     kernel wrapper, which cost a median 25 us of host time per call (``ops._cuda_kernel``)."""
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce",
-                 "matmul_reduce_scatter_start", "matmul_all_reduce_start"):
+                 "matmul_reduce_scatter_start", "matmul_all_reduce_start", "all_gather_matmul.graph",
+                 "matmul_reduce_scatter.graph", "matmul_all_reduce.graph"):
         table = torch._C._dispatch_dump(f"compass::{name}")
         (cuda,) = [line for line in table.splitlines() if line.startswith("CUDA:")]
         assert "compass_fx/kernels/ops.py" in cuda.replace("\\", "/"), cuda
+
+
+def test_rewritten_graphs_call_overloads_without_python_autograd():
+    """What rewritten graphs call (the ``.graph`` overloads and the ``*_start`` forms) has no
+    Python autograd or in-place layers around its kernels (they cost ~40 us of host per call):
+    only kernels registered here, and the same results as the autograd-capable ops."""
+    for name in ("all_gather_matmul.graph", "matmul_reduce_scatter.graph", "matmul_all_reduce.graph",
+                 "matmul_reduce_scatter_start", "matmul_all_reduce_start"):
+        table = torch._C._dispatch_dump(f"compass::{name}")
+        layers = ("Autograd", "AutogradCUDA", "AutogradCPU", "ADInplaceOrView")
+        python_kernels = [line for line in table.splitlines() if line.split(":")[0].removesuffix("[alias]") in layers]
+        assert not python_kernels, table
+    a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    ops = torch.ops.compass
+    torch.testing.assert_close(ops.matmul_all_reduce.graph(a, b, "direct", "0", 1),
+                               ops.matmul_all_reduce(a, b, "direct", "0", 1))
+    torch.testing.assert_close(ops.matmul_reduce_scatter.graph(a, b, "ring", "0", 1), a @ b)
+    gathered, (out,) = ops.all_gather_matmul.graph(a, [b], "double_ring", "0", 1)
+    torch.testing.assert_close(gathered, a)
+    torch.testing.assert_close(out, a @ b)
 
 
 def test_a_capture_without_its_twin_workspace_is_a_clear_error(monkeypatch):

@@ -46,10 +46,11 @@ def _split(value: int, tp: int, what: str) -> int:
 
 
 def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", sequence_parallel: bool = True,
-                    backward: bool = False) -> list[tuple[str, Workload]]:
+                    backward: bool = False, cuda_graphs: bool = False) -> list[tuple[str, Workload]]:
     """(name, Workload) for every pair of one layer's forward (and, with ``backward``, backward)
     pass; ``tokens`` is batch x sequence, the m of every pair.  GEMMs sharing a collective are
-    summed into n (gather) or k (reduced sum), as ``Workload`` counts them."""
+    summed into n (gather) or k (reduced sum), as ``Workload`` counts them; ``cuda_graphs``: the
+    step replays as CUDA graphs (no host issue costs)."""
     s = model_shape(model)
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
@@ -63,7 +64,7 @@ def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", s
     h = s.hidden
 
     def w(kind: str, n: int, k: int, **kw) -> Workload:
-        return Workload(kind=kind, m=tokens, n=n, k=k, dtype=dtype, group_size=tp, **kw)
+        return Workload(kind=kind, m=tokens, n=n, k=k, dtype=dtype, group_size=tp, cuda_graphs=cuda_graphs, **kw)
 
     out_kind = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
     pairs: list[tuple[str, Workload]] = []
@@ -107,10 +108,10 @@ class LayerPlan:
 
 def plan_layer(model: str, tp: int, tokens: int, topology: Topology, *, dtype: str = "bfloat16",
                sequence_parallel: bool = True, backward: bool = False,
-               fused_schedules: tuple[str, ...] | None = SCHEDULES) -> LayerPlan:
-    """Plan every pair of one layer on ``topology``."""
+               fused_schedules: tuple[str, ...] | None = SCHEDULES, cuda_graphs: bool = False) -> LayerPlan:
+    """Plan every pair of one layer on ``topology`` (``cuda_graphs``: as CUDA graph replays)."""
     rows = tuple((name, wl, plan(wl, topology, fused_schedules=fused_schedules))
-                 for name, wl in layer_workloads(model, tp, tokens, dtype, sequence_parallel, backward))
+                 for name, wl in layer_workloads(model, tp, tokens, dtype, sequence_parallel, backward, cuda_graphs))
     return LayerPlan(model, tp, tokens, topology.name, rows)
 
 

@@ -135,7 +135,8 @@ def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] |
 
     def build(parts: int) -> DecompositionModel:
         beta = max((g(parts) - gm) / (parts - 1), spec.kernel_overhead_s)
-        ov = spec.part_overhead_s  # software cost per part, on the critical path either way
+        # software cost per part, on the critical path either way (under CUDA graphs the device's alone)
+        ov = spec.graph_part_overhead_s if w.cuda_graphs else spec.part_overhead_s
         comm_bound = DecompositionModel(alpha + ov, cm + beta, gm, "comm-bound")
         compute_bound = DecompositionModel(beta + ov, gm + alpha, cm, "compute-bound")
         # The pipeline takes the longer of the two forms (c + g + (d-1)*max(c, g)).
@@ -288,8 +289,9 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
 
 
 def fused_seconds(w: Workload, topo: Topology, schedule: str) -> float:
-    """The device's time of the fused call or the host's, whichever is longer."""
+    """The device's time of the fused call or the host's, whichever is longer (replayed in a CUDA
+    graph, the host issues nothing: the device's)."""
     device = fused_breakdown(w, topo, schedule).seconds
-    if w.group_size == 1:
+    if w.group_size == 1 or w.cuda_graphs:
         return device
     return max(device, fused_host_seconds(w, topo, schedule))

@@ -22,6 +22,9 @@ class Workload:
     ``gemm_dtype`` is the matmuls' operand dtype when it differs from ``dtype``, what travels (a
     float8 ``_scaled_mm`` after a bf16 gather, or producing the bf16 sum a reduce-scatter moves):
     the GEMMs are priced at its rate (float8: about twice bf16's on Hopper).
+    ``cuda_graphs`` says that the step runs as CUDA graph replays (Inductor's "reduce-overhead"):
+    the host then issues nothing per pair, so an extra InterDecom part costs only what it costs the
+    device, and a fused call has no host floor.
     """
 
     kind: str
@@ -34,6 +37,7 @@ class Workload:
     feasible_parts: tuple[int, ...] | None = None
     extra_n: tuple[int, ...] = field(default=())
     gemm_dtype: str | None = None
+    cuda_graphs: bool = False
 
     @property
     def matmul_dtype(self) -> str:

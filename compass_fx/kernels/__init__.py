@@ -26,7 +26,7 @@ not a path of their own, and with the CUDA path in ``cuda/`` what is left here i
 plans plus the two small modules that run or expose them.  ``tests/test_layers.py`` holds the
 order above and checks that the cost model imports only the pure plans.
 """
-from .ops import (all_gather_matmul, fused_schedules_available, matmul_all_reduce,
+from .ops import (all_gather_matmul, fused_ops_capturable, fused_schedules_available, matmul_all_reduce,
                   matmul_reduce_scatter)
 from .schedules import SCHEDULES, all_gather_schedule, reduce_scatter_schedule
 
@@ -34,6 +34,7 @@ __all__ = [
     "SCHEDULES",
     "all_gather_matmul",
     "all_gather_schedule",
+    "fused_ops_capturable",
     "fused_schedules_available",
     "matmul_all_reduce",
     "matmul_reduce_scatter",

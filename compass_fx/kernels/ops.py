@@ -29,6 +29,12 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _TAGS = () if graphs_enabled() else tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
+def fused_ops_capturable() -> bool:
+    """Whether Inductor's CUDA graphs may take the fused operators in (``COMPASS_FUSED_GRAPHS=1``
+    when they were registered); otherwise each one splits the graphs around it."""
+    return not _TAGS
+
+
 # The CUDA kernels are registered with the dispatcher directly rather than through the custom op's
 # ``register_kernel``, whose wrapper (an output-aliasing check, a dynamo guard, a table lookup)
 # cost 3-55 us of host time per call, median 25 (H200 machine, 2 ranks, gathers of 256-4096 rows,
@@ -72,25 +78,29 @@ def _check_divisible(rows: int, group_size: int) -> None:
 # --------------------------------------------------------------------------------------------
 # compass::all_gather_matmul
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::all_gather_matmul", mutates_args=(), tags=_TAGS,
-                         schema="(Tensor a_shard, Tensor[] bs, str schedule, str group_name, "
-                                "int group_size) -> (Tensor, Tensor[])")
-def all_gather_matmul(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str,
-                      group_size: int) -> tuple[Tensor, list[Tensor]]:
+_AG_SCHEMA = "(Tensor a_shard, Tensor[] bs, str schedule, str group_name, int group_size) -> (Tensor, Tensor[])"
+
+
+def _ag_any(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str,
+            group_size: int) -> tuple[Tensor, list[Tensor]]:
     """gathered = all_gather(a_shard, dim 0); outs[j] = gathered @ bs[j] (one gather, many weights)."""
     _check_common(a_shard, bs, schedule, group_size)
     return reference.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
 
 
+all_gather_matmul = torch.library.custom_op("compass::all_gather_matmul", _ag_any, mutates_args=(), tags=_TAGS,
+                                            schema=_AG_SCHEMA)
+
+
 @all_gather_matmul.register_fake
-def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+def _ag_fake(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
     _check_common(a_shard, bs, schedule, group_size)
     rows = a_shard.shape[0] * group_size
     return a_shard.new_empty((rows, a_shard.shape[1])), [a_shard.new_empty((rows, b.shape[1])) for b in bs]
 
 
 @_cuda_kernel("all_gather_matmul")
-def _(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
     _check_common(a_shard, bs, schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a_shard.dtype):
@@ -135,24 +145,29 @@ all_gather_matmul.register_autograd(_ag_backward, setup_context=_ag_setup)
 # --------------------------------------------------------------------------------------------
 # compass::matmul_reduce_scatter
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::matmul_reduce_scatter", mutates_args=(), tags=_TAGS,
-                         schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
-def matmul_reduce_scatter(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
+_MATMUL_SCHEMA = "(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor"
+
+
+def _rs_any(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
     """reduce_scatter(a @ b, "sum") on dim 0, pieces produced in the order the ring sends them."""
     _check_common(a, [b], schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     return reference.matmul_reduce_scatter(a, b, schedule, group_name, group_size)
 
 
+matmul_reduce_scatter = torch.library.custom_op("compass::matmul_reduce_scatter", _rs_any, mutates_args=(),
+                                                tags=_TAGS, schema=_MATMUL_SCHEMA)
+
+
 @matmul_reduce_scatter.register_fake
-def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+def _rs_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     return a.new_empty((a.shape[0] // group_size, b.shape[1]))
 
 
 @_cuda_kernel("matmul_reduce_scatter")
-def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+def _rs_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     cuda = _cuda()
@@ -181,22 +196,24 @@ matmul_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
 # --------------------------------------------------------------------------------------------
 # compass::matmul_all_reduce
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("compass::matmul_all_reduce", mutates_args=(), tags=_TAGS,
-                         schema="(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor")
-def matmul_all_reduce(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
+def _ar_any(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
     """all_reduce(a @ b, "sum"): reduce-scatter then all-gather on the same rings."""
     _check_common(a, [b], schedule, group_size)
     return reference.matmul_all_reduce(a, b, schedule, group_name, group_size)
 
 
+matmul_all_reduce = torch.library.custom_op("compass::matmul_all_reduce", _ar_any, mutates_args=(), tags=_TAGS,
+                                            schema=_MATMUL_SCHEMA)
+
+
 @matmul_all_reduce.register_fake
-def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+def _ar_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
 @_cuda_kernel("matmul_all_reduce")
-def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+def _ar_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     _check_common(a, [b], schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a.dtype) and a.shape[0] % group_size == 0:
@@ -222,28 +239,45 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
 # --------------------------------------------------------------------------------------------
-# compass::matmul_reduce_scatter_start, compass::matmul_all_reduce_start
+# What rewritten graphs call: the ``.graph`` overloads, and the asynchronous ``*_start`` forms
 # --------------------------------------------------------------------------------------------
+# A rewritten graph runs after AOTAutograd, so nothing in it needs the ops' autograd; the custom
+# op's Python layers around every call (autograd, the in-place/view and aliasing checks, a dynamo
+# guard) cost 40 us of host time per call on the CPU machine against 2-3 us for an op defined on
+# the dispatcher directly (a call's own Python, its plan's launches, comes on top).  So the graphs
+# call the same kernels through overloads defined here, with no autograd.
+_GRAPH_OPS = torch.library.Library("compass", "FRAGMENT")
+
+
+def _graph_op(qualname: str, schema: str, any_backend, fake, cuda_kernel) -> None:
+    """Define ``compass::<qualname>`` (name or name.overload) with these kernels and no autograd."""
+    _GRAPH_OPS.define(qualname + schema, tags=_TAGS)
+    _GRAPH_OPS.impl(qualname, any_backend, "CompositeExplicitAutograd")
+    _GRAPH_OPS.impl(qualname, cuda_kernel, "CUDA")
+    torch.library.register_fake(f"compass::{qualname}", fake, lib=_GRAPH_OPS)
+
+
+_graph_op("all_gather_matmul.graph", _AG_SCHEMA, _ag_any, _ag_fake, _ag_cuda)
+_graph_op("matmul_reduce_scatter.graph", _MATMUL_SCHEMA, _rs_any, _rs_fake, _rs_cuda)
+_graph_op("matmul_all_reduce.graph", _MATMUL_SCHEMA, _ar_any, _ar_fake, _ar_cuda)
+
+
 def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
     """The asynchronous form of a reducing fused operator, for rewritten graphs (no autograd):
     it returns once the GEMMs are issued, and ``_c10d_functional.wait_tensor`` on its result (as
     for a functional collective) makes the caller's stream wait for the rest; meanwhile the
     caller's stream is free for work that does not need the result.  Without a CUDA plan
     (CPU, or a dtype the CUDA path lacks) it runs synchronously and the wait is a no-op."""
-    schema = "(Tensor a, Tensor b, str schedule, str group_name, int group_size) -> Tensor"
 
-    @torch.library.custom_op(f"compass::{name}", mutates_args=(), tags=_TAGS, schema=schema)
     def start(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int) -> Tensor:
         return sync_op(a, b, schedule, group_name, group_size)
 
-    @start.register_fake
-    def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    def fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
         _check_common(a, [b], schedule, group_size)
         _check_divisible(a.shape[0], group_size)
         return a.new_empty((out_rows(a.shape[0], group_size), b.shape[1]))
 
-    @_cuda_kernel(name)
-    def _(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    def cuda_kernel(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
         _check_common(a, [b], schedule, group_size)
         _check_divisible(a.shape[0], group_size)
         cuda = _cuda()
@@ -251,9 +285,11 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
             return getattr(cuda, cuda_fn)(a, b, schedule, group_name, group_size, deferred=True)
         return sync_op(a, b, schedule, group_name, group_size)
 
+    _graph_op(name, _MATMUL_SCHEMA, start, fake, cuda_kernel)
 
-_start_op("matmul_reduce_scatter_start", matmul_reduce_scatter, "matmul_reduce_scatter", lambda rows, g: rows // g)
-_start_op("matmul_all_reduce_start", matmul_all_reduce, "matmul_all_reduce", lambda rows, g: rows)
+
+_start_op("matmul_reduce_scatter_start", _rs_any, "matmul_reduce_scatter", lambda rows, g: rows // g)
+_start_op("matmul_all_reduce_start", _ar_any, "matmul_all_reduce", lambda rows, g: rows)
 
 
 # --------------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, schedule: str, asynchronous: b
     cols = pair.layout.shape[-1]
     shard = b.view(pair.shard, [pair.layout.rows // pair.layout.world, cols])
     weights = [mm_operands(rc.mm)[1] for rc in pair.row_consumers]
-    fused = b.call(torch.ops.compass.all_gather_matmul.default, shard, weights, schedule,
+    fused = b.call(torch.ops.compass.all_gather_matmul.graph, shard, weights, schedule,
                    pair.group_name, pair.group_size)
     outs = b.call(operator.getitem, fused, 1)
     replacements = []
@@ -184,8 +184,9 @@ def _reduce_scatter(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronou
     a, w = _concat_terms(b, pair)
     if pair.layout.dim > 0:
         a = _logical_to_rank_major(b, a, pair)
-    op = torch.ops.compass.matmul_reduce_scatter_start if asynchronous else torch.ops.compass.matmul_reduce_scatter
-    out = b.call(op.default, a, w, schedule, pair.group_name, pair.group_size)
+    op = (torch.ops.compass.matmul_reduce_scatter_start.default if asynchronous
+          else torch.ops.compass.matmul_reduce_scatter.graph)
+    out = b.call(op, a, w, schedule, pair.group_name, pair.group_size)
     if asynchronous:
         out = b.wait(out)
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
@@ -193,8 +194,9 @@ def _reduce_scatter(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronou
 
 def _all_reduce(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronous: bool = False) -> Replacements:
     a, w = _concat_terms(b, pair)
-    op = torch.ops.compass.matmul_all_reduce_start if asynchronous else torch.ops.compass.matmul_all_reduce
-    out = b.call(op.default, a, w, schedule, pair.group_name, pair.group_size)
+    op = (torch.ops.compass.matmul_all_reduce_start.default if asynchronous
+          else torch.ops.compass.matmul_all_reduce.graph)
+    out = b.call(op, a, w, schedule, pair.group_name, pair.group_size)
     if asynchronous:
         out = b.wait(out)
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]

@@ -52,6 +52,9 @@ class GpuSpec:
     # Software cost of each extra InterDecom part beyond its GEMM: one more collective launched
     # and waited on through the functional-collective runtime, plus the row-shuffle kernels.
     part_overhead_s: float = 10e-6
+    # The same when the step replays as CUDA graphs: no host issue, only the device's cost of one
+    # more collective and GEMM launch in the stream.
+    graph_part_overhead_s: float = 5e-6
     source: str = "datasheet"
 
     def peak_flops(self, dtype: str) -> float:
@@ -90,10 +93,14 @@ class GpuSpec:
 # the model's part count is within 3% of the best measured one in 22 and 17 of 24 pairs (20 and 9
 # at the 182 us used before, taken from one-rank calls issued back to back) and its decompose
 # predictions are off by a median 26% and 10% (44% and 26% before); no pick of "auto" changes.
-# On the device alone an extra part costs less (decompose_overhead-h200.json: median 6.5 us since
-# parts are read and written in place); the rest is the host's issue of each part's launches.
+# On the device alone an extra part costs less (decompose_overhead-h200.json: median 6.2 us since
+# parts are read and written in place); the rest is the host's issue of each part's launches
+# (median 194 us per extra part on the lent machines' host, one-rank NCCL under Inductor).  Under
+# CUDA graphs (Inductor's "reduce-overhead") that issue is gone: graph_part_overhead_s is the
+# median device cost per extra part of decompose_overhead-h200-reduce-overhead.json (4.4 us).
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
-               efficiency=0.72, kernel_overhead_s=4.0e-6, wave_overhead_s=0.3e-6, part_overhead_s=50e-6, max_split_k=2,
+               efficiency=0.72, kernel_overhead_s=4.0e-6, wave_overhead_s=0.3e-6, part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6,
+               max_split_k=2,
                tiles=((128, 256, 1.0), (256, 128, 1.0), (192, 128, 1.0), (128, 128, 0.95), (128, 64, 0.8),
                       (64, 128, 0.55), (64, 64, 0.6)), source="fitted on an H200")
 

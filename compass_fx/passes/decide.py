@@ -1,6 +1,8 @@
 """Turn the user's options and the cost model's advice into one Decision per pair."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..cost.decision import Decision
 from ..cost.select import fuses_by_default, select
 from ..machine.topology import Topology
@@ -34,8 +36,19 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
         if parts not in pair.feasible_parts():
             raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {pair.split_extent})")
         return Decision("decompose", parts, reason=f"forced: chunks={parts}")
+    workload = pair.workload()
     fused = _fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
-    return select(pair.workload(), topology, fused_schedules=fused)  # "direct" only, host-staged
+    if options.captures_cuda_graphs():
+        workload = dataclasses.replace(workload, cuda_graphs=True)
+        if not _fused_calls_captured():
+            fused = ()  # each fused call would split the CUDA graphs, and run with its host floor
+    return select(workload, topology, fused_schedules=fused)  # "direct" only, host-staged
+
+
+def _fused_calls_captured() -> bool:
+    from ..kernels import fused_ops_capturable
+
+    return fused_ops_capturable()
 
 
 def auto_fuse(option: bool | None, group_size: int, topology: object | None = None) -> bool:

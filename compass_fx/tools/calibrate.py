@@ -142,7 +142,7 @@ def measure_collectives(group=None, sizes_mib: Sequence[int] = COLLECTIVE_MIB, d
 def measure_fused_host(calls: int = 200) -> dict:
     """What one fused call costs the host on this machine: the host seconds of each kind of launch
     a plan command makes, alone (a cuBLAS GEMM, a copy and the stream memory operations through the
-    driver, an event record / wait), and of the custom op's dispatch (a one-rank call, which
+    driver, an event record / wait), and of the op's dispatch (a one-rank call, which
     multiplies directly, less the multiplication alone).  Needs a CUDA GPU; the cost model scales
     its fused host time with these (``cost.strategies.fused_host_seconds``)."""
     import torch
@@ -172,6 +172,7 @@ def measure_fused_host(calls: int = 200) -> dict:
         return statistics.median(rounds)
 
     launch_s = {kind: host_seconds(fn) for kind, fn in launches.items()}
-    one_rank = host_seconds(lambda: torch.ops.compass.matmul_reduce_scatter(a, a, "direct", "0", 1))
+    # the overload rewritten graphs call
+    one_rank = host_seconds(lambda: torch.ops.compass.matmul_reduce_scatter.graph(a, a, "direct", "0", 1))
     dispatch_s = max(one_rank - host_seconds(lambda: a @ a), 0.0)
     return {"launch_s": launch_s, "dispatch_s": dispatch_s}

@@ -71,11 +71,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     topo = args.topology
     lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
                     sequence_parallel=not args.no_sequence_parallel, backward=args.backward,
-                    fused_schedules=args.fused)
+                    fused_schedules=args.fused, cuda_graphs=args.cuda_graphs)
     if args.json:
         print(json.dumps({
             "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
-            "sequential_s": lp.sequential_s, "planned_s": lp.planned_s, "speedup": lp.speedup,
+            "cuda_graphs": args.cuda_graphs, "sequential_s": lp.sequential_s, "planned_s": lp.planned_s, "speedup": lp.speedup,
             "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": decision.label,
                        "predicted_s": decision.predicted_s, "reason": decision.reason,
                        "candidates": {c.label: c.seconds for c in decision.candidates}}
@@ -84,6 +84,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(format_layer_plan(lp))
     print(f"compass-fx plan: {provenance(args.fused, fuses_by_default(topo, args.tp))}", file=sys.stderr)
+    if args.cuda_graphs:
+        print("compass-fx plan: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     if args.no_png:
         return 0
     views = [("sequential", sequence([(n, candidate_segments(w, topo, decision.candidate("sequential")))
@@ -239,6 +241,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
                         "strategy='auto': only where the GPUs lack peer access)")
     p.add_argument("--backward", action="store_true", help="also plan the backward pass's pairs")
     p.add_argument("--no-sequence-parallel", action="store_true", help="plain TP: all-reduce after row-parallel GEMMs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="price the step as CUDA graph replays (Inductor's mode='reduce-overhead'): no host issue "
+                        "costs, an extra InterDecom part costs its device time alone")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", default=None, help="timeline picture path (default: compass-plan-<...>.png)")
     p.add_argument("--no-png", action="store_true", help="skip the timeline picture")
