@@ -10,7 +10,8 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
   ``cuStreamWriteValue32``, event record / wait ...);
 * per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
   first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
-  with other work before its ``wait_tensor``, checked the same way) and of the implementation
+  with other work before its ``wait_tensor``, checked the same way), through the ``.graph``
+  overload that rewritten graphs call (no Python autograd layers), and of the implementation
   called directly (the difference is the dispatcher's), the plan's commands by
   kind, and the cost model's ``fused_host_seconds`` for it; for the gathers also a copy of the op
   whose CUDA kernel is registered through the custom op's wrapper, as before session 8
@@ -132,7 +133,12 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
         through_op(a, *args)
     dist.barrier()
     res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err}
-    timed = {"host_us_op": lambda: through_op(a, *args), "host_us_impl": lambda: direct(a, *args)}
+    graph_op = getattr(torch.ops.compass, op).graph
+    err_graph = relative_error(op, graph_op(a, *args), rows, k, n, rank)
+    if err_graph > TOLERANCE:
+        raise RuntimeError(f"{op}.graph rows={rows}: result off by {err_graph:.3g} of its largest element (rank {rank})")
+    timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
+             "host_us_impl": lambda: direct(a, *args)}
     if op == "all_gather_matmul":
         before = gather_as_before()
         timed["host_us_op_wrapped"] = lambda: before(a, *args)
@@ -176,7 +182,8 @@ def worker(rank: int, init: str, out_path: str) -> None:
         row = measure(*case, rank, dist.group.WORLD.group_name)
         payload["rows"].append(row)
         if rank == 0:
-            print(f"{row['op']} rows={row['rows']}: {row['host_us_op']:.0f} us per call ({row['host_us_impl']:.0f} "
+            print(f"{row['op']} rows={row['rows']}: {row['host_us_op']:.0f} us per call ({row['host_us_graph']:.0f} "
+                  f"through the .graph overload, {row['host_us_impl']:.0f} "
                   f"without dispatch), model {row['model_us']:.0f} us, commands {sum(row['commands'].values())}",
                   flush=True)
     if rank == 0:
@@ -196,6 +203,7 @@ def markdown(payload: dict) -> str:
                  [dict(r, n_commands=sum(r["commands"].values()), model_over_op=r["model_us"] / r["host_us_op"])
                   for r in payload["rows"]],
                  ["op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
+                  ("host_us_graph", "host us (.graph overload)"),
                   ("host_us_impl", "host us (impl)"), ("host_us_op_wrapped", "host us (op, kernel as before)"),
                   ("host_us_async", "host us (start, wait)"),
                   ("model_us", "model us"), ("model_over_op", "model / op")])]
