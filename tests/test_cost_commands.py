@@ -74,6 +74,21 @@ def test_sweep_writes_csv_and_summary(tmp_path, capsys):
     assert "a6000-nvlink-pairs-pcie-8: wins" in capsys.readouterr().out
 
 
+def test_sweep_prices_cuda_graph_replays_when_asked(tmp_path, capsys):
+    """``--cuda-graphs``: the same grid priced without host issue costs; no prediction grows and
+    the decompositions all shrink."""
+    common = ("sweep", "--topologies", "a100-pcie-8", "--tokens", "4096", "--group-sizes", "4",
+              "--models", "llama3-8b", "--no-progress")
+    assert run(*common, "--out-dir", str(tmp_path / "eager")) == 0
+    assert run(*common, "--cuda-graphs", "--out-dir", str(tmp_path / "graphs")) == 0
+    assert "priced as CUDA graph replays" in capsys.readouterr().err
+    eager, graphs = (list(csv.DictReader(open(tmp_path / d / "sweep.csv"))) for d in ("eager", "graphs"))
+    assert len(eager) == len(graphs) == 3
+    for e, g in zip(eager, graphs):
+        assert float(g["predicted_s"]) <= float(e["predicted_s"]) and g["sequential_s"] == e["sequential_s"]
+        assert float(g["best_decompose_s"]) < float(e["best_decompose_s"])
+
+
 def test_calibrate_needs_a_gpu(tmp_path, capsys):
     import torch
     if torch.cuda.is_available():

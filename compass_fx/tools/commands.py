@@ -115,7 +115,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import SweepConfig, format_summary, progress_bar, run_sweep, summarize, write_csv
 
     config = SweepConfig(topologies=args.topologies, models=args.models, kinds=args.kinds, tokens=args.tokens,
-                         group_sizes=args.group_sizes, fused_schedules=args.fused)
+                         group_sizes=args.group_sizes, fused_schedules=args.fused, cuda_graphs=args.cuda_graphs)
     for name in config.topologies:
         Topology.resolve(name)
     out = Path(args.out_dir)
@@ -129,6 +129,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(text)
     staged = any(fuses_by_default(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
     print(f"compass-fx sweep: {provenance(args.fused, staged)}", file=sys.stderr)
+    if args.cuda_graphs:
+        print("compass-fx sweep: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
     return 0
 
@@ -264,6 +266,8 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
     s.add_argument("--fused", type=_schedules, default=None,
                    help="fused schedules to price: comma-separated, 'all' or 'none' (default: as 'auto': only "
                         "where the GPUs lack peer access)")
+    s.add_argument("--cuda-graphs", action="store_true",
+                   help="price every pair as a CUDA graph replay (Inductor's mode='reduce-overhead')")
     s.add_argument("--out-dir", default="compass-sweep", help="where sweep.csv and the summary go")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_sweep)

@@ -28,14 +28,15 @@ FIELDS = ("topology", "model", "kind", "tokens", "group_size", "m", "n", "k", "w
           "best_fuse_s", "d_star")
 
 
-def grid_workload(kind: str, model: str, tokens: int, group_size: int, dtype: str = "bfloat16") -> Workload:
+def grid_workload(kind: str, model: str, tokens: int, group_size: int, dtype: str = "bfloat16",
+                  cuda_graphs: bool = False) -> Workload:
     """The MLP pair of ``kind`` for a model width: all_gather_matmul is w1 (m x ffn/g x hidden),
-    the other two w2 (m x hidden x ffn/g)."""
+    the other two w2 (m x hidden x ffn/g); ``cuda_graphs``: replayed as CUDA graphs."""
     s = model_shape(model)
     ffn = s.ffn // group_size
     if kind == "all_gather_matmul":
-        return Workload(kind, tokens, ffn, s.hidden, dtype, group_size)
-    return Workload(kind, tokens, s.hidden, ffn, dtype, group_size)
+        return Workload(kind, tokens, ffn, s.hidden, dtype, group_size, cuda_graphs=cuda_graphs)
+    return Workload(kind, tokens, s.hidden, ffn, dtype, group_size, cuda_graphs=cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class SweepConfig:
     tokens: Sequence[int] = DEFAULT_TOKENS
     group_sizes: Sequence[int] = DEFAULT_GROUPS
     fused_schedules: tuple[str, ...] | None = SCHEDULES
+    cuda_graphs: bool = False  # price every pair as a CUDA graph replay (no host issue costs)
 
     def size(self) -> int:
         return len(self.topologies) * len(self.models) * len(self.kinds) * len(self.tokens) * len(self.group_sizes)
@@ -62,7 +64,7 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     total = config.size()
     for i, (tname, model, kind, tokens, g) in enumerate(product(config.topologies, config.models, config.kinds,
                                                                 config.tokens, config.group_sizes)):
-        w = grid_workload(kind, model, tokens, g)
+        w = grid_workload(kind, model, tokens, g, cuda_graphs=config.cuda_graphs)
         decision = plan(w, topos[tname], fused_schedules=config.fused_schedules)
         decs = [c for c in decision.candidates if c.strategy == "decompose"]
         fuses = [c for c in decision.candidates if c.strategy == "fuse"]
