@@ -29,6 +29,33 @@ def test_collectives_are_measured_and_agreed_across_ranks(ranks):
         assert all(b > 0 and s > 0 for b, s in table["points"])
 
 
+def _part_overhead(rank: int) -> dict:
+    from compass_fx.tools.calibrate import measure_part_overhead
+
+    return measure_part_overhead(parts=2, shard_rows=32, k=32, n=48, calls=3)
+
+
+def test_interdecom_part_overhead_is_measured_as_lowered_and_agreed(ranks):
+    """calibrate's per-part cost of InterDecom: the pair compiled by the backend whole and in parts
+    on the group at hand; every rank gets the slowest rank's figures.  On CPU only the host's issue
+    is measured (the device figure needs CUDA events)."""
+    results = ranks(2).run(_part_overhead)
+    assert results[0] == results[1], "ranks would price differently"
+    got = results[0]
+    assert got["group_size"] == 2 and got["m"] == 64 and got["parts"] == 2
+    assert got["device_s"] is None and got["issue_s"] > 0  # a part is one more collective and GEMM to issue
+
+
+def test_interdecom_part_overhead_needs_no_group_set_up():
+    """Without a process group calibrate measures on a one-rank group of its own, and tears it down."""
+    import torch.distributed as dist
+
+    from compass_fx.tools.calibrate import measure_part_overhead
+
+    got = measure_part_overhead(parts=2, shard_rows=16, k=16, n=16, calls=2)
+    assert got["group_size"] == 1 and got["m"] == 16 and not dist.is_initialized()
+
+
 def test_the_model_reproduces_a_synthetic_calibration(tmp_path):
     """Points on a line latency + bytes / bandwidth come back exactly, for the regime they were
     measured in only; a real file round-trips through write_calibration."""
@@ -40,7 +67,7 @@ def test_the_model_reproduces_a_synthetic_calibration(tmp_path):
     path = tmp_path / "cal.json"
     tables = [{"op": op, "group_size": 2, "regime": "host-staged", "points": points}
               for op in ("all_gather", "reduce_scatter")]
-    write_calibration(path, [with_overrides(gpu_spec("H200"), efficiency=0.7)],
+    write_calibration(path, [with_overrides(gpu_spec("H200"), efficiency=0.7, graph_part_overhead_s=2e-6)],
                       {"device": "NVIDIA H200", "collectives": tables})
     assert json.loads(path.read_text())["collectives"] == tables
     staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
@@ -52,6 +79,8 @@ def test_the_model_reproduces_a_synthetic_calibration(tmp_path):
         assert collective_time("all_gather", 64 << 20, nvlink, 2).seconds == before  # other regime: the model
         w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
         assert select(w, staged).candidate("sequential").seconds > got.seconds
+        # the per-part cost calibrate measured under CUDA graphs comes back too
+        assert gpu_spec("H200").graph_part_overhead_s == 2e-6 and gpu_spec("H200").efficiency == 0.7
 
 
 def test_a_second_regime_is_added_to_the_same_file(tmp_path):

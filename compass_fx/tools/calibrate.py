@@ -176,3 +176,94 @@ def measure_fused_host(calls: int = 200) -> dict:
     one_rank = host_seconds(lambda: torch.ops.compass.matmul_reduce_scatter.graph(a, a, "direct", "0", 1))
     dispatch_s = max(one_rank - host_seconds(lambda: a @ a), 0.0)
     return {"launch_s": launch_s, "dispatch_s": dispatch_s}
+
+
+# ---- InterDecom as lowered -----------------------------------------------------------------------
+def measure_part_overhead(parts: int = 4, shard_rows: int = 2048, k: int = 4096, n: int = 3584,
+                          dtype: str | None = None, calls: int = 20) -> dict:
+    """What one extra InterDecom part costs as the lowering emits it: an all-gather feeding a matmul
+    (Llama-3 8B's gate projection at TP = 8 by default), compiled with ``backend="compass"`` whole
+    and in ``parts`` parts, on the process group at hand (every rank runs this together; without
+    one, on a one-rank group of its own: NCCL on a GPU, gloo on CPU).
+
+    Returns, per extra part: ``device_s`` (CUDA only), the device's seconds beyond what splitting
+    the GEMM alone costs, every call queued behind a GPU sleep: what a step replayed as CUDA graphs,
+    or one whose host runs ahead, pays; and ``issue_s``, the host's seconds to issue it: what a
+    host-bound step pays.  Every rank returns the slowest rank's figures (agreed by an all-reduce).
+    """
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from .timing import H200_CLOCK_HZ
+
+    own_group = not dist.is_initialized()
+    cuda = torch.cuda.is_available()
+    if own_group:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+    try:
+        group = dist.group.WORLD
+        world = dist.get_world_size(group)
+        cuda = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        tdtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if cuda else torch.float32)
+        shard = torch.randn(shard_rows, k, device=device, dtype=tdtype)
+        weight = torch.randn(k, n, device=device, dtype=tdtype)
+        gathered = torch.randn(shard_rows * world, k, device=device, dtype=tdtype)
+
+        def issue_seconds(fn) -> float:
+            """Host seconds per call with the device kept busy (no launch waits for it)."""
+            rounds = []
+            for _ in range(5):
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(int(0.1 * H200_CLOCK_HZ))
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                rounds.append((time.perf_counter() - t0) / calls)
+            if cuda:
+                torch.cuda.synchronize()
+            return statistics.median(rounds)
+
+        def device_seconds(fn) -> float | None:
+            return statistics.median(queued_seconds(fn, calls, 0.1) for _ in range(5)) if cuda else None
+
+        def pair(x, w):
+            return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
+
+        figures = {}
+        for p in (1, parts):
+            torch._dynamo.reset()
+            options = {"strategy": "off"} if p == 1 else {"chunks": p}
+            fn = torch.compile(pair, backend="compass", options=options)
+            rows = shard_rows * world // p
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(shard, weight)
+                figures[p] = {"issue_s": issue_seconds(lambda: fn(shard, weight)),
+                              "device_s": device_seconds(lambda: fn(shard, weight)),
+                              "gemm_device_s": device_seconds(
+                                  lambda: [torch.mm(gathered[i * rows:(i + 1) * rows], weight) for i in range(p)])}
+        torch._dynamo.reset()
+        one, many = figures[1], figures[parts]
+        out = {"parts": parts, "m": shard_rows * world, "n": n, "k": k, "group_size": world,
+               "issue_s": (many["issue_s"] - one["issue_s"]) / (parts - 1), "device_s": None}
+        if cuda:
+            out["device_s"] = ((many["device_s"] - one["device_s"]) - (many["gemm_device_s"] - one["gemm_device_s"])
+                               ) / (parts - 1)
+        agreed = torch.tensor([out["issue_s"], out["device_s"] or 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        out["issue_s"] = float(agreed[0])
+        if cuda:
+            out["device_s"] = float(agreed[1])
+        return out
+    finally:
+        if own_group:
+            dist.destroy_process_group()
