@@ -17,6 +17,7 @@ host's issue of each part is gone, and what an extra part costs is the device's 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
     python benchmarks/decompose_overhead.py --compile-mode reduce-overhead   # the same under CUDA graphs
     python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
+    python benchmarks/decompose_overhead.py --render benchmarks/results/decompose_overhead-h200.json  # its .md
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
 from compass_fx.tools.timing import H200_CLOCK_HZ, seconds_of_one_call  # noqa: E402
+from harness.output import markdown_table  # noqa: E402
 from harness.timing import median_batch_seconds, queued_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
@@ -225,6 +227,34 @@ def run(args: argparse.Namespace) -> dict:
             "rows": rows}
 
 
+def markdown(result: dict, title: str) -> str:
+    """The result as the markdown file beside its JSON."""
+    us = ("seconds", "back_to_back_seconds", "split_gemm_seconds", "per_part_overhead_s", "device_only_seconds",
+          "per_part_device_overhead_s", "host_issue_seconds", "host_issue_per_extra_part_s")
+    rows = [dict(r, **{k + "_us": r[k] * 1e6 for k in us if r.get(k) is not None}) for r in result["rows"]]
+    device, host = (result.get(k) for k in ("median_per_part_device_overhead_s", "median_host_issue_per_extra_part_s"))
+    lines = [f"# {title}", "",
+             f"{result['device']}, torch {result['torch']}, {result['dtype']}, one-rank group, Inductor mode "
+             f"{result.get('compile_mode', 'default')}.  Per extra part: what a part costs beyond its share of the "
+             "GEMM (the split GEMM timed alone), as issued back to back and on the device alone (calls queued "
+             "behind a GPU sleep), and the host's issue.", "",
+             "* median per extra part on the device alone: " + ("-" if device is None else f"{device * 1e6:.1f} us"),
+             "* median host issue per extra part: " + ("-" if host is None else f"{host * 1e6:.1f} us"), "",
+             markdown_table(rows, ["kind", "m", "n", "k", "parts", ("back_to_back_seconds_us", "back to back us"),
+                                   ("back_to_back_ratio", "x sequential"), ("per_part_overhead_s_us", "per part us"),
+                                   ("per_part_device_overhead_s_us", "per part, device us"),
+                                   ("host_issue_seconds_us", "host issue us"),
+                                   ("host_issue_per_extra_part_s_us", "host issue per part us"),
+                                   ("kernels_per_call", "kernels"), ("relative_error", "rel. error")])]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(json_path: Path) -> Path:
+    md = json_path.with_suffix(".md")
+    md.write_text(markdown(json.loads(json_path.read_text()), json_path.stem))
+    return md
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, gloo")
@@ -233,7 +263,12 @@ def main() -> None:
                    help="Inductor mode of every compiled variant (reduce-overhead: CUDA graphs)")
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/decompose_overhead-<device>[-<mode>].json)")
+    p.add_argument("--render", default=None, metavar="FILE",
+                   help="no GPU: write the markdown beside a result file (JSON) and exit")
     args = p.parse_args()
+    if args.render:
+        print(f"wrote {write_markdown(Path(args.render))}")
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -249,7 +284,7 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/results/decompose_overhead-{'cpu' if args.dry_run else 'h200'}{mode}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {write_markdown(out)}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ against the model's prediction.
     python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation-h200.json,\
         benchmarks/results/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
 
-Reports the median relative error on absolute times and on split/unsplit ratios (the quantity
+Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute times and on split/unsplit ratios (the quantity
 InterDecom's choice of d depends on) for the built-in constants, then fits the constants to the
 measurements (compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and
 on held-out shapes (fit on every other shape, test on the rest).
@@ -32,11 +32,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compass_fx.cost.gemm_fit import GemmMeasurement, fit_gpu_spec, model_errors  # noqa: E402
 from compass_fx.machine.calibration import gpu_spec  # noqa: E402
 from compass_fx.machine.gpus import gpu_name_from_device  # noqa: E402
 from compass_fx.tools.calibrate import grid_shapes, measure_gemms  # noqa: E402
+from harness.output import markdown_table  # noqa: E402
 
 PARTS = (1, 2, 4, 8, 16, 32)
 TP8_PARTS = (1, 2, 4, 8, 16, 32, 64)
@@ -141,6 +143,28 @@ def fit_jointly(paths: list[str], gpu: str = "H200") -> dict:
     return out
 
 
+def markdown(result: dict, title: str) -> str:
+    """The result as the markdown file beside its JSON: the three sets of constants' errors, the
+    goal, then every measurement beside the model's price."""
+    lines = [f"# {title}", "",
+             f"{result.get('device')}; constants of {result.get('gpu_constants')}; {result.get('dtype')}; shapes "
+             f"{result.get('shapes_set')}; timing: {result.get('timing', 'each call from an idle GPU')}.", "",
+             markdown_table([dict(r, constants=name) for name, r in
+                             ((n, result[n]) for n in ("builtin", "fitted_all", "fitted_holdout"))],
+                            ["constants", ("median_abs_error", "median abs err"),
+                             ("median_ratio_error", "median ratio err"), ("p90_ratio_error", "p90 ratio err")]),
+             ""]
+    lines += [f"* goal {goal} (built-in constants): {'met' if ok else 'NOT met'}" for goal, ok in
+              result.get("goal", {}).items()]
+    rows = [dict(r, measured_us=r["measured_s"] * 1e6, model_us=r["model_s"] * 1e6,
+                 fitted_model_us=r["fitted_model_s"] * 1e6) for r in result["rows"]]
+    lines += ["", markdown_table(rows, ["m", "n", "k", "parts", ("measured_us", "measured us"),
+                                        ("model_us", "model us"), ("abs_error", "abs err"),
+                                        ("fitted_model_us", "fitted model us"),
+                                        ("fitted_ratio_error", "fitted ratio err")])]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", choices=("grid", "tp8"), default="grid",
@@ -171,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
+    md = os.path.splitext(args.out)[0] + ".md"
+    with open(md, "w") as fh:
+        fh.write(markdown(result, os.path.basename(os.path.splitext(args.out)[0])))
     for name in ("builtin", "fitted_all", "fitted_holdout"):
         r = result[name]
         print(f"{name:15s} median |abs err| {r['median_abs_error']:.3f}  median |ratio err| "
@@ -180,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
           f"wave_overhead {c['wave_overhead_s'] * 1e6:.2f}us tiles {c['tiles']} max_split_k {c['max_split_k']}")
     for goal, ok in result.get("goal", {}).items():
         print(f"goal {goal} (built-in constants): {'met' if ok else 'NOT met'}")
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {md}")
     return 0
 
 

@@ -216,6 +216,45 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
         assert errors["median_ratio_error"] <= 0.10 and errors["p90_ratio_error"] <= 0.25, errors
 
 
+def test_gemm_validation_reprices_a_committed_file_into_json_and_markdown(tmp_path):
+    """``--reprice`` needs no GPU: the committed measurements priced with the code's constants come
+    back with the committed errors, and the markdown beside them says whether the goal holds."""
+    committed = BENCH / "results" / "gemm_model_validation-h200-tp8.json"
+    copy = tmp_path / "gemm_model_validation-h200-tp8.json"
+    copy.write_text(committed.read_text())
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("COMPASS_FX_CALIBRATION", None)
+    proc = subprocess.run([sys.executable, str(BENCH / "gemm_model_validation.py"), "--reprice", str(copy)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    old, new = json.loads(committed.read_text()), json.loads(copy.read_text())
+    assert new["builtin"]["median_ratio_error"] == pytest.approx(old["builtin"]["median_ratio_error"])
+    md = copy.with_suffix(".md").read_text()
+    assert md.startswith("# gemm_model_validation-h200-tp8") and "goal median_ratio_error <= 10%" in md
+    assert md.count("\n| ") >= len(new["rows"]) + 3  # the summary's rows and every measurement
+
+
+def test_decompose_overhead_dry_run_checks_every_rewrite_and_writes_markdown(tmp_path):
+    """The InterDecom overhead benchmark on a one-rank gloo group: every decomposed pair rewritten
+    and equal to the sequential result (it exits non-zero otherwise), JSON and markdown written,
+    and ``--render`` rebuilds the markdown from the JSON alone."""
+    out = tmp_path / "decompose_overhead-cpu.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "decompose_overhead.py"), "--dry-run", "--iters", "2",
+                           "--out", str(out)], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert all(r["rewritten"] == (r["parts"] > 1) for r in data["rows"]), data["rows"]
+    md = out.with_suffix(".md")
+    first = md.read_text()
+    md.unlink()
+    proc = subprocess.run([sys.executable, str(BENCH / "decompose_overhead.py"), "--render", str(out)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert md.read_text() == first and first.count("\n| ") == len(data["rows"]) + 1
+
+
 def _fresh_rank(rank: int, world: int, how: str, init: str, out_path: str) -> None:
     """A rank of ``test_fresh_ranks_reports_every_rank``: rank 0 answers, rank 1 behaves as ``how``."""
     import time
