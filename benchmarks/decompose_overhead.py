@@ -27,7 +27,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
-from compass_fx.tools.timing import H200_CLOCK_HZ, seconds_of_one_call  # noqa: E402
+from compass_fx.tools.timing import issue_seconds, seconds_of_one_call  # noqa: E402
 from harness.output import markdown_table  # noqa: E402
 from harness.timing import median_batch_seconds, queued_batch_seconds  # noqa: E402
 
@@ -96,20 +95,9 @@ def device_only(fn, args, device: str, iters: int) -> float | None:
 
 
 def host_issue(fn, args, device: str, iters: int) -> float | None:
-    """Host seconds to issue one call while the GPU is busy (it sleeps first, so no launch waits
-    for it), median of 5 batches: what each part adds to the host's side of a step."""
-    if device != "cuda":
-        return None
-    per_call = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(80e-3 * H200_CLOCK_HZ))
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn(*args)
-        per_call.append((time.perf_counter() - t0) / iters)
-    torch.cuda.synchronize()
-    return statistics.median(per_call)
+    """Host seconds to issue one call while the GPU is busy (:func:`issue_seconds`): what each part
+    adds to the host's side of a step."""
+    return issue_seconds(lambda: fn(*args), iters, True) if device == "cuda" else None
 
 
 def kernels_per_call(fn, args, device: str) -> int | None:

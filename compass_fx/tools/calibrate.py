@@ -13,7 +13,7 @@ import time
 from typing import Iterable, Sequence
 
 from ..cost.gemm_fit import GemmMeasurement
-from .timing import queued_seconds, seconds_of_one_call
+from .timing import issue_seconds, queued_seconds, seconds_of_one_call
 
 LLAMA3_WIDTHS = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}  # (hidden, ffn)
 
@@ -197,8 +197,6 @@ def measure_part_overhead(parts: int = 4, shard_rows: int = 2048, k: int = 4096,
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from .timing import H200_CLOCK_HZ
-
     own_group = not dist.is_initialized()
     cuda = torch.cuda.is_available()
     if own_group:
@@ -217,21 +215,6 @@ def measure_part_overhead(parts: int = 4, shard_rows: int = 2048, k: int = 4096,
         weight = torch.randn(k, n, device=device, dtype=tdtype)
         gathered = torch.randn(shard_rows * world, k, device=device, dtype=tdtype)
 
-        def issue_seconds(fn) -> float:
-            """Host seconds per call with the device kept busy (no launch waits for it)."""
-            rounds = []
-            for _ in range(5):
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(int(0.1 * H200_CLOCK_HZ))
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                rounds.append((time.perf_counter() - t0) / calls)
-            if cuda:
-                torch.cuda.synchronize()
-            return statistics.median(rounds)
-
         def device_seconds(fn) -> float | None:
             return statistics.median(queued_seconds(fn, calls, 0.1) for _ in range(5)) if cuda else None
 
@@ -247,7 +230,7 @@ def measure_part_overhead(parts: int = 4, shard_rows: int = 2048, k: int = 4096,
             with torch.no_grad():
                 for _ in range(3):
                     fn(shard, weight)
-                figures[p] = {"issue_s": issue_seconds(lambda: fn(shard, weight)),
+                figures[p] = {"issue_s": issue_seconds(lambda: fn(shard, weight), calls, cuda, busy_s=0.1),
                               "device_s": device_seconds(lambda: fn(shard, weight)),
                               "gemm_device_s": device_seconds(
                                   lambda: [torch.mm(gathered[i * rows:(i + 1) * rows], weight) for i in range(p)])}

@@ -28,6 +28,28 @@ def queued_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3) ->
     return batch_seconds(fn, calls, True)
 
 
+def issue_seconds(fn: Callable[[], Any], calls: int, cuda: bool, busy_s: float = 0.08, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the host's seconds to issue one of ``calls`` calls while the GPU
+    is kept busy (it sleeps ``busy_s`` first, so no launch waits for it): what a call costs a step
+    whose host is the bottleneck.  On CPU, the calls' wall clock."""
+    import statistics
+
+    import torch
+
+    per_call = []
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(busy_s * H200_CLOCK_HZ))
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
 def batch_seconds(fn: Callable[[], Any], calls: int, cuda: bool) -> float:
     """Mean seconds per call of ``calls`` back-to-back calls: CUDA events around them on a GPU
     (the device's time once the host keeps ahead), a wall clock on CPU."""
