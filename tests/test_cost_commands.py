@@ -35,23 +35,35 @@ def test_plan_json_without_fused_operators(capsys):
     assert all(not label.startswith("fuse") for p in data["pairs"] for label in p["candidates"])
 
 
-def test_plan_prices_cuda_graph_replays_when_asked(capsys):
+def test_plan_prices_cuda_graph_replays_when_asked(capsys, monkeypatch):
     """``--cuda-graphs`` prices the layer as CUDA graph replays: the sequential pairs cost the same,
-    every decomposition less (no host issue per part), and the output says so."""
+    every decomposition less (no host issue per part), and the output says so.  As 'auto' under
+    CUDA graphs, it prices the fused operators only where the graphs can take them in
+    (COMPASS_FUSED_GRAPHS=1), and says why it left them out otherwise."""
     common = ("plan", "--model", "llama3-8b", "--tp", "2", "--tokens", "8192", "--topology",
               "h200-host-staged-8", "--json", "--no-png")
-    assert run(*common) == 0
+    monkeypatch.delenv("COMPASS_FUSED_GRAPHS", raising=False)
+    assert run(*common, "--fused", "none") == 0
     eager = json.loads(capsys.readouterr().out)
-    assert run(*common, "--cuda-graphs") == 0
-    out = capsys.readouterr()
-    graphs = json.loads(out.out)
+    assert run(*common, "--fused", "none", "--cuda-graphs") == 0
+    graphs = json.loads(capsys.readouterr().out)
     assert not eager["cuda_graphs"] and graphs["cuda_graphs"]
-    assert "priced as CUDA graph replays" in out.err
     assert graphs["sequential_s"] == eager["sequential_s"] and graphs["planned_s"] <= eager["planned_s"]
     for e, g in zip(eager["pairs"], graphs["pairs"]):
         for label, seconds in e["candidates"].items():
             if label.startswith("decompose"):
                 assert g["candidates"][label] < seconds, (e["name"], label)
+
+    def fused_labels(data):
+        return {label for p in data["pairs"] for label in p["candidates"] if label.startswith("fuse")}
+
+    assert run(*common, "--cuda-graphs") == 0  # as auto: the fused calls would split the graphs
+    out = capsys.readouterr()
+    assert not fused_labels(json.loads(out.out))
+    assert "priced as CUDA graph replays" in out.err and "only with COMPASS_FUSED_GRAPHS=1" in out.err
+    monkeypatch.setenv("COMPASS_FUSED_GRAPHS", "1")
+    assert run(*common, "--cuda-graphs") == 0  # captured with the rest: priced, without a host floor
+    assert fused_labels(json.loads(capsys.readouterr().out))
 
 
 def test_plan_writes_a_timeline_picture(tmp_path, capsys):

@@ -37,15 +37,18 @@ def _schedules(text: str) -> tuple[str, ...]:
     return _names(SCHEDULES)(text)
 
 
-def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
+def provenance(fused: tuple[str, ...] | None, staged: bool = False, unpriced: str | None = None) -> str:
     """Where the predictions come from, and what was priced: one line for the output.  ``staged``:
-    some GPU group planned has no peer access (where 'auto' prices the fused operators by default)."""
+    some GPU group planned has no peer access (where 'auto' prices the fused operators by default);
+    ``unpriced``: why the fused operators were left out, where something else than that decided."""
     path = calibration_path()
     constants = (f"GPU constants from the calibration file {path}" if path is not None else
                  f"built-in GPU constants (datasheets; Hopper's GEMM constants fitted on one H200), not "
                  f"measured on this machine (run compass-fx calibrate "
                  f"on a GPU and set {CALIBRATION_ENV} to the file it writes)")
-    if fused is None and staged:
+    if unpriced is not None:
+        priced = unpriced
+    elif fused is None and staged:
         priced = ("fused operators priced where the GPUs lack peer access (through host memory), as "
                   "strategy='auto' does by default; elsewhere not (--fused all to include them)")
     elif fused is None or not fused:
@@ -54,6 +57,18 @@ def provenance(fused: tuple[str, ...] | None, staged: bool = False) -> str:
         priced = (f"fused operators priced ({', '.join(fused)}): with peer access strategy='auto' uses them "
                   f"only with auto_fuse=True")
     return f"note: {constants}; {priced}"
+
+
+def fused_under_graphs(fused: tuple[str, ...] | None, cuda_graphs: bool) -> tuple[tuple[str, ...] | None, str | None]:
+    """The fused schedules to price and a note: priced as CUDA graph replays, 'auto' offers the
+    fused operators only when the graphs can take them in (``COMPASS_FUSED_GRAPHS=1``); else
+    each would split the graphs.  An explicit ``--fused`` is priced as asked."""
+    from ..kernels.cuda import graphs_enabled
+
+    if not cuda_graphs or fused is not None or graphs_enabled():
+        return fused, None
+    return (), ("fused operators not priced: under CUDA graphs 'auto' offers them only with "
+                "COMPASS_FUSED_GRAPHS=1 (uncaptured, each would split the graphs; --fused all prices them anyway)")
 
 
 def _topology(text: str) -> Topology:
@@ -69,9 +84,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .timeline_plot import plot_timelines
 
     topo = args.topology
+    fused, graphs_note = fused_under_graphs(args.fused, args.cuda_graphs)
     lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
                     sequence_parallel=not args.no_sequence_parallel, backward=args.backward,
-                    fused_schedules=args.fused, cuda_graphs=args.cuda_graphs)
+                    fused_schedules=fused, cuda_graphs=args.cuda_graphs)
     if args.json:
         print(json.dumps({
             "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
@@ -83,7 +99,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
-    print(f"compass-fx plan: {provenance(args.fused, fuses_by_default(topo, args.tp))}", file=sys.stderr)
+    print(f"compass-fx plan: {provenance(fused, fuses_by_default(topo, args.tp), graphs_note)}", file=sys.stderr)
     if args.cuda_graphs:
         print("compass-fx plan: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     if args.no_png:
@@ -114,8 +130,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import SweepConfig, format_summary, progress_bar, run_sweep, summarize, write_csv
 
+    fused, graphs_note = fused_under_graphs(args.fused, args.cuda_graphs)
     config = SweepConfig(topologies=args.topologies, models=args.models, kinds=args.kinds, tokens=args.tokens,
-                         group_sizes=args.group_sizes, fused_schedules=args.fused, cuda_graphs=args.cuda_graphs)
+                         group_sizes=args.group_sizes, fused_schedules=fused, cuda_graphs=args.cuda_graphs)
     for name in config.topologies:
         Topology.resolve(name)
     out = Path(args.out_dir)
@@ -128,7 +145,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
     staged = any(fuses_by_default(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
-    print(f"compass-fx sweep: {provenance(args.fused, staged)}", file=sys.stderr)
+    print(f"compass-fx sweep: {provenance(fused, staged, graphs_note)}", file=sys.stderr)
     if args.cuda_graphs:
         print("compass-fx sweep: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)
