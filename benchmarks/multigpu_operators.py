@@ -84,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pick-fused", default="auto", choices=("auto", "all"),
                    help="auto (default): the model's pick prices the fused operators only where strategy='auto' "
                         "does by default (no peer access); all: everywhere (as auto_fuse=True)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture every candidate (and the GEMM, collective and symm_mem baselines) in a CUDA graph "
+                        "and time its replays; the model prices the pairs as replays (Workload.cuda_graphs).  The "
+                        "fused operators need COMPASS_FUSED_GRAPHS=1")
     p.add_argument("--inner", default="eager", choices=("eager", "inductor"),
                    help="compiler of the rewritten one-pair graphs (default eager: one pair has nothing for "
                         "Inductor to fuse, and the decomposed parts run as the rewrite emits them)")
@@ -93,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 5)
     args.repeats = args.repeats or (2 if args.dry_run else 25)
     args.rounds = args.rounds or (2 if args.dry_run else 7)
+    if args.cuda_graphs:  # the fused calls' twin workspaces (read when the ranks import compass_fx)
+        os.environ.setdefault("COMPASS_FUSED_GRAPHS", "1")
     return args
 
 
@@ -127,6 +133,14 @@ def timed(ctx: ranks.Ctx, args, fn) -> float:
     return timing.time_fn(ctx, fn, args.warmup, args.repeats)
 
 
+def replayed(ctx: ranks.Ctx, args, fn):
+    """``fn`` as timed: with ``--cuda-graphs`` warmed up and replayed from a CUDA graph."""
+    if not args.cuda_graphs:
+        return fn
+    timing.warm_up(ctx, fn, args.warmup)
+    return timing.graphed(ctx, fn)
+
+
 def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
     from compass_fx.cost import Workload, plan
     from compass_fx.cost.select import fuses_by_default
@@ -134,7 +148,7 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
 
     kind, m, n, k = cfg["kind"], cfg["m"], cfg["n"], cfg["k"]
     dtype = DTYPES[args.dtype]
-    wl = Workload(kind, m, n, k, args.dtype, ctx.world)
+    wl = Workload(kind, m, n, k, args.dtype, ctx.world, cuda_graphs=args.cuda_graphs)
     priced = plan(wl, topo, fused_schedules=fused)  # every candidate measured here, for the prediction errors
     # the pick is strategy='auto''s: fused operators only where it prices them by default (or --pick-fused all)
     by_default = fuses_by_default(topo, ctx.world) or args.pick_fused == "all"
@@ -158,7 +172,13 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
         for label in labels:  # each strategy as compass_fx's rewrite emits it
             fn, outcomes = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
             call = (lambda f: lambda: f(a, b))(fn)
-            if args.timing == "interleaved":  # compile and warm up now, time below with the others
+            if args.cuda_graphs:  # warm up (compile, build the workspaces), then capture: time the replays
+                call, err = ranks.guarded(ctx, label, lambda: (timing.warm_up(ctx, call, args.warmup),
+                                                               timing.graphed(ctx, call))[1])
+                t = None
+                if not err and args.timing != "interleaved":
+                    t, err = ranks.guarded(ctx, label, lambda: timed(ctx, args, call))
+            elif args.timing == "interleaved":  # compile and warm up now, time below with the others
                 t, err = ranks.guarded(ctx, label, lambda: timing.warm_up(ctx, call, args.warmup))
             else:
                 t, err = ranks.guarded(ctx, label, lambda: timed(ctx, args, call))
@@ -176,11 +196,11 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
         baseline = {}
         if kind != "matmul_all_reduce" and not args.no_symm_mem:
             fn = pairs.strategy_fn(kind, "symm_mem", ctx.world, ctx.group_name)
-            t, err = ranks.guarded(ctx, "symm_mem", lambda: timed(ctx, args, lambda: fn(a, b)))
+            t, err = ranks.guarded(ctx, "symm_mem", lambda: timed(ctx, args, replayed(ctx, args, lambda: fn(a, b))))
             baseline = {"symm_mem_s": t, "symm_mem_error": err,
                         "symm_mem_impl": "torch.ops.symm_mem (CUDA)" if ctx.is_cuda else "Python fallback (not a baseline)"}
-        gemm_s = timed(ctx, args, pairs.gemm_only_fn(kind, a, b, ctx.world))
-        comm_s = timed(ctx, args, pairs.comm_only_fn(kind, a, b, ctx.world, ctx.group_name))
+        gemm_s = timed(ctx, args, replayed(ctx, args, pairs.gemm_only_fn(kind, a, b, ctx.world)))
+        comm_s = timed(ctx, args, replayed(ctx, args, pairs.comm_only_fn(kind, a, b, ctx.world, ctx.group_name)))
     a = b = None  # free the operands before the next configuration
     if ctx.is_cuda:
         torch.cuda.empty_cache()
@@ -191,7 +211,7 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
                            for lbl in labels},
                gemm_s=gemm_s, comm_s=comm_s, comm_fraction=comm_s / (comm_s + gemm_s),
                pick=decision.label, pick_predicted_s=decision.predicted_s, model_d=model_parts, d_star=decision.d_star,
-               predicted_sequential_s=predicted.get("sequential"), inner=args.inner,
+               predicted_sequential_s=predicted.get("sequential"), inner=args.inner, cuda_graphs=args.cuda_graphs,
                **baseline)
     seq = times.get("sequential")
     pick_s = times.get(decision.label)
@@ -295,6 +315,8 @@ def markdown(tag: str, args, results, summary: dict) -> str:
                  "interleaved": f"; {args.rounds} rounds of one back-to-back batch of {args.repeats} calls per "
                                 "candidate (order rotated each round), median over rounds",
                  "barrier": f"; median of {args.repeats} after {args.warmup} warm-up, each call after a barrier"}[args.timing]
+              + ("; every candidate and baseline replayed from a CUDA graph (no host issue), priced so"
+                 if args.cuda_graphs else "")
               + "; slowest rank; hit = pick within 3% of the best "
               "measured; overlap eff. = max(GEMM alone, collective alone) / pick.", "", "## Summary", ""]
     for key, value in summary.items():

@@ -216,6 +216,22 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
         assert errors["median_ratio_error"] <= 0.10 and errors["p90_ratio_error"] <= 0.25, errors
 
 
+def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path):
+    """``--cuda-graphs``: the model prices every candidate as a replay (a decomposition without host
+    issue per part: cheaper than the same grid priced eagerly), the rows and the markdown say so.
+    (On CPU nothing is captured; on GPUs every candidate and baseline is timed from its replays.)"""
+    common = ("--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2", "--kinds", "all_gather_matmul")
+    graphs = _run("multigpu_operators.py", tmp_path / "graphs", *common, "--cuda-graphs")["rows"][0]
+    eager = _run("multigpu_operators.py", tmp_path / "eager", *common)["rows"][0]
+    assert graphs["cuda_graphs"] and not eager["cuda_graphs"]
+    predicted = {k: (c["predicted_s"], eager["candidates"][k]["predicted_s"]) for k, c in graphs["candidates"].items()}
+    assert predicted["decompose(d=2)"][0] < predicted["decompose(d=2)"][1], predicted
+    assert predicted["sequential"][0] == predicted["sequential"][1], predicted
+    assert all(c["measured_s"] and c["error"] is None for c in graphs["candidates"].values()), graphs["candidates"]
+    md = next((tmp_path / "graphs").glob("*.md")).read_text()
+    assert "replayed from a CUDA graph" in md
+
+
 def test_gemm_validation_reprices_a_committed_file_into_json_and_markdown(tmp_path):
     """``--reprice`` needs no GPU: the committed measurements priced with the code's constants come
     back with the committed errors, and the markdown beside them says whether the goal holds."""

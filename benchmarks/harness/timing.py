@@ -67,6 +67,22 @@ def warm_up(ctx: Ctx, fn: Callable[[], Any], calls: int) -> None:
     synchronize(ctx)
 
 
+def graphed(ctx: Ctx, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (warmed up: compiled, its workspaces built) captured once in a CUDA graph; the
+    returned function replays it, so a timing sees the device's work without the host's issue.
+    Every rank captures the same functions in the same order; on CPU ``fn`` itself."""
+    if not ctx.is_cuda:
+        return fn
+    import torch
+
+    synchronize(ctx)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    synchronize(ctx)
+    return graph.replay
+
+
 def _batch_seconds(ctx: Ctx, fn: Callable[[], Any], batch: int) -> float:
     """Mean seconds per call of ``batch`` back-to-back calls started after a barrier."""
     barrier(ctx)
