@@ -147,7 +147,8 @@ def gpu_spec(gpu: "str | GpuSpec") -> GpuSpec:
 def write_calibration(path: "str | Path", specs: Sequence[GpuSpec], extra: dict | None = None) -> None:
     """A calibration file :func:`load_calibration` reads: format, version, {"gpus": {name: constants}}, and
     ``extra`` (the device it was measured on, how many measurements, ...)."""
-    keep = ("efficiency", "kernel_overhead_s", "wave_overhead_s", "tiles", "max_split_k", "graph_part_overhead_s", "source")
+    keep = ("efficiency", "kernel_overhead_s", "wave_overhead_s", "tiles", "max_split_k", "graph_part_overhead_s",
+            "source")
     data = {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION,
             "gpus": {s.name: {k: v for k, v in s.to_dict().items() if k in keep} for s in specs}}
     data.update(extra or {})

@@ -97,10 +97,11 @@ class GpuSpec:
 # parts are read and written in place); the rest is the host's issue of each part's launches
 # (median 194 us per extra part on the lent machines' host, one-rank NCCL under Inductor).  Under
 # CUDA graphs (Inductor's "reduce-overhead") that issue is gone: graph_part_overhead_s is the
-# median device cost per extra part of decompose_overhead-h200-reduce-overhead.json (4.4 us).
+# median device cost per extra part of decompose_overhead-h200-reduce-overhead.json (4.4 us; 4.5 in
+# a second run, -run2.json).
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
-               efficiency=0.72, kernel_overhead_s=4.0e-6, wave_overhead_s=0.3e-6, part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6,
-               max_split_k=2,
+               efficiency=0.72, kernel_overhead_s=4.0e-6, wave_overhead_s=0.3e-6, max_split_k=2,
+               part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6,
                tiles=((128, 256, 1.0), (256, 128, 1.0), (192, 128, 1.0), (128, 128, 0.95), (128, 64, 0.8),
                       (64, 128, 0.55), (64, 64, 0.6)), source="fitted on an H200")
 

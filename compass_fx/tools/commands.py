@@ -91,7 +91,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
-            "cuda_graphs": args.cuda_graphs, "sequential_s": lp.sequential_s, "planned_s": lp.planned_s, "speedup": lp.speedup,
+            "cuda_graphs": args.cuda_graphs, "sequential_s": lp.sequential_s, "planned_s": lp.planned_s,
+            "speedup": lp.speedup,
             "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": decision.label,
                        "predicted_s": decision.predicted_s, "reason": decision.reason,
                        "candidates": {c.label: c.seconds for c in decision.candidates}}
