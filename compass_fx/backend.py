@@ -132,7 +132,8 @@ def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
         report.notes.append(f"mode={opts.mode!r} replays CUDA graphs: the pairs were priced without host issue "
                             "costs (an extra InterDecom part costs its device time alone"
                             + (", a fused call no host floor)" if captured else
-                               "; the fused operators, which would split the graphs, were not offered to 'auto')"))
+                               "; without COMPASS_FUSED_GRAPHS=1 'auto' offers no fused operator: it would split "
+                               "the graphs)"))
     fused = [p for p in report.pairs if p.status == "rewritten" and p.strategy == "fuse"]
     if not fused:
         return

@@ -28,6 +28,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         options["chunks"] = args.chunks
     if args.schedule is not None:
         options["schedule"] = args.schedule
+    if args.mode is not None:
+        options["mode"] = args.mode
     compass_fx.check_options(options)  # a bad value fails here, before any tracing
     check_demo_shape(args)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--chunks", type=positive_int, default=None, help="force the InterDecom part count")
     ex.add_argument("--schedule", default=None, help="fused schedule: ring, double_ring, direct")
     ex.add_argument("--topology", default=None, help="topology preset name or file for the cost model")
+    ex.add_argument("--mode", default=None,
+                    help="Inductor mode the model would compile under (reduce-overhead: priced as CUDA graph replays)")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     ex.set_defaults(func=cmd_explain)
     from .tools.commands import add_subcommands

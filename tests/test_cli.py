@@ -37,6 +37,18 @@ def test_explain_json_and_topology():
     assert all(len(p["candidates"]) > 1 for p in pairs)
 
 
+def test_explain_under_a_cuda_graph_mode_says_how_it_priced():
+    """``--mode reduce-overhead``: the report notes, per graph, that the pairs were priced as CUDA
+    graph replays."""
+    out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--mode",
+                  "reduce-overhead")
+    assert out.returncode == 0, out.stderr[-3000:]
+    notes = [line for line in out.stdout.splitlines() if "replays CUDA graphs" in line]
+    assert len(notes) == 2 and all("priced without host issue costs" in n for n in notes), out.stdout[-3000:]
+    bad = run_cli("explain", "--world", "2", "--mode", "turbo")
+    assert bad.returncode == 2 and "option 'mode' must be one of" in bad.stderr
+
+
 def test_explain_bad_option_is_a_clear_error():
     out = run_cli("explain", "--strategy", "fastest")
     assert out.returncode == 2
