@@ -39,12 +39,21 @@ def test_explain_json_and_topology():
 
 def test_explain_under_a_cuda_graph_mode_says_how_it_priced():
     """``--mode reduce-overhead``: the report notes, per graph, that the pairs were priced as CUDA
-    graph replays."""
-    out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--mode",
-                  "reduce-overhead")
-    assert out.returncode == 0, out.stderr[-3000:]
-    notes = [line for line in out.stdout.splitlines() if "replays CUDA graphs" in line]
-    assert len(notes) == 2 and all("priced without host issue costs" in n for n in notes), out.stdout[-3000:]
+    graph replays, and the prices are the replays': every decomposition cheaper (no host issue per
+    part), the sequential pairs unchanged.  A bad mode is the usual argparse error."""
+    common = ("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--json")
+    eager, graphs = (json.loads(run_cli(*common, *extra).stdout) for extra in ((), ("--mode", "reduce-overhead")))
+    notes = [n for g in graphs["graphs"] for n in g["notes"] if "replays CUDA graphs" in n]
+    assert len(notes) == 2 and all("priced without host issue costs" in n for n in notes), graphs["graphs"]
+    assert not any("CUDA graphs" in n for g in eager["graphs"] for n in g["notes"])
+
+    def prices(pair):
+        return {c["label"]: c["seconds"] for c in pair["candidates"]}
+
+    priced = [(prices(e), prices(g)) for ge, gg in zip(eager["graphs"], graphs["graphs"])
+              for e, g in zip(ge["pairs"], gg["pairs"])]
+    assert priced and all(e["sequential"] == g["sequential"] for e, g in priced)
+    assert all(g[label] < e[label] for e, g in priced for label in e if label.startswith("decompose"))
     bad = run_cli("explain", "--world", "2", "--mode", "turbo")
     assert bad.returncode == 2 and "option 'mode' must be one of" in bad.stderr
 
