@@ -217,18 +217,24 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
 
 
 def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path):
-    """``--cuda-graphs``: the model prices every candidate as a replay (a decomposition without host
-    issue per part: cheaper than the same grid priced eagerly), the rows and the markdown say so.
-    (On CPU nothing is captured; on GPUs every candidate and baseline is timed from its replays.)"""
-    common = ("--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2", "--kinds", "all_gather_matmul")
-    graphs = _run("multigpu_operators.py", tmp_path / "graphs", *common, "--cuda-graphs")["rows"][0]
-    eager = _run("multigpu_operators.py", tmp_path / "eager", *common)["rows"][0]
-    assert graphs["cuda_graphs"] and not eager["cuda_graphs"]
-    predicted = {k: (c["predicted_s"], eager["candidates"][k]["predicted_s"]) for k, c in graphs["candidates"].items()}
-    assert predicted["decompose(d=2)"][0] < predicted["decompose(d=2)"][1], predicted
-    assert predicted["sequential"][0] == predicted["sequential"][1], predicted
-    assert all(c["measured_s"] and c["error"] is None for c in graphs["candidates"].values()), graphs["candidates"]
-    md = next((tmp_path / "graphs").glob("*.md")).read_text()
+    """``--cuda-graphs``: the model prices every candidate as a replay (each decomposition exactly
+    as ``Workload.cuda_graphs`` prices it, cheaper than issued eagerly), the rows and the markdown
+    say so.  (On CPU nothing is captured; on GPUs every candidate and baseline is timed from its
+    replays.)"""
+    from compass_fx.cost import Topology, Workload
+    from compass_fx.cost.strategies import decomposition_models
+
+    data = _run("multigpu_operators.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2",
+                "--kinds", "all_gather_matmul", "--cuda-graphs")
+    row = data["rows"][0]
+    assert row["cuda_graphs"] and all(c["measured_s"] and c["error"] is None for c in row["candidates"].values())
+    topo = Topology.resolve(data["topology"]["2"]["name"])
+    replayed = Workload(row["kind"], row["m"], row["n"], row["k"], data["dtype"], 2, cuda_graphs=True)
+    issued = Workload(row["kind"], row["m"], row["n"], row["k"], data["dtype"], 2)
+    price = {w.cuda_graphs: decomposition_models(w, topo, allowed=(2,))[2].seconds(2) for w in (replayed, issued)}
+    assert row["candidates"]["decompose(d=2)"]["predicted_s"] == pytest.approx(price[True], rel=1e-9)
+    assert price[True] < price[False]
+    md = next(tmp_path.glob("*.md")).read_text()
     assert "replayed from a CUDA graph" in md
 
 
