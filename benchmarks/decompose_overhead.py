@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compass_fx.backend  # noqa: E402
 from compass_fx.cost import gemm_seconds, split_gemm_seconds  # noqa: E402
-from compass_fx.tools.timing import issue_seconds, seconds_of_one_call  # noqa: E402
+from compass_fx.tools.timing import issue_seconds, median_queued_seconds, seconds_of_one_call  # noqa: E402
 from harness.output import markdown_table  # noqa: E402
-from harness.timing import median_batch_seconds, queued_batch_seconds  # noqa: E402
+from harness.timing import median_batch_seconds  # noqa: E402
 
 # Llama-3 8B at TP=8: gate+up projection (gathered rows), down projection (scattered / reduced rows).
 SHAPES = {"all_gather_matmul": (4096, 3584), "matmul_reduce_scatter": (1792, 4096),
@@ -87,11 +87,7 @@ def device_only(fn, args, device: str, iters: int) -> float | None:
         return None
     for _ in range(3):
         fn(*args)
-    per_call = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        per_call.append(queued_batch_seconds(lambda: fn(*args), iters, sleep_s=40e-3))
-    return statistics.median(per_call)
+    return median_queued_seconds(lambda: fn(*args), iters, sleep_s=40e-3)
 
 
 def host_issue(fn, args, device: str, iters: int) -> float | None:

@@ -126,17 +126,20 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
     through_op = getattr(torch.ops.compass, op)
     direct = getattr(cuda, op)
     args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, WORLD)
-    err = relative_error(op, through_op(a, *args), rows, k, n, rank)
-    if err > TOLERANCE:
-        raise RuntimeError(f"{op} rows={rows}: result off by {err:.3g} of its largest element (rank {rank})")
+    graph_op = through_op.graph
+
+    def checked(name: str, fn) -> float:
+        err = relative_error(op, fn(a, *args), rows, k, n, rank)
+        if err > TOLERANCE:
+            raise RuntimeError(f"{name} rows={rows}: result off by {err:.3g} of its largest element (rank {rank})")
+        return err
+
+    err = checked(op, through_op)
     for _ in range(3):
         through_op(a, *args)
     dist.barrier()
     res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err}
-    graph_op = getattr(torch.ops.compass, op).graph
-    err_graph = relative_error(op, graph_op(a, *args), rows, k, n, rank)
-    if err_graph > TOLERANCE:
-        raise RuntimeError(f"{op}.graph rows={rows}: result off by {err_graph:.3g} of its largest element (rank {rank})")
+    checked(f"{op}.graph", graph_op)
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
              "host_us_impl": lambda: direct(a, *args)}
     if op == "all_gather_matmul":

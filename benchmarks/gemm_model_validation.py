@@ -17,9 +17,9 @@ against the model's prediction.
     python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation-h200.json,\
         benchmarks/results/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
 
-Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute times and on split/unsplit ratios (the quantity
-InterDecom's choice of d depends on) for the built-in constants, then fits the constants to the
-measurements (compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and
+Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute
+times and on split/unsplit ratios (the quantity InterDecom's choice of d depends on) for the
+built-in constants, then fits the constants to the measurements (compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and
 on held-out shapes (fit on every other shape, test on the rest).
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 from typing import Iterable, Sequence
 
 from ..cost.gemm_fit import GemmMeasurement
-from .timing import issue_seconds, queued_seconds, seconds_of_one_call
+from .timing import issue_seconds, median_queued_seconds, queued_seconds, seconds_of_one_call
 
 LLAMA3_WIDTHS = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}  # (hidden, ffn)
 
@@ -99,7 +99,7 @@ def _median_queued_time(fn, cuda: bool, min_time_s: float) -> float:  # noqa: AR
     device_once = queued_seconds(fn, 3)
     calls = max(3, min(50, math.ceil(min_time_s / 5 / max(device_once, 1e-7))))
     sleep_s = max(20e-3, 2 * calls * host_once)
-    return statistics.median(queued_seconds(fn, calls, sleep_s) for _ in range(5))
+    return median_queued_seconds(fn, calls, sleep_s)
 
 
 # ---- collectives over the group at hand ---------------------------------------------------------
@@ -160,16 +160,8 @@ def measure_fused_host(calls: int = 200) -> dict:
                 "WaitFlag": lambda: driver.wait_at_least(flag.data_ptr(), 0, side.cuda_stream),
                 "Record": lambda: event.record(side), "WaitEvent": lambda: side.wait_event(event)}
 
-    def host_seconds(fn) -> float:
-        rounds = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            rounds.append((time.perf_counter() - t0) / calls)
-        torch.cuda.synchronize()
-        return statistics.median(rounds)
+    def host_seconds(fn) -> float:  # each round from an idle GPU: launches alone, nothing queued ahead
+        return issue_seconds(fn, calls, True, busy_s=0)
 
     launch_s = {kind: host_seconds(fn) for kind, fn in launches.items()}
     # the overload rewritten graphs call
@@ -216,7 +208,7 @@ def measure_part_overhead(parts: int = 4, shard_rows: int = 2048, k: int = 4096,
         gathered = torch.randn(shard_rows * world, k, device=device, dtype=tdtype)
 
         def device_seconds(fn) -> float | None:
-            return statistics.median(queued_seconds(fn, calls, 0.1) for _ in range(5)) if cuda else None
+            return median_queued_seconds(fn, calls, 0.1) if cuda else None
 
         def pair(x, w):
             return torch.mm(funcol.all_gather_tensor(x, 0, group), w)

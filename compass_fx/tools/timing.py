@@ -4,6 +4,7 @@ Shared by ``compass-fx calibrate`` and the benchmarks so that every figure is ta
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable
 
@@ -28,19 +29,30 @@ def queued_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3) ->
     return batch_seconds(fn, calls, True)
 
 
+def median_queued_seconds(fn: Callable[[], Any], calls: int, sleep_s: float = 20e-3, rounds: int = 5) -> float:
+    """Median over ``rounds`` of :func:`queued_seconds`, each round started from an idle GPU."""
+    import torch
+
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        per_call.append(queued_seconds(fn, calls, sleep_s))
+    return statistics.median(per_call)
+
+
 def issue_seconds(fn: Callable[[], Any], calls: int, cuda: bool, busy_s: float = 0.08, rounds: int = 5) -> float:
     """Median over ``rounds`` of the host's seconds to issue one of ``calls`` calls while the GPU
-    is kept busy (it sleeps ``busy_s`` first, so no launch waits for it): what a call costs a step
-    whose host is the bottleneck.  On CPU, the calls' wall clock."""
-    import statistics
-
+    is kept busy (it sleeps ``busy_s`` first, so no launch waits for it; ``busy_s=0``: each round
+    starts from an idle GPU instead): what a call costs a step whose host is the bottleneck.  On
+    CPU, the calls' wall clock."""
     import torch
 
     per_call = []
     for _ in range(rounds):
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda._sleep(int(busy_s * H200_CLOCK_HZ))
+            if busy_s > 0:
+                torch.cuda._sleep(int(busy_s * H200_CLOCK_HZ))
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
