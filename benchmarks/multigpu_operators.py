@@ -173,8 +173,7 @@ def measure_config(ctx: ranks.Ctx, args, cfg: dict, topo, fused: tuple) -> dict:
             fn, outcomes = pairs.lowered_fn(kind, label, ctx.world, ctx.group_name, args.inner)
             call = (lambda f: lambda: f(a, b))(fn)
             if args.cuda_graphs:  # warm up (compile, build the workspaces), then capture: time the replays
-                call, err = ranks.guarded(ctx, label, lambda: (timing.warm_up(ctx, call, args.warmup),
-                                                               timing.graphed(ctx, call))[1])
+                call, err = ranks.guarded(ctx, label, lambda: replayed(ctx, args, call))
                 t = None
                 if not err and args.timing != "interleaved":
                     t, err = ranks.guarded(ctx, label, lambda: timed(ctx, args, call))
