@@ -1,0 +1,189 @@
+"""The benchmark runs planned for a lent GPU machine, each batch one device call.
+
+A device call runs at most 10 minutes and a session gets 30 device minutes, so the runs a question
+needs are planned ahead as batches and kept here, in the repository (a plan kept outside it was
+lost with a session's scratch files once).  Each batch is a list of steps; a step is one benchmark
+script (or ``compass-fx``) with its arguments, the environment of its regime and a deadline.
+
+    python benchmarks/device_batches.py --list
+    python benchmarks/device_batches.py x2-graphs --out "$OUT"     # on the machine, after installing
+
+The runner starts each step in its own process group with its deadline (a stalled step is killed,
+and the batch goes on), writes each step's output to ``OUT/logs/<step>.log``, lets the step write
+its results under ``OUT/results`` and ends with ``OUT/batch-<name>.json``: per step the command,
+exit status, seconds and the files it wrote.  ``tests/test_device_batches.py`` parses every step's
+arguments with its script's own parser, so a plan cannot rot while the scripts change.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PER_CALL_LIMIT_S = 600      # the device tool's limit per call
+INSTALL_MARGIN_S = 60       # the editable install and the machine's first CUDA context
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+HOST_STAGED = {"NCCL_P2P_DISABLE": "1"}   # NCCL through host memory: the regime of PCIe cards without peer access
+RESULTS = "{results}"      # replaced by OUT/results in the arguments
+
+
+@dataclass(frozen=True)
+class Step:
+    """One run: ``script`` is a path under benchmarks/ or ``compass-fx``; ``ranks`` > 1 runs it under
+    torchrun with that many processes (scripts that spawn their own ranks leave it at 1)."""
+
+    name: str
+    script: str
+    args: tuple[str, ...]
+    deadline_s: int
+    env: dict[str, str] = field(default_factory=dict)
+    ranks: int = 1
+
+    def command(self, results: Path) -> list[str]:
+        args = [a.replace(RESULTS, str(results)) for a in self.args]
+        if self.script == "compass-fx":
+            program = ["compass-fx"] if self.ranks == 1 else ["--no-python", "compass-fx"]
+        else:
+            program = [sys.executable, str(ROOT / "benchmarks" / self.script)] if self.ranks == 1 else [
+                str(ROOT / "benchmarks" / self.script)]
+        if self.ranks > 1:
+            return ["torchrun", "--standalone", f"--nproc-per-node={self.ranks}", *program, *args]
+        return [*program, *args]
+
+
+def _grid(tag: str, env: dict[str, str], *extra: str, deadline_s: int = 200) -> Step:
+    return Step(f"operators-{tag}", "multigpu_operators.py",
+                ("--worlds", "2", "--repeats", "10", "--decompose-ds", "2,4,8", "--pick-fused", "all", *extra,
+                 "--tag", tag, "--out-dir", RESULTS), deadline_s, env)
+
+
+def _step(tag: str, env: dict[str, str], sp: str, mode: str, variants: str, modes: str = "inductor,async_tp,compass",
+          deadline_s: int = 200) -> Step:
+    return Step(f"end_to_end-{tag}", "multigpu_end_to_end.py",
+                ("--worlds", "2", "--layers", "8", "--sp", sp, "--steps", "6", "--warmup", "2", "--modes", modes,
+                 "--compile-mode", mode, "--compass-variants", variants, "--tag", tag, "--out-dir", RESULTS),
+                deadline_s, env)
+
+
+def _calibrate(tag: str, env: dict[str, str]) -> Step:
+    return Step(f"calibrate-{tag}", "compass-fx",
+                ("calibrate", "--collectives", "--out", f"{RESULTS}/calibration-{tag}.json"), 180, env, ranks=2)
+
+
+GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
+BATCHES: dict[str, tuple[Step, ...]] = {
+    # Issues 9-11: the operator grid replayed from CUDA graphs (no host issue per part or per fused
+    # call), both regimes.  Does InterDecom pay on NVLink without its host cost; do the small fused
+    # calls stop losing; does the model, priced as replays, pick right?
+    "x2-graphs": (
+        _grid("h200x2-cudagraphs", GRAPHS, "--cuda-graphs"),
+        _grid("h200x2-hoststaged-cudagraphs", {**HOST_STAGED, **GRAPHS}, "--cuda-graphs", "--no-symm-mem"),
+    ),
+    # Issue 10's training steps under Inductor's "reduce-overhead": the NVLink step with SP (auto
+    # prices the parts as replays), the host-staged step SP off and on (goal 1.15x over Inductor).
+    "x2-steps": (
+        _step("h200x2-spon-cudagraphs", GRAPHS, "on", "reduce-overhead",
+              '{"auto": {}, "decompose2": {"strategy": "decompose", "chunks": 2}}'),
+        _step("h200x2-hoststaged-spoff-cudagraphs", {**HOST_STAGED, **GRAPHS}, "off", "reduce-overhead",
+              '{"auto": {}}', modes="inductor,compass", deadline_s=140),
+        _step("h200x2-hoststaged-spon-cudagraphs", {**HOST_STAGED, **GRAPHS}, "on", "reduce-overhead",
+              '{"auto": {}}', deadline_s=140),
+    ),
+    # Issue 11: calibrate the two-GPU machine in both regimes (NCCL collectives over message sizes,
+    # the seven-tile GEMM fit, InterDecom's per-part cost as lowered); issue 9: the captured fused
+    # calls on two GPUs with one and with two buffer sets, and the fused-op stress.
+    "x2-calibrate": (
+        _calibrate("h200x2", {}),
+        _calibrate("h200x2-hoststaged", HOST_STAGED),
+        Step("fused_graphs-1buffer", "fused_graphs.py", ("--world", "2", "--tag", "h200x2", "--out-dir", RESULTS),
+             60, {"COMPASS_FUSED_GRAPH_BUFFERS": "1"}),
+        Step("fused_graphs-2buffers", "fused_graphs.py",
+             ("--world", "2", "--no-failure-cases", "--tag", "h200x2-2buffers", "--out-dir", RESULTS),
+             45, {"COMPASS_FUSED_GRAPH_BUFFERS": "2"}),
+    ),
+    # The eager grids again after the .graph overloads (27-41 us less host per fused call), and the
+    # stress of issue 9 (500 back-to-back calls per case, a late rank).
+    "x2-eager": (
+        _grid("h200x2", {}),
+        _grid("h200x2-hoststaged", HOST_STAGED, "--no-symm-mem", deadline_s=150),
+        Step("fused_ops-stress", "fused_ops.py", ("--worlds", "2", "--timeout-check", "--tag", "h200x2",
+                                                   "--out-dir", RESULTS), 180),
+    ),
+}
+
+
+def check_batch(steps: tuple[Step, ...]) -> None:
+    """A batch must fit one device call with room for the install."""
+    total = sum(s.deadline_s for s in steps)
+    if total + INSTALL_MARGIN_S > PER_CALL_LIMIT_S:
+        raise ValueError(f"deadlines add up to {total} s: over a device call's {PER_CALL_LIMIT_S} s "
+                         f"less {INSTALL_MARGIN_S} s for the install")
+
+
+def run_step(step: Step, out: Path) -> dict:
+    """Run one step in its own process group, killed at its deadline; its output to OUT/logs."""
+    results, logs = out / "results", out / "logs"
+    results.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    before = {p: p.stat().st_mtime for p in results.rglob("*")}
+    cmd = step.command(results)
+    env = {**os.environ, **NO_MULTICAST, **step.env}
+    start = time.time()
+    with open(logs / f"{step.name}.log", "w") as log:
+        log.write(f"$ {' '.join(cmd)}\n# env {step.env}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=step.deadline_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: spawned ranks and torchrun's workers too
+            rc, timed_out = proc.wait(), True
+    written = sorted(str(p.relative_to(out)) for p in results.rglob("*")
+                     if p.is_file() and before.get(p) != p.stat().st_mtime)
+    return {"step": step.name, "command": cmd, "env": step.env, "rc": rc, "timed_out": timed_out,
+            "deadline_s": step.deadline_s, "seconds": round(time.time() - start, 1), "files": written}
+
+
+def run_batch(name: str, out: Path) -> list[dict]:
+    steps = BATCHES[name]
+    check_batch(steps)
+    rows = []
+    for i, step in enumerate(steps, 1):
+        print(f"[{name} {i}/{len(steps)}] {step.name} (deadline {step.deadline_s} s)", flush=True)
+        row = run_step(step, out)
+        rows.append(row)
+        state = "timed out" if row["timed_out"] else f"rc {row['rc']}"
+        print(f"[{name} {i}/{len(steps)}] {step.name}: {state} in {row['seconds']} s, {len(row['files'])} files",
+              flush=True)
+        (out / f"batch-{name}.json").write_text(json.dumps({"batch": name, "steps": rows}, indent=1))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("batch", nargs="?", choices=sorted(BATCHES))
+    p.add_argument("--out", default=os.environ.get("OUT"), help="where logs and results go (default $OUT)")
+    p.add_argument("--list", action="store_true", help="print the batches and their steps")
+    args = p.parse_args(argv)
+    if args.list or not args.batch:
+        for name, steps in BATCHES.items():
+            print(f"{name} ({sum(s.deadline_s for s in steps)} s of deadlines)")
+            for step in steps:
+                print(f"  {step.name}: {' '.join(step.command(Path('OUT/results')))}  {step.env or ''}")
+        return 0
+    if not args.out:
+        p.error("--out (or $OUT) is required")
+    rows = run_batch(args.batch, Path(args.out))
+    return 0 if all(r["rc"] == 0 and not r["timed_out"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

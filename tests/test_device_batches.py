@@ -1,0 +1,91 @@
+"""The planned device batches stay runnable: every step's arguments parse with its script's own
+parser, every batch fits one device call, and the runner kills a step at its deadline and goes on."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import device_batches  # noqa: E402
+from device_batches import BATCHES, Step  # noqa: E402
+
+
+class _Parsed(Exception):
+    """Raised by the patched parse_args once a script's parser accepted the arguments."""
+
+
+def _parse_with_script(step: Step, monkeypatch) -> argparse.Namespace:
+    """Run the step's script's main() up to its argument parsing, with the step's arguments."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    args = [a.replace(device_batches.RESULTS, "/tmp/results") for a in step.args]
+    if step.script == "compass-fx":
+        from compass_fx.cli import build_parser
+
+        main = lambda: build_parser().parse_args(args)  # noqa: E731
+    else:
+        path = ROOT / "benchmarks" / step.script
+        assert path.is_file(), step
+        spec = importlib.util.spec_from_file_location(f"_batch_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.setattr(sys, "argv", [str(path), *args])
+        main = lambda: module.main(args)  # noqa: E731
+    with pytest.raises(_Parsed) as parsed:
+        main()
+    return parsed.value.args[0]
+
+
+@pytest.mark.parametrize("step", [s for steps in BATCHES.values() for s in steps], ids=lambda s: s.name)
+def test_every_step_parses_with_its_scripts_parser(step, monkeypatch):
+    namespace = _parse_with_script(step, monkeypatch)
+    tag = getattr(namespace, "tag", None)
+    if tag is not None:
+        assert tag.startswith("h200x2"), (step.name, tag)   # every batch here is for the two-GPU machine
+        assert ("hoststaged" in tag) == (step.env.get("NCCL_P2P_DISABLE") == "1"), step.name
+    out = getattr(namespace, "out_dir", None) or getattr(namespace, "out", None)
+    assert out and out.startswith("/tmp/results"), (step.name, out)  # results land under OUT/results
+
+
+def test_a_bad_argument_is_caught(monkeypatch):
+    bad = Step("bad", "multigpu_operators.py", ("--worlds", "2", "--no-such-flag"), 10)
+    with pytest.raises(SystemExit):
+        _parse_with_script(bad, monkeypatch)
+
+
+def test_every_batch_fits_one_device_call():
+    for name, steps in BATCHES.items():
+        device_batches.check_batch(steps)
+        assert len({s.name for s in steps}) == len(steps), name
+    with pytest.raises(ValueError, match="over a device call"):
+        device_batches.check_batch((Step("long", "fused_ops.py", (), device_batches.PER_CALL_LIMIT_S),))
+
+
+def test_runner_kills_a_step_at_its_deadline_and_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench.py").write_text("import sys, time, pathlib\n"
+                                                      "pathlib.Path(sys.argv[2]).write_text('x')\n"
+                                                      "time.sleep(float(sys.argv[1]))\n")
+    monkeypatch.setattr(device_batches, "ROOT", tmp_path)  # steps name scripts under ROOT/benchmarks
+    steps = (Step("stalls", "bench.py", ("60", f"{device_batches.RESULTS}/a.json"), 2),
+             Step("quick", "bench.py", ("0", f"{device_batches.RESULTS}/b.json"), 30))
+    monkeypatch.setitem(BATCHES, "probe", steps)
+    out = tmp_path / "out"
+    rows = device_batches.run_batch("probe", out)
+    assert [r["timed_out"] for r in rows] == [True, False]
+    assert rows[0]["seconds"] < 30 and rows[1]["rc"] == 0
+    assert rows[0]["files"] == ["results/a.json"] and rows[1]["files"] == ["results/b.json"]
+    summary = json.loads((out / "batch-probe.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == ["stalls", "quick"]
+    assert (out / "logs" / "quick.log").read_text().startswith("$ ")
