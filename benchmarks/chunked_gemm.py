@@ -19,6 +19,10 @@ Hopper kernels launch about one CTA per SM, so thin pieces still run one after t
 product of one wave of tiles (QKV at 4096 tokens) keeps 95-96% of its time in the tail however
 its own block is split off.
 
+And the other design issue 9 offers: one Triton GEMM over the whole product whose programs each
+wait for their row block (``harness/triton_consumer.py``; bounded polls, a miss recorded), timed
+with every block ready, so what it costs beside cuBLAS is its tiles and its wait.
+
 Timing: CUDA events around 20 back-to-back repetitions queued before the first starts (the
 device's time: a 512-row piece's GEMM is shorter than its launch on the host), median of 9
 rounds in which every candidate is timed once (interleaved, so clock drift hits them alike);
@@ -101,6 +105,36 @@ def consumer_spans(m: int, n: int, sms: int, waves: int | None = None) -> list[t
     return [(c.dst.start, c.dst.stop) for c in plan.commands if isinstance(c, protocol.Matmul)]
 
 
+def triton_fn(a, w, out):
+    """The Triton GEMM waiting per row block (``harness.triton_consumer``), every block marked
+    ready: (the call, its checks: the error against torch.mm, the tile chosen, missed waits)."""
+    from harness.triton_consumer import best_tile, gemm_waiting_per_tile
+
+    ready = torch.ones(TP, device="cuda", dtype=torch.int32)
+    missed = torch.zeros(1, device="cuda", dtype=torch.int32)
+    gemm_waiting_per_tile(a, w, out, ready, missed)  # autotunes for this shape
+    ref = torch.mm(a, w)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    checks = {"triton_tile": best_tile(), "triton_error": err, "triton_missed_waits": int(missed.item())}
+    if err > 1e-2 or checks["triton_missed_waits"]:
+        raise RuntimeError(f"the Triton consumer is wrong on {tuple(a.shape)} x {tuple(w.shape)}: {checks}")
+    return (lambda: gemm_waiting_per_tile(a, w, out, ready, missed)), checks
+
+
+def bounded_wait_check() -> dict:
+    """The wait gives up: no block ever ready, 1000 polls each, every program records a miss."""
+    from harness.triton_consumer import gemm_waiting_per_tile
+
+    a = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1024, 256, device="cuda", dtype=torch.bfloat16)
+    missed = torch.zeros(1, device="cuda", dtype=torch.int32)
+    start = time.time()
+    gemm_waiting_per_tile(a, w, out, torch.zeros(TP, device="cuda", dtype=torch.int32), missed, max_spins=1000)
+    torch.cuda.synchronize()
+    return {"missed_waits": int(missed.item()), "seconds": round(time.time() - start, 2)}
+
+
 def measure(shape: dict) -> dict:
     from compass_fx.cost import gemm_seconds, split_gemm_seconds
 
@@ -117,9 +151,11 @@ def measure(shape: dict) -> dict:
     fns = {name: pieces_fn(a, w, out, s) for name, s in spans.items()}
     spans["consumer_2streams"] = spans["consumer"]
     fns["consumer_2streams"] = pieces_fn(a, w, out, spans["consumer"], 2)
+    fns["triton_per_tile"], triton_checks = triton_fn(a, w, out)
     t = interleaved_seconds(fns)
     whole = t["unsplit"]
-    row = dict(shape, unsplit_ms=whole * 1e3)
+    row = dict(shape, unsplit_ms=whole * 1e3, **triton_checks)
+    row["triton_per_tile_ms"], row["triton_per_tile_efficiency"] = t["triton_per_tile"] * 1e3, whole / t["triton_per_tile"]
     for name in spans:
         if name == "unsplit":
             continue
@@ -151,6 +187,12 @@ def markdown(payload: dict) -> str:
              f"goal met on {payload['summary']['met_consumer']} of {len(payload['rows'])} shapes; on two "
              f"streams (alternating): worst {payload['summary']['worst_consumer_2streams']:.3f}, median "
              f"{payload['summary']['median_consumer_2streams']:.3f}", "",
+             f"* the Triton GEMM waiting per row block (one launch, harness/triton_consumer.py), every block "
+             f"ready: worst {payload['summary']['worst_triton']:.3f}; median {payload['summary']['median_triton']:.3f}; "
+             f"goal met on {payload['summary']['met_triton']} of {len(payload['rows'])} shapes; by the better of "
+             f"the two consumers per shape: {payload['summary']['met_either']} of {len(payload['rows'])}; its "
+             f"bounded wait, no block ever ready: {payload['summary']['bounded_wait_check']['missed_waits']} "
+             "programs gave up and said so (the autotuner's trial runs included)", "",
              "* tail / unsplit: the consumer's last GEMM (what is left to do after the last arrival) against "
              "the whole product: what the fused call adds to its communication when communication is the longer", "",
              output.markdown_table(payload["rows"], [
@@ -158,6 +200,7 @@ def markdown(payload: dict) -> str:
                  ("pieces4_efficiency", "eff. 4"), ("pieces8_efficiency", "eff. 8"),
                  ("pieces8_model_efficiency", "model eff. 8"), ("consumer_groups", "consumer GEMMs (blocks)"),
                  ("consumer_efficiency", "consumer eff."), ("consumer_2streams_efficiency", "2 streams eff."),
+                 ("triton_per_tile_efficiency", "Triton per-tile eff."), ("triton_tile", "Triton tile"),
                  ("tail_share", "tail / unsplit"), ("consumer_1wave_groups", "1-wave groups"),
                  ("consumer_1wave_efficiency", "1-wave eff.")])]
     return "\n".join(lines)
@@ -166,6 +209,9 @@ def markdown(payload: dict) -> str:
 def main(argv=None) -> int:
     args = output.one_gpu_args(__doc__, argv, "chunked_gemm measures cuBLAS on a CUDA GPU")
     t0 = time.time()
+    wait_check = bounded_wait_check()
+    if wait_check["missed_waits"] == 0:
+        raise RuntimeError(f"the Triton consumer's bounded wait recorded no miss: {wait_check}")
     rows = [measure(s) for s in shapes()]
     eff8 = [r["pieces8_efficiency"] for r in rows]
     grouped = [r["consumer_efficiency"] for r in rows]
@@ -175,6 +221,12 @@ def main(argv=None) -> int:
                            "met_8": sum(e >= GOAL for e in eff8),
                            "worst_consumer": min(grouped), "median_consumer": statistics.median(grouped),
                            "met_consumer": sum(e >= GOAL for e in grouped),
+                           "worst_triton": min(r["triton_per_tile_efficiency"] for r in rows),
+                           "median_triton": statistics.median(r["triton_per_tile_efficiency"] for r in rows),
+                           "met_triton": sum(r["triton_per_tile_efficiency"] >= GOAL for r in rows),
+                           "met_either": sum(max(r["triton_per_tile_efficiency"], r["consumer_efficiency"]) >= GOAL
+                                             for r in rows),
+                           "bounded_wait_check": wait_check,
                            "worst_consumer_2streams": min(r["consumer_2streams_efficiency"] for r in rows),
                            "median_consumer_2streams": statistics.median(r["consumer_2streams_efficiency"]
                                                                          for r in rows)}}
