@@ -192,7 +192,9 @@ def consumer_group_rows(cols: int, sms: int, waves: int = CONSUMER_WAVES) -> int
     (Llama-3 QKV at 4096 tokens): its own-block GEMM takes 10-23 us beside the 36-107 us of the
     whole, and the arrivals' GEMM is still one wave, 95-96% of the whole.  Alternating the
     GEMMs over two streams does not help (0.80-1.0, median 0.95): cuBLAS's Hopper kernels launch
-    about one CTA per SM, so two of them do not run side by side."""
+    about one CTA per SM, so two of them do not run side by side.  Nor does one Triton GEMM over
+    all rows whose programs wait per row block (``benchmarks/harness/triton_consumer.py``): 0.65-0.83
+    of one cuBLAS call with the weight in ``nn.Linear``'s layout, its wait costing <= 1%."""
     return -(-waves * sms * WAVE_TILE_ELEMENTS // max(cols, 1))
 
 
