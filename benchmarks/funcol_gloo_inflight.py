@@ -1,0 +1,136 @@
+"""Several functional all-gathers in flight at once on a gloo group: does the process survive?
+
+Why: CI runs of InterDecom on gloo CPU ranks died now and then with ``malloc(): unaligned tcache
+chunk detected`` or a segmentation fault in a rank, in tests that had nothing else in common
+than decomposed gathers.  This isolates it with no compass_fx code at all: two gloo ranks issue
+``parts`` gathers of a 32 x 32 tensor's row chunks, then wait for them, ``--calls`` times, in
+fresh processes for every run; a run ends clean, or with the signal that killed a rank and the
+last call rank 0 reached.  Every 100 calls the gathered rows are checked.
+
+Variants: ``_c10d_functional.all_gather_into_tensor`` (the functional op: gloo's coalesced
+all-gather) with 1, 2 and 4 in flight; its out variant ``all_gather_into_tensor_out`` (gloo's
+plain all-gather), which InterDecom's lowering uses on gloo since; ``dist.all_gather_into_tensor``
+with ``async_op=True``; the functional reduce-scatter.  Measured with torch 2.13 (CPU build).
+
+    python benchmarks/funcol_gloo_inflight.py       # writes funcol_gloo_inflight-cpu.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import output  # noqa: E402
+import torch  # noqa: E402
+
+NAME = "funcol_gloo_inflight"
+VARIANTS = (("functional all_gather", "funcol", 1), ("functional all_gather", "funcol", 2),
+            ("functional all_gather", "funcol", 4), ("functional all_gather, out variant", "funcol_out", 4),
+            ("c10d all_gather_into_tensor, async_op", "c10d", 4), ("functional reduce_scatter", "funcol_rs", 4))
+
+
+def _issue(api: str, parts: list, world: int) -> list:
+    c10d = torch.ops._c10d_functional
+    if api == "funcol":
+        return [c10d.wait_tensor(o) for o in [c10d.all_gather_into_tensor(p, world, "0") for p in parts]]
+    if api == "funcol_out":
+        outs = [torch.empty(world * p.shape[0], p.shape[1]) for p in parts]
+        issued = [c10d.all_gather_into_tensor_out(p, world, "0", out=o) for p, o in zip(parts, outs)]
+        return [c10d.wait_tensor(o) for o in issued]
+    if api == "funcol_rs":
+        return [c10d.wait_tensor(o) for o in [c10d.reduce_scatter_tensor(p, "sum", world, "0") for p in parts]]
+    import torch.distributed as dist
+
+    outs = [torch.empty(world * p.shape[0], p.shape[1]) for p in parts]
+    works = [dist.all_gather_into_tensor(o, p, async_op=True) for o, p in zip(outs, parts)]
+    for w in works:
+        w.wait()
+    return outs
+
+
+def _rank(rank: int, world: int, port: int, api: str, inflight: int, calls: int, progress: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x = torch.arange(32 * 32, dtype=torch.float32).view(32, 32) + 1000 * rank
+    parts = list(x.chunk(inflight))
+    for i in range(calls):
+        outs = _issue(api, parts, world)
+        if i % 100 == 0:
+            if api != "funcol_rs":  # every rank's chunk, in rank order
+                for p, o in zip(parts, outs):
+                    want = torch.cat([p - 1000 * rank + 1000 * r for r in range(world)])
+                    if not torch.equal(o, want):
+                        raise RuntimeError(f"{api}: call {i} gathered wrong rows")
+            if rank == 0:
+                Path(progress).write_text(str(i))
+    if rank == 0:
+        Path(progress).write_text(str(calls))
+    dist.destroy_process_group()
+
+
+def run_once(api: str, inflight: int, calls: int, deadline_s: float) -> dict:
+    import multiprocessing as mp
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with tempfile.NamedTemporaryFile(suffix=".progress") as f:
+        procs = [ctx.Process(target=_rank, args=(r, 2, port, api, inflight, calls, f.name)) for r in range(2)]
+        start = time.time()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=max(1.0, deadline_s - (time.time() - start)))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        reached = int(Path(f.name).read_text() or 0)
+    codes = [p.exitcode for p in procs]
+    status = "clean" if codes == [0, 0] and reached == calls else (
+        "killed by signal " + ",".join(str(-c) for c in codes if c and c < 0) if any(c and c < 0 for c in codes)
+        else f"exit codes {codes}")
+    return {"status": status, "calls_reached": reached, "seconds": round(time.time() - start, 1)}
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# {NAME} ({payload['tag']})", "",
+             f"Two gloo ranks on one machine (torch {payload['environment']['torch']}); per run: fresh processes, "
+             f"up to {payload['calls']} calls, each issuing `in flight` gathers then waiting for them; "
+             "`reached`: the last call rank 0 passed (checked every 100).", "",
+             output.markdown_table(payload["rows"], ["op", ("in_flight", "in flight"), "run", "status",
+                                                      ("calls_reached", "reached"), "seconds"])]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=int, default=10000)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--deadline", type=float, default=120.0, help="seconds a run may take before its ranks are killed")
+    p.add_argument("--tag", default="cpu")
+    p.add_argument("--out-dir", default=str(output.RESULTS))
+    args = p.parse_args(argv)
+    rows, t0 = [], time.time()
+    for op, api, inflight in VARIANTS:
+        for run in range(1, args.runs + 1):
+            row = {"op": op, "in_flight": inflight, "run": run, **run_once(api, inflight, args.calls, args.deadline)}
+            print(f"[{len(rows) + 1}/{len(VARIANTS) * args.runs}] {op}, {inflight} in flight: {row['status']} "
+                  f"after {row['calls_reached']} calls ({row['seconds']} s)", flush=True)
+            rows.append(row)
+    payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(False), "calls": args.calls,
+               "seconds": round(time.time() - t0, 1), "rows": rows}
+    return output.print_and_write(NAME, args, payload, markdown(payload))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
