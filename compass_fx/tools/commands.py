@@ -155,10 +155,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 # ---- calibrate ---------------------------------------------------------------------------------
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..cost.gemm_fit import fit_gpu_spec, model_errors
-    from ..machine.calibration import gpu_spec, write_calibration
-    from ..machine.gpus import gpu_name_from_device, with_overrides
-    from .calibrate import grid_shapes, measure_fused_host, measure_gemms, measure_part_overhead
+    from ..machine.gpus import gpu_name_from_device
 
     try:
         import torch
@@ -176,6 +173,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     collectives = _measure_collectives_if_launched(args)
     if collectives is False:
         return 2
+    try:
+        return _fit_and_write(args, gpu, device_name, collectives)
+    finally:
+        if collectives is not None:  # the group --collectives started under torchrun
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _fit_and_write(args: argparse.Namespace, gpu: str, device_name: str, collectives: list | None) -> int:
+    """Measure the GEMMs, InterDecom's part and the fused calls' host work; fit; rank 0 writes."""
+    from ..cost.gemm_fit import fit_gpu_spec, model_errors
+    from ..machine.calibration import gpu_spec, write_calibration
+    from ..machine.gpus import with_overrides
+    from .calibrate import grid_shapes, measure_fused_host, measure_gemms, measure_part_overhead
+
     base = gpu_spec(gpu)
     shapes = grid_shapes(tokens=(4096, 16384) if args.quick else (2048, 4096, 8192, 16384))
     meas = measure_gemms(shapes, (1, 2, 4, 8, 16, 32), device="cuda", progress=not args.quiet)
