@@ -7,10 +7,9 @@ than decomposed gathers.  This isolates it with no compass_fx code at all: two g
 fresh processes for every run; a run ends clean, or with the signal that killed a rank and the
 last call rank 0 reached.  Every 100 calls the gathered rows are checked.
 
-Variants: ``_c10d_functional.all_gather_into_tensor`` (the functional op: gloo's coalesced
-all-gather) with 1, 2 and 4 in flight; its out variant ``all_gather_into_tensor_out`` (gloo's
-plain all-gather), which InterDecom's lowering uses on gloo since; ``dist.all_gather_into_tensor``
-with ``async_op=True``; the functional reduce-scatter.  Measured with torch 2.13 (CPU build).
+Variants: ``_c10d_functional.all_gather_into_tensor`` (the functional op) with 1, 2 and 4 in
+flight; its out variant ``all_gather_into_tensor_out``; ``dist.all_gather_into_tensor`` with
+``async_op=True``; the functional reduce-scatter.  Measured with torch 2.13 (CPU build).
 
     python benchmarks/funcol_gloo_inflight.py       # writes funcol_gloo_inflight-cpu.{json,md}
 """

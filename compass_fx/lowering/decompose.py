@@ -139,35 +139,6 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
     return cache[casts]
 
 
-def _on_gloo(group_name: str) -> bool:
-    """Whether the pair's group runs on gloo (False for a group this process cannot resolve)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        return dist.get_backend(_resolve_process_group(group_name)) == "gloo"
-    except (ValueError, RuntimeError):
-        return False
-
-
-def _gather_part(b: NodeBuilder, part: fx.Node, world: int, group_name: str, gloo: bool) -> fx.Node:
-    """One part's all-gather, to be waited.
-
-    On gloo each part gathers into a buffer of its own (``all_gather_into_tensor_out``): two or
-    more functional ``all_gather_into_tensor`` in flight at once on a gloo group corrupt the
-    process's heap in torch 2.13 (two CPU ranks, fresh processes: 4 in flight killed a rank after
-    300 and 1300 calls, 2 after 4000 and 5800, 1 never; ``benchmarks/results/
-    funcol_gloo_inflight-cpu.json``), and InterDecom's parts are always in flight together.  The
-    out variant ran 10000 calls of 4 clean, as did c10d's async all-gather and the functional
-    reduce-scatter.  Inductor lowers the out variant as it lowers its own bucketed gathers."""
-    if not gloo:
-        return b.call(c10d.all_gather_into_tensor.default, part, world, group_name)
-    val = part.meta["val"]
-    out = b.call(aten.empty.memory_format, [val.shape[0] * world, *val.shape[1:]], dtype=val.dtype,
-                 device=val.device, pin_memory=False)
-    return b.call(c10d.all_gather_into_tensor_out.default, part, world, group_name, out=out)
-
-
 def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     shard, shard_shape = pair.shard, shape_of(pair.shard)
@@ -188,10 +159,8 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         shard_parts.append(b.contiguous(piece) if g > 0 else piece)
     gathers: list[fx.Node] = []
 
-    gloo = _on_gloo(pair.group_name)
-
     def issue(i: int) -> None:
-        gathers.append(_gather_part(b, shard_parts[i], world, pair.group_name, gloo))
+        gathers.append(b.call(c10d.all_gather_into_tensor.default, shard_parts[i], world, pair.group_name))
 
     issue(0)
     logical_parts: list[fx.Node] = []

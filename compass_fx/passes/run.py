@@ -23,7 +23,6 @@ log = logging.getLogger("compass_fx")
 
 COLLECTIVES = (
     torch.ops._c10d_functional.all_gather_into_tensor.default,
-    torch.ops._c10d_functional.all_gather_into_tensor_out.default,  # InterDecom's parts on gloo
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
 )
