@@ -16,15 +16,14 @@ flight; its out variant ``all_gather_into_tensor_out``; ``dist.all_gather_into_t
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import output  # noqa: E402
+from harness import launch, output  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "funcol_gloo_inflight"
@@ -52,13 +51,17 @@ def _issue(api: str, parts: list, world: int) -> list:
     return outs
 
 
-def _rank(rank: int, world: int, port: int, api: str, inflight: int, calls: int, progress: str) -> None:
+def _rank(rank: int, world: int, api: str, inflight: int, calls: int, init_method: str, out_path: str) -> None:
+    """One rank of a run (``harness.launch.fresh_ranks``): every 100 calls it checks the gathered
+    rows and writes how far it got to ``out_path.<rank>.progress``; its result at the end."""
+    import json
+
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     x = torch.arange(32 * 32, dtype=torch.float32).view(32, 32) + 1000 * rank
     parts = list(x.chunk(inflight))
+    progress = Path(f"{out_path}.{rank}.progress")
     for i in range(calls):
         outs = _issue(api, parts, world)
         if i % 100 == 0:
@@ -67,37 +70,27 @@ def _rank(rank: int, world: int, port: int, api: str, inflight: int, calls: int,
                     want = torch.cat([p - 1000 * rank + 1000 * r for r in range(world)])
                     if not torch.equal(o, want):
                         raise RuntimeError(f"{api}: call {i} gathered wrong rows")
-            if rank == 0:
-                Path(progress).write_text(str(i))
-    if rank == 0:
-        Path(progress).write_text(str(calls))
+            progress.write_text(str(i))
+    progress.write_text(str(calls))
     dist.destroy_process_group()
+    Path(f"{out_path}.{rank}").write_text(json.dumps({"status": "pass"}))
 
 
-def run_once(api: str, inflight: int, calls: int, deadline_s: float) -> dict:
-    import multiprocessing as mp
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with tempfile.NamedTemporaryFile(suffix=".progress") as f:
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, api, inflight, calls, f.name)) for r in range(2)]
-        start = time.time()
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=max(1.0, deadline_s - (time.time() - start)))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        reached = int(Path(f.name).read_text() or 0)
-    codes = [p.exitcode for p in procs]
-    status = "clean" if codes == [0, 0] and reached == calls else (
-        "killed by signal " + ",".join(str(-c) for c in codes if c and c < 0) if any(c and c < 0 for c in codes)
-        else f"exit codes {codes}")
+def run_once(api: str, inflight: int, calls: int, deadline_s: float, tmp: str, index: int) -> dict:
+    """One run in fresh processes: clean, or the signal that killed a rank and rank 0's last check."""
+    start = time.time()
+    ranks, killed = launch.fresh_ranks(_rank, 2, (api, inflight, calls), tmp, index, deadline_s)
+    progress = Path(tmp, f"case{index}.0.progress")
+    reached = int(progress.read_text() or 0) if progress.exists() else 0
+    signals = [str(-r["exit_code"]) for i, r in enumerate(ranks) if i not in killed and (r.get("exit_code") or 0) < 0]
+    if all(r["status"] == "pass" for r in ranks) and reached == calls:
+        status = "clean"
+    elif signals:
+        status = "killed by signal " + ",".join(signals)
+    elif killed:
+        status = f"ranks {killed} still running after {deadline_s} s"
+    else:
+        status = "; ".join(r.get("error", r["status"]) for r in ranks if r["status"] != "pass")
     return {"status": status, "calls_reached": reached, "seconds": round(time.time() - start, 1)}
 
 
@@ -120,12 +113,14 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     rows, t0 = [], time.time()
-    for op, api, inflight in VARIANTS:
-        for run in range(1, args.runs + 1):
-            row = {"op": op, "in_flight": inflight, "run": run, **run_once(api, inflight, args.calls, args.deadline)}
-            print(f"[{len(rows) + 1}/{len(VARIANTS) * args.runs}] {op}, {inflight} in flight: {row['status']} "
-                  f"after {row['calls_reached']} calls ({row['seconds']} s)", flush=True)
-            rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="funcol_gloo_inflight-") as tmp:
+        for op, api, inflight in VARIANTS:
+            for run in range(1, args.runs + 1):
+                row = {"op": op, "in_flight": inflight, "run": run,
+                       **run_once(api, inflight, args.calls, args.deadline, tmp, len(rows))}
+                print(f"[{len(rows) + 1}/{len(VARIANTS) * args.runs}] {op}, {inflight} in flight: {row['status']} "
+                      f"after {row['calls_reached']} calls ({row['seconds']} s)", flush=True)
+                rows.append(row)
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(False), "calls": args.calls,
                "seconds": round(time.time() - t0, 1), "rows": rows}
     return output.print_and_write(NAME, args, payload, markdown(payload))

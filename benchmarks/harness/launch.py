@@ -189,5 +189,6 @@ def fresh_ranks(worker: Callable, world: int, args: tuple, tmp: str, index: int,
             with open(f"{out}.{r}") as f:
                 ranks.append(json.load(f))
         except FileNotFoundError:
-            ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})"})
+            ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})",
+                          "exit_code": procs[r].exitcode})
     return ranks, killed
