@@ -19,8 +19,9 @@ against the model's prediction.
 
 Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute
 times and on split/unsplit ratios (the quantity InterDecom's choice of d depends on) for the
-built-in constants, then fits the constants to the measurements (compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and
-on held-out shapes (fit on every other shape, test on the rest).
+built-in constants, then fits the constants to the measurements
+(compass_fx.cost.gemm_fit.fit_gpu_spec) and reports the fitted errors, in-sample and on held-out
+shapes (fit on every other shape, test on the rest).
 """
 from __future__ import annotations
 
