@@ -9,6 +9,8 @@ import re
 import pytest
 import torch
 
+pytestmark = pytest.mark.inductor  # reads the code Inductor generates
+
 
 def _one_pair(world: int, kind: str):
     """A one-pair program (an all-gather then a matmul, or a matmul then a reduce-scatter) and its input."""

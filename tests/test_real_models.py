@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+pytestmark = pytest.mark.slow  # a real model traced and compiled on 2 and 4 ranks
+
 LAYERS = 2
 
 
@@ -74,6 +76,7 @@ def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp):
         assert res["matmuls"] == sum(res["linears"].values())
 
 
+@pytest.mark.inductor
 def test_torchtitan_llama3_under_inductor(ranks):
     results = ranks(2).run(titan_compiled_vs_eager, 2, True, {"chunks": 2})
     assert results[0]["counts"] == hand_count(LAYERS, True)
