@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Inductor compiles C++ kernels in a pool of worker processes by default, each importing torch: on
+# 2 cores that costs more than it saves for the tests' small graphs (rank processes and the
+# scripts the tests start inherit this).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from rank_pool import RankPool  # noqa: E402
 
