@@ -13,6 +13,7 @@ import ctypes
 from functools import lru_cache
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
+WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: (*addr & value) != 0
 _u64, _u32, _ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
 
 
@@ -45,6 +46,8 @@ def _lib() -> dict:
         "launch": fn(("cuLaunchKernel",), [_ptr, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _ptr,
                                           ctypes.POINTER(_ptr), _ptr]),
         "capture_mode": fn(("cuThreadExchangeStreamCaptureMode",), [ctypes.POINTER(ctypes.c_int)]),
+        "graph_launch": fn(("cuGraphLaunch",), [_ptr, _ptr]),
+        "event_record": fn(("cuEventRecord",), [_ptr, _ptr]),
     }
 
 
@@ -58,7 +61,8 @@ def check(result: int, what: str) -> None:
 
 def raw(name: str):
     """The ctypes function behind ``memcpy`` / ``wait`` / ``write`` (arguments as those take them,
-    the stream first for the stream operations), for callers that issue many calls and check the
+    the stream first for the stream operations), ``graph_launch`` (graph exec, stream) or
+    ``event_record`` (event, stream), for callers that issue many calls and check the
     result themselves (:func:`check`): it skips a lookup and a Python frame per call."""
     return _lib()[name]
 
