@@ -48,6 +48,8 @@ def _lib() -> dict:
         "capture_mode": fn(("cuThreadExchangeStreamCaptureMode",), [ctypes.POINTER(ctypes.c_int)]),
         "graph_launch": fn(("cuGraphLaunch",), [_ptr, _ptr]),
         "event_record": fn(("cuEventRecord",), [_ptr, _ptr]),
+        "event_create": fn(("cuEventCreate",), [ctypes.POINTER(_ptr), ctypes.c_uint]),
+        "event_query": fn(("cuEventQuery",), [_ptr]),
     }
 
 
@@ -115,6 +117,31 @@ def launcher(function: int, args: list, blocks: int = 1, threads: int = 1):
         check(launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
     run.kept = (kept, params)  # the packed arguments live as long as the launcher
     return run
+
+
+_EVENT_DISABLE_TIMING, _NOT_READY = 0x2, 600
+
+
+class Event:
+    """A CUDA event of the current context, recorded and queried by the driver directly (what the
+    watchdog needs of an event: ``record`` on a stream handle, ``query``).  Never destroyed: the
+    watchdog's pools reuse them for the life of the process."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle = _ptr()
+        check(_lib()["event_create"](ctypes.byref(self.handle), _EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self, stream: int) -> None:
+        check(_lib()["event_record"](self.handle, stream), "cuEventRecord")
+
+    def query(self) -> bool:
+        result = _lib()["event_query"](self.handle)
+        if result == _NOT_READY:
+            return False
+        check(result, "cuEventQuery")
+        return True
 
 
 _CAPTURE_MODE_RELAXED = 2

@@ -40,7 +40,7 @@ from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Mat
 from .. import flag_codes
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
+from . import driver, env, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,7 +55,7 @@ Step = Callable[[dict, int, dict], None]
 def supported(dtype: torch.dtype) -> bool:
     """True where this path runs: a CUDA device and a supported dtype.
     ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead."""
-    if os.environ.get("COMPASS_CUDA_FUSED", "copy_engine") == "p2p":
+    if env("COMPASS_CUDA_FUSED", "copy_engine") == "p2p":
         return False
     return dtype in _SUPPORTED and _cuda_available()
 
@@ -88,13 +88,11 @@ def transport() -> str:
     memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
     ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
     as the cost model assumes), peer or host."""
-    from ...machine.detect import host_staged
-
-    wanted = os.environ.get("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
+    wanted = env("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
     if wanted not in ("auto", "peer", "host"):
         raise ValueError(f"COMPASS_FUSED_TRANSPORT must be auto, peer or host, got {wanted!r}")
-    if wanted == "auto":
-        return "host" if host_staged() else "peer"
+    if wanted == "auto":  # machine.detect.host_staged, read as fast as the per-call settings are
+        return "host" if env("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes") else "peer"
     return wanted
 
 
@@ -416,15 +414,16 @@ class _Workspace:
         return (tuple(t.data_ptr() for t in tensors["A"]), tuple((w.data_ptr(), w.stride()) for w in tensors["W"]),
                 tuple(t.data_ptr() for t in tensors["OUT"]), tuple(t.data_ptr() for t in tensors.get("GATHERED", ())))
 
-    def _watch(self, stream: torch.cuda.Stream | None, handle: int = 0) -> None:
-        """Let the watchdog bound the running call: an event after its last wait, on ``stream``
-        (None: the caller's, whose ``handle`` a replay passes: an event of the pool, created by
-        an earlier record, is recorded by the driver directly)."""
-        if stream is None and handle and self.watched.pool:
-            done = self.watched.pool.pop()
-            driver.check(driver.raw("event_record")(done, handle), "cuEventRecord")
+    def _watch(self, stream: torch.cuda.Stream | None, handle: int | None = None) -> None:
+        """Let the watchdog bound the running call: an event after its last wait, on ``stream``,
+        or on the stream whose ``handle`` a replay passes (a driver event, recorded directly:
+        torch's ``Event.record()`` looks the current stream up again, ~20 us on the lent host)."""
+        done = self.dog.reusable(self.watched)
+        if handle is not None:
+            done = done if isinstance(done, driver.Event) else driver.Event()
+            done.record(handle)
         else:
-            done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
+            done = done if isinstance(done, torch.cuda.Event) else torch.cuda.Event()
             done.record(stream)
         self.dog.add(self.watched, self.epoch, done)
 

@@ -25,7 +25,6 @@ warning, and the call is issued as before.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -33,7 +32,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..flag_codes import PERIOD
-from . import driver
+from . import driver, env
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
@@ -42,13 +41,12 @@ stats = {"replayed": 0, "captured": 0}  # calls of this process served from grap
 
 def enabled() -> bool:
     """``COMPASS_FUSED_REPLAY`` (default 1): eager calls of the fused operators replay captured graphs."""
-    return not _disabled and os.environ.get("COMPASS_FUSED_REPLAY", "1").strip().lower() not in ("0", "false", "no",
-                                                                                                   "off")
+    return not _disabled and env("COMPASS_FUSED_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def limit() -> int:
     """``COMPASS_FUSED_REPLAY_GRAPHS`` (default 64): sets of addresses a workspace keeps graphs for."""
-    raw = os.environ.get("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip()
+    raw = env("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip()
     try:
         value = int(raw)
     except ValueError:
