@@ -8,8 +8,9 @@ datasheet gives and that the grids (``multigpu_operators.py``, every candidate m
   T(d) = A*d + B + C/d.  Judged on the decompose candidates: how often the model's best part count
   is within 3% of the best measured one, then the median |predicted - measured| / measured.
 * ``FUSED_HOST_CALL_REST_S`` (``cost.strategies``): the host's fixed work in one fused call issued
-  command by command (as the grids measured them), besides the custom op's dispatch.  A small fused call is host-bound, so this decides whether the model
-  sees the fused operators lose on small pairs.  Judged on the picks with the fused operators
+  command by command (as the grids measured them), besides the custom op's dispatch.  A small
+  fused call is host-bound, so this decides whether the model sees the fused operators lose on
+  small pairs.  Judged on the picks with the fused operators
   priced: the worst regression against sequential, then the hit rate (the pick within 3% of the
   best measured candidate).
 

@@ -208,7 +208,8 @@ def fused_host_costs() -> tuple[float, dict[str, float]]:
     if measured is None:
         return FUSED_HOST_CALL_S, FUSED_HOST_COMMAND_S
     launch, speed = _launch_speed(measured, _FITTED_LAUNCH_S)
-    call = float(measured.get("dispatch_s", FUSED_HOST_CALL_S - FUSED_HOST_CALL_REST_S)) + FUSED_HOST_CALL_REST_S * speed
+    dispatch = float(measured.get("dispatch_s", FUSED_HOST_CALL_S - FUSED_HOST_CALL_REST_S))
+    call = dispatch + FUSED_HOST_CALL_REST_S * speed
     return call, {kind: LAUNCH_INSIDE_CALL * s for kind, s in launch.items()}
 
 
