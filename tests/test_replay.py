@@ -35,6 +35,7 @@ class _Recorder(replay.Replays):
         self.device_index, self.most = 0, most
         from collections import OrderedDict
         self.graphs, self.seen = OrderedDict(), OrderedDict()
+        self.captures = self.evicted = 0
 
     def _capture(self, issue):
         self.captured.append(issue)
@@ -68,3 +69,22 @@ def test_replays_are_off_when_asked(monkeypatch):
     monkeypatch.setenv("COMPASS_FUSED_REPLAY_GRAPHS", "0")
     with pytest.raises(ValueError, match="COMPASS_FUSED_REPLAY_GRAPHS"):
         replay.limit()
+
+
+def test_a_workspace_whose_sets_do_not_recur_in_time_stops_capturing():
+    """More recurring sets than the limit holds: each would be evicted before its graphs pay back
+    their captures (about two eager issues each), so the workspace stops capturing and issues."""
+    r = _Recorder(most=2)
+    for round_ in range(6):
+        for key in "abcde":  # five call sites of one shape, the limit two: every set evicted in turn
+            r.graph(key, round_ * 5 + ord(key), None)
+    assert r.thrashing()
+    captured = len(r.captured)
+    for epoch in range(40):
+        r.graph("abcde"[epoch % 5], epoch, None)
+    assert len(r.captured) == captured  # no capture once thrashing
+    kept = _Recorder(most=8)
+    for round_ in range(6):
+        for key in "abcde":
+            kept.graph(key, round_ * 5 + ord(key), None)
+    assert not kept.thrashing() and len(kept.graphs) == 5

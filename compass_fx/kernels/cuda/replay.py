@@ -13,7 +13,10 @@ hold the epoch as one bit of four (:mod:`..flag_codes`) and the buffers alternat
 epoch's parity, so the four graphs of a set replay every later call with those addresses.  The
 caching allocator hands a training step's tensors the same addresses step after step, so the
 sets recur; a set is captured on its second sighting (a tensor seen once costs no capture), at
-most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default 64; the least recently used goes).
+most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default 64; the least recently used goes;
+a workspace whose sets are evicted before they pay back their captures stops capturing).  A graph
+keeps what its capture allocated: nothing, except the float32 sum of a reduction of more than two
+terms (a plan beyond two ranks), which stays reserved for the graph while it lives.
 
 Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
 buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
@@ -99,6 +102,13 @@ class Replays:
         self.most = limit()
         self.graphs: OrderedDict[Hashable, list] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()  # sets of addresses seen once
+        self.captures = self.evicted = 0
+
+    def thrashing(self) -> bool:
+        """Whether sets are evicted before they pay back their captures: more sets recur than
+        ``most`` holds (say more call sites of one shape per step than the limit).  A capture costs
+        about two eager issues, so then this workspace stops capturing (its graphs still replay)."""
+        return self.evicted > self.most and self.evicted * PERIOD * 2 > self.captures
 
     def graph(self, addresses: Hashable, epoch: int, issue: Callable[[torch.cuda.Stream], None]):
         """The graph that runs this call (captured now if these addresses were seen before), or
@@ -112,10 +122,13 @@ class Replays:
                 stats["replayed"] += 1
                 return graphs[phase]
         elif addresses in self.seen:
+            if self.thrashing():
+                return None
             del self.seen[addresses]
             graphs = self.graphs[addresses] = [None] * PERIOD
             while len(self.graphs) > self.most:
                 self.graphs.popitem(last=False)
+                self.evicted += 1
         else:
             self.seen[addresses] = None
             while len(self.seen) > 4 * self.most:
@@ -123,6 +136,7 @@ class Replays:
             return None
         graphs[phase] = self._capture(issue)
         if graphs[phase] is not None:
+            self.captures += 1
             stats["captured"] += 1
             stats["replayed"] += 1
         return graphs[phase]
