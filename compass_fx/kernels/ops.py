@@ -51,10 +51,17 @@ def _cuda_kernel(name: str):
     return register
 
 
-def _cuda():
-    from .cuda import impl  # imported on first use: the CPU-only paths never load the driver bindings
+_impl = []
 
-    return impl
+
+def _cuda():
+    """``.cuda.impl``, imported on first use (the CPU-only paths never load the driver bindings) and
+    then kept: an import statement per call costs the host ~1 us."""
+    if not _impl:
+        from .cuda import impl
+
+        _impl.append(impl)
+    return _impl[0]
 
 
 def _check_common(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: int) -> None:
