@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..cost.decision import Decision
 from ..graph.pairs import Pair, ReducePair
+from . import blocking_gather  # noqa: F401 - registers compass::all_gather_blocking (counted as a collective)
 from .graph_edit import RewriteFailed
 
 __all__ = ["RewriteFailed", "rewrite"]
