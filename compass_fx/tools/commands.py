@@ -80,7 +80,9 @@ def _topology(text: str) -> Topology:
 
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from ..cost.decision import Candidate
     from ..cost.timeline import candidate_segments, sequence
+    from ..cost.workload import Workload
     from .timeline_plot import plot_timelines
 
     topo = args.topology
@@ -106,18 +108,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("compass-fx plan: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     if args.no_png:
         return 0
-    views = [("sequential", sequence([(n, candidate_segments(w, topo, decision.candidate("sequential")))
-                                      for n, w, decision in lp.rows]))]
+    def view(name: str, picks: list[tuple[str, Workload, Candidate]]) -> tuple[str, list, float]:
+        """A picture row: the picks' lanes one after another, titled with the sum of their prices
+        (the table's figures; the lanes are the model's breakdown of each price)."""
+        return (name, sequence([(n, candidate_segments(w, topo, c)) for n, w, c in picks]),
+                sum(c.seconds for _, _, c in picks))
+
+    views = [view("sequential", [(n, w, decision.candidate("sequential")) for n, w, decision in lp.rows])]
     for family in ("decompose", "fuse"):
         picks = []
         for n, w, decision in lp.rows:
             cands = [c for c in decision.candidates if c.strategy == family]
             if cands:
-                picks.append((n, candidate_segments(w, topo, min(cands, key=lambda c: c.seconds))))
+                picks.append((n, w, min(cands, key=lambda c: c.seconds)))
         if len(picks) == len(lp.rows):
-            views.append((f"best {family} per pair", sequence(picks)))
-    views.append(("planned", sequence([(n, candidate_segments(w, topo, next(
-        c for c in decision.candidates if c.label == decision.label))) for n, w, decision in lp.rows])))
+            views.append(view(f"best {family} per pair", picks))
+    views.append(view("planned", [(n, w, next(c for c in decision.candidates if c.label == decision.label))
+                                  for n, w, decision in lp.rows]))
     try:
         path = plot_timelines(views, png, f"{args.model} tp={args.tp} tokens={args.tokens} on {topo.name}")
     except ImportError as exc:  # an optional extra: the table above is the result, the picture a bonus
