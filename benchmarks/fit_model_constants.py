@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default="multigpu_operators-h200x2.json,multigpu_operators-h200x2-hoststaged.json",
                    help="grid JSON files under --results")
-    p.add_argument("--results", default=str(output.RESULTS), help="where the grids are")
+    p.add_argument("--results", default=str(output.RESULTS / "multigpu_operators"), help="where the grids are")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     p.add_argument("--tag", default="h200x2")
     args = p.parse_args(argv)

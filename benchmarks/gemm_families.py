@@ -9,7 +9,7 @@ sleep: the GEMMs' own time, what the model predicts); ``--analyse FILE`` (no GPU
 measurement with the code's constants and fits them with each family held out in turn.
 
     python benchmarks/gemm_families.py --deadline 240     # one GPU: gemm_families-h200.json
-    python benchmarks/gemm_families.py --analyse benchmarks/results/gemm_families-h200.json
+    python benchmarks/gemm_families.py --analyse benchmarks/results/gemm_families/gemm_families-h200.json
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deadline", type=float, default=240.0, help="seconds of measuring (the rest is left out)")
     p.add_argument("--tag", default="h200")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--out-dir", default=str(RESULTS / NAME))
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--analyse", default=None, metavar="FILE")
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ from .workload import Workload
 # The fused operators multiply each piece with cuBLAS (no slower than the unsplit GEMM per flop
 # on the shapes measured) and pay a fixed device-side cost per call: the own block's copy into
 # symmetric memory and the first flag round trip, +16 us (all-gather) and +3 us (reduce-scatter)
-# over NCCL + cuBLAS on a 512-row pair on 2 H200s (benchmarks/results/fused_ops-h200x2-small.json).
+# over NCCL + cuBLAS on a 512-row pair on 2 H200s (benchmarks/results/fused_ops/fused_ops-h200x2-small.json).
 FUSED_GEMM_EFFICIENCY = 1.0
 FUSED_SETUP_S = 15e-6
 MAX_PARTS = 64                # decomposition beyond this many parts is not considered
@@ -37,7 +37,7 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
 # dispatch and the Python around the replay, plus the driver's launch of each captured command.
 # Fitted (least squares over the 10 configurations of 17-166 commands) to the ".graph" host times
-# of two ranks sharing one H200, benchmarks/results/fused_host_time-h200-replay.json: 67 us +
+# of two ranks sharing one H200, benchmarks/results/fused_host_time/fused_host_time-h200-replay.json: 67 us +
 # 1.4 us per command (4 ranks sharing it: 120 + 1.6; 8: 166 + 1.5, the ranks' processes contending
 # for one host and one GPU's driver).  FUSED_CALLS_REPLAYED = False prices every call issued
 # command by command instead (the constants below; a deferred call, fused_async, is issued so).
@@ -51,10 +51,10 @@ _REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.9e-6, "Reduce": 7.2e-6, "Copy": 6.3e-6, 
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
 # When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
 # so a call takes the longer of the two).  Each launch costs about 1.6 times what it costs alone (the
-# closures and tensor views around it: benchmarks/results/fused_host_time-h200-run{1,2}.json, two
+# closures and tensor views around it: benchmarks/results/fused_host_time/fused_host_time-h200-run{1,2}.json, two
 # ranks sharing one H200).  The fixed work of a call besides the dispatch is fitted to the two
 # world-2 operator grids of the two-H200 machine (benchmarks/fit_model_constants.py ->
-# results/model_constants_fit-h200x2.json): the small fused calls there took 0.47-0.63 ms whatever
+# results/model_constants_fit/model_constants_fit-h200x2.json): the small fused calls there took 0.47-0.63 ms whatever
 # their size (host-bound; 0.27 ms in another run of the same session), and at 500 us the picks
 # with the fused operators priced lose at most 0.2% to sequential on both grids (at the 38 us the
 # one-GPU runs gave: 76% on NVLink, 32% host-staged).  An in-sample fit: the next grid tests it.

@@ -3,7 +3,7 @@
 Why: issued one by one from Python, a call's commands cost the host 300-1500 us on the lent H200
 machine (a GEMM launch ~20 us, a copy ~8 us, a flag operation ~4 us, each with its Python around
 it), more than the device needs for a call below 8192 tokens.  A captured graph of the same
-commands is one launch (``benchmarks/results/host_issue_profile-h200.json``: 8 waits, copies and
+commands is one launch (``benchmarks/results/host_issue_profile/host_issue_profile-h200.json``: 8 waits, copies and
 flag writes on a side stream and 4 GEMMs replay in 35 us against 169 us issued one by one).
 
 What a graph may bake in.  Its commands address the call's tensors (its input, weights and
