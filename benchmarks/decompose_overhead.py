@@ -131,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     tokens = (64,) if args.dry_run else TOKENS
     rows = []
-    total = len(SHAPES) * len(tokens) * (1 + len(PARTS))
+    part_counts = tuple(int(x) for x in args.parts.split(",") if x.strip())
+    total = len(SHAPES) * len(tokens) * (1 + len(part_counts))
     done = 0
     for kind, (k, n) in SHAPES.items():
         if args.dry_run:
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
             a = torch.randn(m, k, device=device, dtype=dtype)
             w = torch.randn(k, n, device=device, dtype=dtype)
             base = None
-            for parts in (None,) + PARTS:
+            for parts in (None,) + part_counts:
                 options = {"strategy": "off"} if parts is None else {"chunks": parts}
                 if args.compile_mode != "default":
                     options["mode"] = args.compile_mode
@@ -243,6 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, gloo")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--parts", default=",".join(map(str, PARTS)), help="part counts to decompose into (default 2,4,8)")
     p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
                    help="Inductor mode of every compiled variant (reduce-overhead: CUDA graphs)")
     p.add_argument("--out", default=None,

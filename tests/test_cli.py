@@ -29,29 +29,29 @@ def test_explain_prints_the_table():
     assert "legend: group = " in out.stdout  # what "0/2" in the group column means
 
 
-@pytest.mark.slow  # the console script in a fresh interpreter
-def test_explain_json_and_topology():
-    out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--json",
-                  "--topology", "a6000-nvlink-pairs-pcie-8")
-    assert out.returncode == 0, out.stderr[-3000:]
-    data = json.loads(out.stdout)
+@pytest.mark.slow  # traces the demo model (in this process: the console script itself is run above)
+def test_explain_json_and_topology(capsys):
+    status, stdout, stderr = run_main(capsys, "explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq",
+                                      "16", "--json", "--topology", "a6000-nvlink-pairs-pcie-8")
+    assert status == 0, stderr[-3000:]
+    data = json.loads(stdout)
     pairs = [p for g in data["graphs"] for p in g["pairs"]]  # 1 layer: 3+2 forward, 2+3 backward
     assert len(pairs) == 10 and all(p["topology"] == "a6000-nvlink-pairs-pcie-8" for p in pairs)
     assert all(len(p["candidates"]) > 1 for p in pairs)
 
 
-@pytest.mark.slow  # the console script in a fresh interpreter
-def test_explain_under_a_cuda_graph_mode_says_how_it_priced():
+@pytest.mark.slow  # traces the demo model (in this process)
+def test_explain_under_a_cuda_graph_mode_says_how_it_priced(capsys):
     """``--mode reduce-overhead``: the report notes, per graph, that the pairs were priced as CUDA
     graph replays, and every decomposition is priced as one (``Workload.cuda_graphs``: no host
     issue per part), cheaper than issued eagerly.  A bad mode is the usual argparse error."""
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import decomposition_models
 
-    out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--json",
-                  "--mode", "reduce-overhead")
-    assert out.returncode == 0, out.stderr[-3000:]
-    graphs = json.loads(out.stdout)["graphs"]
+    status, stdout, stderr = run_main(capsys, "explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq",
+                                      "16", "--json", "--mode", "reduce-overhead")
+    assert status == 0, stderr[-3000:]
+    graphs = json.loads(stdout)["graphs"]
     notes = [n for g in graphs for n in g["notes"] if "replays CUDA graphs" in n]
     assert len(notes) == 2 and all("priced without host issue costs" in n for n in notes), graphs
     checked = 0
@@ -65,8 +65,8 @@ def test_explain_under_a_cuda_graph_mode_says_how_it_priced():
                 assert c["seconds"] == pytest.approx(price[True], rel=1e-9) and price[True] < price[False], (p, c)
                 checked += 1
     assert checked >= 10
-    bad = run_cli("explain", "--world", "2", "--mode", "turbo")
-    assert bad.returncode == 2 and "option 'mode' must be one of" in bad.stderr
+    status, _, stderr = run_main(capsys, "explain", "--world", "2", "--mode", "turbo")
+    assert status == 2 and "option 'mode' must be one of" in stderr
 
 
 def test_explain_bad_option_is_a_clear_error():
