@@ -80,17 +80,7 @@ def run_case(parts: int, inner: str, calls: int, functional: bool, deadline_s: f
     """One case in fresh processes: clean (every rank passed every check), or why not."""
     start = time.time()
     ranks, killed = launch.fresh_ranks(_rank, 2, (parts, inner, calls, functional), tmp, index, deadline_s)
-    progress = Path(tmp, f"case{index}.0.progress")
-    reached = int(progress.read_text() or 0) if progress.exists() else 0
-    signals = [str(-r["exit_code"]) for i, r in enumerate(ranks) if i not in killed and (r.get("exit_code") or 0) < 0]
-    if all(r["status"] == "pass" for r in ranks) and reached == calls:
-        status = "clean"
-    elif signals:
-        status = "killed by signal " + ",".join(signals)
-    elif killed:
-        status = f"ranks {killed} still running after {deadline_s} s"
-    else:
-        status = "; ".join(r.get("error", r["status"]) for r in ranks if r["status"] != "pass")
+    status, reached = launch.soak_outcome(ranks, killed, str(Path(tmp, f"case{index}.0.progress")), calls, deadline_s)
     per_call = ranks[0].get("gathers_per_call")
     return {"status": status, "calls_reached": reached, "gathers_per_call": per_call,
             "gathers": reached * per_call if per_call else None, "us_per_call": ranks[0].get("us_per_call"),

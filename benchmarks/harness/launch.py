@@ -192,3 +192,19 @@ def fresh_ranks(worker: Callable, world: int, args: tuple, tmp: str, index: int,
             ranks.append({"status": "error", "error": f"rank {r} wrote no result (exit code {procs[r].exitcode})",
                           "exit_code": procs[r].exitcode})
     return ranks, killed
+
+
+def soak_outcome(ranks: list[dict], killed: list[int], progress: str, calls: int, deadline_s: float
+                 ) -> tuple[str, int]:
+    """How a soak run in fresh processes (``fresh_ranks``) ended, and the last call rank 0 reported
+    in its ``progress`` file: "clean" (every rank passed every call), the signal that killed a rank,
+    the ranks still running at the deadline, or the ranks' errors."""
+    reached = int(open(progress).read() or 0) if os.path.exists(progress) else 0
+    signals = [str(-r["exit_code"]) for i, r in enumerate(ranks) if i not in killed and (r.get("exit_code") or 0) < 0]
+    if all(r["status"] == "pass" for r in ranks) and reached == calls:
+        return "clean", reached
+    if signals:
+        return "killed by signal " + ",".join(signals), reached
+    if killed:
+        return f"ranks {killed} still running after {deadline_s} s", reached
+    return "; ".join(r.get("error", r["status"]) for r in ranks if r["status"] != "pass"), reached
