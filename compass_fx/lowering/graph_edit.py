@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_dense
 from torch.utils._pytree import tree_map
 
 from ..graph.nodes import PART_MARK
@@ -88,7 +89,10 @@ class NodeBuilder:
         if self.fake_mode is None:
             return
         with self.fake_mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+            if node.target is auto_functionalized:  # its fake implementation, less the higher-order op's dispatch
+                node.meta["val"] = auto_functionalized_dense(*args, _only_clone_these_tensors=None, **kwargs)
+            else:
+                node.meta["val"] = node.target(*args, **kwargs)
 
     # Shorthands for the few ops the rewrites use.
     def view(self, x: fx.Node, shape: Iterable[int]) -> fx.Node:
