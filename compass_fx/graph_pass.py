@@ -98,6 +98,13 @@ class _Plan:
     refused: dict[str, str]
     decision: Decision
     infeasible: bool = False  # the options force what this pair cannot take: it stays as it is
+    # the pair as decided (its nodes may be gone once a rewrite before it touched them)
+    described: str = ""
+    workload: object = None
+
+    def __post_init__(self) -> None:
+        self.described = self.described or self.pair.describe()
+        self.workload = self.workload or self.pair.workload()
 
 
 def _plan(pair: Pair, options: CompassOptions, topology: object | None) -> _Plan:
@@ -189,15 +196,15 @@ class _Rewriter:
         (on a sorted graph), as if the graph had been matched after that rewrite; decide and agree
         again only when the pair changed.  None when it is no pair any more (then it is a skip)."""
         stable_toposort(self.gm.graph)
-        pair = plan.pair
         log.info("compass_fx: %s graph: %s matched again: a rewrite before it touched its nodes",
-                 self.graph_kind, pair.describe())
-        outcome = match_one(pair.collective, kind_of(pair), self.graph_kind, self.group)
+                 self.graph_kind, plan.described)
+        kind = kind_of(plan.pair)
+        outcome = match_one(plan.pair.collective, kind, self.graph_kind, self.group)
         if isinstance(outcome, SkipRecord):
             self.skipped.append(outcome)
             return None
-        if outcome.describe() == pair.describe() and outcome.workload() == pair.workload():
-            return _Plan(outcome, kind_of(outcome).refusals(outcome), plan.decision, plan.infeasible)
+        if outcome.describe() == plan.described and outcome.workload() == plan.workload:
+            return _Plan(outcome, kind.refusals(outcome), plan.decision, plan.infeasible)
         return self.plan_again(outcome)
 
     def _close(self) -> None:
