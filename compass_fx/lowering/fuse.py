@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..graph.pairs import GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, RewriteFailed
+from .graph_edit import NodeBuilder, RewriteFailed, stable_toposort
 
 aten = torch.ops.aten
 log = logging.getLogger("compass_fx")
@@ -55,7 +55,8 @@ def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> None:
     the overlap is lost) and the reason is logged."""
     try:
         _spread(graph, created)
-    except Exception as e:  # noqa: BLE001 - nothing was moved (see _spread)
+    except Exception as e:  # noqa: BLE001 - the call is correct wherever it sits; only overlap is lost
+        stable_toposort(graph)  # in case a move was half done (see _spread: it should not be)
         log.warning("compass_fx: asynchronous fused call of %s left where it was: %s", described, e)
 
 
