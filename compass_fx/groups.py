@@ -38,3 +38,15 @@ def default_store() -> dist.Store | None:
 def publish(store: dist.Store, key: str, value: dict) -> None:
     """Leave ``value`` under ``key`` for the other ranks (JSON, keys sorted)."""
     store.set(key, json.dumps(value, sort_keys=True))
+
+
+def backend_for(group_name: str, device_type: str) -> str | None:
+    """The backend that runs ``group_name``'s collectives on tensors of ``device_type`` ("gloo",
+    "nccl", "fake" ...), or None when no such group is known (tracing without a process group)."""
+    try:
+        group = find_group(group_name)
+    except ValueError:
+        return None
+    config = dist.get_backend_config(group)  # "cpu:gloo,cuda:nccl", or one name for every device
+    entries = dict(e.split(":", 1) for e in config.split(",") if ":" in e)
+    return entries.get(device_type, config if not entries else None)

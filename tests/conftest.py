@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Inductor compiles C++ kernels in a pool of worker processes by default, each importing torch: on
+# 2 cores that costs more than it saves for the tests' small graphs (rank processes and the
+# scripts the tests start inherit this).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from rank_pool import RankPool  # noqa: E402
 
@@ -39,3 +43,16 @@ def ranks():
     pools = _Pools()
     yield pools
     pools.close()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """An Inductor compile on the CPU is slow by itself (its C++ kernels go through the system
+    compiler): every ``inductor`` test is also ``slow``.  ``gpu`` tests skip without a GPU."""
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("inductor") is not None:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_gpu)

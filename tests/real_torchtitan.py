@@ -1,9 +1,9 @@
 """torchtitan 0.3.0's Llama-3 and its tensor-parallel plan, built on CPU ranks.
 
 Model code and TP plan are torchtitan's own (``Llama3Model.Config``, ``set_llama3_sharding_config``,
-``Module.parallelize``); only the three CPU workarounds of FACTS.md are applied here: triton is
-stubbed for one module when absent, the device type is forced to "cpu", and attention uses SDPA
-(flex attention has no CPU backward).
+``Module.parallelize``); only the three CPU workarounds of FACTS.md are applied here: torchtitan's
+Triton kernels module is stood in for when triton is absent, the device type is forced to "cpu",
+and attention uses SDPA (flex attention has no CPU backward).
 """
 from __future__ import annotations
 
@@ -15,13 +15,34 @@ import torch
 VOCAB = 2048
 
 
+class _TritonKernelsStandIn(types.ModuleType):
+    """What ``torchtitan.distributed.minimal_async_ep.kernels`` is on a machine without triton.
+
+    torchtitan 0.3.0 imports that module (Triton kernels of its expert-parallel token dispatch)
+    whenever its models are imported, and ``api.py`` imports names from it; the CPU build of
+    torch brings no triton.  Any name resolves to a placeholder that raises if it is ever called,
+    so a dense model that never dispatches experts imports and runs, and a model that would use
+    those kernels fails loudly instead of silently."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"torchtitan's {self.__name__}.{name} is a Triton kernel, and triton is not "
+                               "installed (the tests stand in for it on CPU-only machines)")
+
+        unavailable.__name__ = name
+        return unavailable
+
+
 def _cpu_workarounds() -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
         name = "torchtitan.distributed.minimal_async_ep.kernels"
         if name not in sys.modules:
-            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name] = _TritonKernelsStandIn(name)
     import torchtitan.tools.utils as tt_utils
 
     tt_utils.device_type = "cpu"

@@ -114,6 +114,7 @@ def compile_twice(rank: int, world: int) -> list[dict]:
     return results
 
 
+@pytest.mark.inductor
 def test_second_compile_runs_the_pass_and_executes_the_rewrite(ranks):
     runs = ranks(2).run(compile_twice, 2)[0]
     first, second, off, four, staged_auto = runs
@@ -127,6 +128,7 @@ def test_second_compile_runs_the_pass_and_executes_the_rewrite(ranks):
     assert four["collectives"] == off["collectives"] + 4 * 3
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and compiles
 def test_entry_point_without_importing_compass_fx(tmp_path):
     script = textwrap.dedent("""
         import sys, torch

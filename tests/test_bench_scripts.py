@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each runs a benchmark script in fresh processes
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
@@ -348,3 +350,19 @@ def test_every_benchmark_script_starts():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok ")) == scripts
+
+
+def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
+    """The soak of decomposed gathers on gloo (one gather in flight, as the lowering emits it there):
+    every case clean, each call ran ``parts`` gathers (so the pair was decomposed), all counted."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "gloo_gather_soak.py"), "--calls", "101", "--parts", "3",
+                           "--inner", "eager", "--out-dir", str(tmp_path)], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "gloo_gather_soak-cpu.json").read_text())
+    assert data["crashed"] == 0 and not data["pipelined"]
+    (row,) = data["rows"]
+    assert row["status"] == "clean" and row["gathers_per_call"] == 3 and row["gathers"] == 3 * 101
+    assert data["gathers_clean"] == 303
+    assert (tmp_path / "gloo_gather_soak-cpu.md").read_text().startswith("# gloo_gather_soak")

@@ -20,6 +20,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([exe, *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_explain_prints_the_table():
     out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--chunks", "2")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -28,6 +29,7 @@ def test_explain_prints_the_table():
     assert "legend: group = " in out.stdout  # what "0/2" in the group column means
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_explain_json_and_topology():
     out = run_cli("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--json",
                   "--topology", "a6000-nvlink-pairs-pcie-8")
@@ -38,6 +40,7 @@ def test_explain_json_and_topology():
     assert all(len(p["candidates"]) > 1 for p in pairs)
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_explain_under_a_cuda_graph_mode_says_how_it_priced():
     """``--mode reduce-overhead``: the report notes, per graph, that the pairs were priced as CUDA
     graph replays, and every decomposition is priced as one (``Workload.cuda_graphs``: no host

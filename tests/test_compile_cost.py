@@ -69,7 +69,8 @@ def walks_per_graph(mesh, monkeypatch, layers: int, **options) -> tuple[dict[str
     return dict(counts), report.count(status="rewritten")
 
 
-@pytest.mark.parametrize("options", [{"chunks": 2}, {"strategy": "auto"}, {"strategy": "fuse", "schedule": "direct"}])
+@pytest.mark.parametrize("options", [{"chunks": 2}, pytest.param({"strategy": "auto"}, marks=pytest.mark.slow),
+                                     pytest.param({"strategy": "fuse", "schedule": "direct"}, marks=pytest.mark.slow)])
 def test_the_pass_walks_each_graph_a_fixed_number_of_times(mesh, monkeypatch, options):
     small, rewritten_small = walks_per_graph(mesh, monkeypatch, 1, **options)
     large, rewritten_large = walks_per_graph(mesh, monkeypatch, 3, **options)

@@ -9,9 +9,12 @@ import queue
 import socket
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.slow  # fresh ranks killed or timed out on purpose
 
 TIMEOUT_S = 3
 

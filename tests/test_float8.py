@@ -111,7 +111,7 @@ def test_tensorwise_float8_pairs_are_decomposed_and_equal_eager(ranks, kind):
                              "rewritten", "decompose", 2)], res
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("rowwise", [False, True])
 def test_float8_matmul_all_reduce_is_decomposed_and_equal_eager(ranks, world, rowwise):
     """Plain TP (no sequence parallelism): the row-parallel float8 GEMM's all-reduce, tensorwise and

@@ -143,8 +143,9 @@ FOUND = [("backward", "all_gather_matmul", 2), ("backward", "matmul_reduce_scatt
          ("forward", "all_gather_matmul", 1), ("forward", "matmul_reduce_scatter", 1)]
 
 
-@pytest.mark.parametrize("world,strategy", [(2, "off"), (2, "decompose"), (2, "auto"), (4, "decompose"),
-                                            (4, "auto")])
+@pytest.mark.parametrize("world,strategy", [(2, "off"), (2, "decompose"), (2, "auto"),
+                                            pytest.param(4, "decompose", marks=pytest.mark.slow),
+                                            pytest.param(4, "auto", marks=pytest.mark.slow)])
 def test_float8_block_forward_and_backward_equal_eager(ranks, world, strategy):
     res = ranks(world).run(_run, world, strategy)[0]
     assert [p[:3] for p in res["pairs"]] == FOUND, res

@@ -136,7 +136,8 @@ FOUND = [("backward", "all_gather_matmul", 2, "uint8", "float8_e5m2"),
          ("forward", "matmul_reduce_scatter", 1, "bfloat16", "float8_e4m3fn")]
 
 
-@pytest.mark.parametrize("world,strategy", [(2, "decompose"), (2, "auto"), (4, "decompose")])
+@pytest.mark.parametrize("world,strategy", [(2, "decompose"), (2, "auto"),
+                                            pytest.param(4, "decompose", marks=pytest.mark.slow)])
 def test_a_float8_gather_of_bytes_is_decomposed_and_equal_eager(ranks, world, strategy):
     res = ranks(world).run(_run, world, strategy)[0]
     assert [p[:5] for p in res["pairs"]] == FOUND, res

@@ -35,6 +35,8 @@ import torch
 
 pytest.importorskip("torchao.float8", reason="torchao (the `test` extra) is not installed")
 
+pytestmark = pytest.mark.slow  # torchao float8 blocks compiled on 2 and 4 ranks
+
 DIM, HIDDEN, TOKENS = 32, 64, 32
 CONFIGS = {  # name: (torchao recipe, float8 TP styles?)
     "tensorwise": ("tensorwise", True),
@@ -176,6 +178,7 @@ def test_tensorwise_scaling_of_gathered_bf16_is_left_alone_with_the_reason(ranks
 
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("config", ["tensorwise", "rowwise"])
 def test_torchao_float8_block_decomposed_under_inductor_equals_eager(ranks, config):
     """Inductor checks a float8 GEMM's strides (B column-major, row scales with last stride 1),

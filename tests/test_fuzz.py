@@ -26,6 +26,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+pytestmark = pytest.mark.slow  # hundreds of generated graphs
+
 EXAMPLES = int(os.environ.get("COMPASS_FUZZ_EXAMPLES", "40"))
 SEED = int(os.environ.get("COMPASS_FUZZ_SEED", "20261129"))
 

@@ -112,7 +112,7 @@ def _errors_case(rank):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_forward_matches_collectives(ranks, world, schedule):
     # m=5 makes the double ring's halves uneven (3 + 2 rows)
@@ -120,7 +120,7 @@ def test_forward_matches_collectives(ranks, world, schedule):
     assert ranks(world).run(_forward_case, schedule, torch.bfloat16, 4, 16, (8,)) == [True] * world
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_single_row_shards(ranks, world):
     """Shards of one row: the double ring's second half is empty and must be skipped consistently."""
     for schedule in SCHEDULES:
@@ -327,6 +327,7 @@ def test_a_capture_without_its_twin_workspace_is_a_clear_error(monkeypatch):
         assert impl.graphs_enabled() is on
 
 
+@pytest.mark.inductor
 def test_with_graphs_enabled_inductor_may_capture_the_ops():
     """``COMPASS_FUSED_GRAPHS=1`` when the ops are registered: no cudagraph_unsafe tag, so Inductor's
     CUDA graphs (mode "reduce-overhead") take them in; their warm-up run builds the twins."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-WORLDS = (2, 4)
+WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks on 2 cores: twice the time
 
 
 def run_and_compare(rank: int, world: int, model_name: str, options: dict) -> dict:
@@ -80,6 +80,7 @@ def test_eager_inner_matches_eager(ranks, world, model_name, strategy):
         assert res["parts"] == [2 if strategy == "k2" else world]
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("model_name", [c[0] for c in CASES])
 def test_inductor_inner_matches_eager(ranks, model_name):
     results = ranks(2).run(run_and_compare, 2, model_name, {"chunks": 2})
@@ -100,6 +101,7 @@ def test_fused_operators_match_eager(ranks, world, model_name, schedule):
     assert len(res["not_rewritten"]) == (1 if model_name in ("tp_mlp", "sp0_mlp_bias") else 0), res
 
 
+@pytest.mark.inductor
 def test_fused_operators_under_inductor(ranks):
     res = ranks(2).run(run_and_compare, 2, "sp1_llama", {"strategy": "fuse", "schedule": "double_ring"})[0]
     assert res["rewritten"] == res["pairs"] > 0
@@ -128,8 +130,9 @@ def _async_layout(rank: int, world: int, model_name: str, options: dict, dump_di
     return res
 
 
-@pytest.mark.parametrize("world,model_name", [(2, "tp_mlp"), (2, "sp0_mlp"), (2, "sp1_llama"), (4, "tp_mlp"),
-                                              (4, "sp1_llama")])
+@pytest.mark.parametrize("world,model_name", [(2, "tp_mlp"), (2, "sp0_mlp"), (2, "sp1_llama"),
+                                              pytest.param(4, "tp_mlp", marks=pytest.mark.slow),
+                                              pytest.param(4, "sp1_llama", marks=pytest.mark.slow)])
 def test_asynchronous_fused_reductions_match_eager(ranks, world, model_name, tmp_path):
     """fused_async: the reducing fused operators start as soon as their operands exist and are
     waited for just before the first use; forward and backward still equal eager, and in the
@@ -143,6 +146,7 @@ def test_asynchronous_fused_reductions_match_eager(ranks, world, model_name, tmp
                if not any(s < x < w for x in lines["start"] if x != s)), lines
 
 
+@pytest.mark.inductor
 def test_asynchronous_fused_reductions_under_inductor(ranks):
     options = {"strategy": "fuse", "schedule": "direct", "fused_async": True}
     res = ranks(2).run(run_and_compare, 2, "sp1_llama", options)[0]

@@ -445,7 +445,7 @@ def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_que
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_issue_order_survives_one_hardware_queue_per_rank(op, schedule, world):
     """The GPU may feed all of a rank's streams through one hardware queue, in the order the host
     issued their commands (streams outnumber CUDA_DEVICE_MAX_CONNECTIONS): the plans as the CUDA

@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+pytestmark = pytest.mark.slow  # a real model traced and compiled on 2 and 4 ranks
+
 LAYERS = 2
 
 
@@ -33,7 +35,8 @@ def hand_count(layers: int, sp: bool) -> dict[tuple[str, str], int]:
             ("backward", "matmul_all_reduce"): 2 * layers + 1}
 
 
-def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False) -> dict:
+def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False,
+                            layers: int = LAYERS) -> dict:
     import collections
 
     import real_torchtitan as rt
@@ -42,8 +45,8 @@ def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, chec
 
     torch._dynamo.reset()
     x = rt.tokens()
-    eager = rt.build_llama3(world, sp, layers=LAYERS, checkpoint=checkpoint)
-    model = rt.build_llama3(world, sp, layers=LAYERS, dims=eager.compass_dims, checkpoint=checkpoint)
+    eager = rt.build_llama3(world, sp, layers=layers, checkpoint=checkpoint)
+    model = rt.build_llama3(world, sp, layers=layers, dims=eager.compass_dims, checkpoint=checkpoint)
     with rt.spmd_context(eager, x):
         out_ref = eager(x)
         (out_ref.float() ** 2).mean().backward()
@@ -74,9 +77,12 @@ def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp):
         assert res["matmuls"] == sum(res["linears"].values())
 
 
+@pytest.mark.inductor
 def test_torchtitan_llama3_under_inductor(ranks):
-    results = ranks(2).run(titan_compiled_vs_eager, 2, True, {"chunks": 2})
-    assert results[0]["counts"] == hand_count(LAYERS, True)
+    # one layer: Inductor's compile on the CPU is what costs here, and a second layer adds pairs
+    # the eager-inner tests above already check, not new graph shapes
+    results = ranks(2).run(titan_compiled_vs_eager, 2, True, {"chunks": 2}, False, 1)
+    assert results[0]["counts"] == hand_count(1, True)
     assert results[0]["statuses"] == ["rewritten"]
 
 

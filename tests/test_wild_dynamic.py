@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # dynamic shapes: several compiles per case
+
 TOKENS = (8, 12, 16, 20)
 
 

@@ -6,7 +6,10 @@ and must be left alone when the TP group is the one optimised.
 """
 from __future__ import annotations
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow  # FSDP2 + TP meshes on 4 ranks
 
 WORLD = 4
 

@@ -110,6 +110,7 @@ def test_wild_shape_on_gloo_matches_eager(ranks, name):
     assert all(s == "rewritten" for *_, s in results[0])
 
 
+@pytest.mark.inductor
 def test_wild_shapes_under_inductor(ranks):
     for name in ("einsum_bmm", "dtype_casts", "shared_uses"):
         results = ranks(WORLD).run(compiled_vs_eager, name, {"chunks": 2})
