@@ -17,7 +17,7 @@ host's issue of each part is gone, and what an extra part costs is the device's 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
     python benchmarks/decompose_overhead.py --compile-mode reduce-overhead   # the same under CUDA graphs
     python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
-    python benchmarks/decompose_overhead.py --render benchmarks/results/decompose_overhead-h200.json  # its .md
+    python benchmarks/decompose_overhead.py --render benchmarks/results/decompose_overhead/decompose_overhead-h200.json  # its .md
 """
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def main() -> None:
     p.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune"),
                    help="Inductor mode of every compiled variant (reduce-overhead: CUDA graphs)")
     p.add_argument("--out", default=None,
-                   help="JSON path (default benchmarks/results/decompose_overhead-<device>[-<mode>].json)")
+                   help="JSON path (default benchmarks/results/decompose_overhead/decompose_overhead-<device>[-<mode>].json)")
     p.add_argument("--render", default=None, metavar="FILE",
                    help="no GPU: write the markdown beside a result file (JSON) and exit")
     args = p.parse_args()
@@ -265,7 +265,7 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
     mode = "" if args.compile_mode == "default" else f"-{args.compile_mode}"
-    out = Path(args.out or f"benchmarks/results/decompose_overhead-{'cpu' if args.dry_run else 'h200'}{mode}.json")
+    out = Path(args.out or f"benchmarks/results/decompose_overhead/decompose_overhead-{'cpu' if args.dry_run else 'h200'}{mode}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out} and {write_markdown(out)}")

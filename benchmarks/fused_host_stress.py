@@ -8,10 +8,13 @@ the very plan of "direct".  Here W ranks (processes in a gloo group) share one G
 host memory, which runs the same plans on the same CUDA path, so every protocol step of a world
 of 3 or 4 executes for real (the GPU timings are meaningless and are not recorded).
 
-Every case (operator x schedule x world x shape) runs in fresh processes: ``--calls`` back-to-back
-calls cycling over three input sets, the last rank sleeping up to 2 ms before one call in ten;
-each output is compared with a reference every rank computes from all ranks' seeded inputs
-(tolerance 2e-2 of the largest element, bf16).  A stalled case ends in the operators' watchdog
+The cases (operator x schedule x shape) of a world run one after another in one set of fresh
+processes (a case that does not pass ends that set; the cases after it run in fresh processes):
+``--calls`` back-to-back calls cycling over three input sets, the last rank sleeping up to 2 ms
+before one call in ten; each output is compared with a reference every rank computes from all
+ranks' seeded inputs (tolerance 2e-2 of the largest element, bf16), then dropped, so that eager
+calls replay their captured graphs (the rows count the replays per rank; ``--mix``: rank 0 issues
+one call in five command by command, meeting peers that replay).  A stalled case ends in the operators' watchdog
 error (``COMPASS_FUSED_TIMEOUT_S``, 10 s here), recorded as the case's outcome, never a frozen
 run.  "direct" is what the compiler runs without peer access (a forced ring is run as direct);
 the rings are run too, to record how they behave here.
@@ -61,12 +64,13 @@ def reference(kind: str, m: int, n: int, k: int, world: int, rank: int, seed: in
     return total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total
 
 
-def worker(rank: int, world: int, case: dict, calls: int, init: str, out_path: str) -> None:
-    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the ranks share one GPU: meet in host memory
-    os.environ["COMPASS_FUSED_TIMEOUT_S"] = TIMEOUT_S
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
+    """One case on this rank: ``calls`` back-to-back calls, each output checked as it comes and then
+    dropped (so the caching allocator hands the next call of the same input set the same
+    addresses and eager calls replay their graphs, :mod:`compass_fx.kernels.cuda.replay`);
+    ``mix``: rank 0 issues one call in five one command at a time (COMPASS_FUSED_REPLAY=0), so
+    ranks that replay and ranks that issue meet in the same call."""
+    from compass_fx.kernels.cuda import replay
 
     kind, m, n, k, schedule = case["kind"], case["m"], case["n"], case["k"], case["schedule"]
     group = dist.group.WORLD.group_name
@@ -83,39 +87,85 @@ def worker(rank: int, world: int, case: dict, calls: int, init: str, out_path: s
 
             def op(a, b):
                 return fused(a, b, schedule, group, world)
-        t0, outs = time.time(), []
+        errors = torch.zeros(calls, device="cuda")
+        before = dict(replay.stats)
+        t0 = time.time()
         for c in range(calls):
             if rank == world - 1 and rng.random() < 0.1:
                 time.sleep(rng.random() * 2e-3)
-            outs.append((c % 3, op(*sets[c % 3])))
+            issue_one = mix and rank == 0 and rng.random() < 0.2
+            if issue_one:
+                os.environ["COMPASS_FUSED_REPLAY"] = "0"
+            out = op(*sets[c % 3])
+            if issue_one:
+                os.environ["COMPASS_FUSED_REPLAY"] = "1"
+            errors[c] = (out.float() - refs[c % 3]).abs().max() / refs[c % 3].abs().max()
+            del out
         torch.cuda.synchronize()
-        err = max(float((o.float() - refs[s]).abs().max() / refs[s].abs().max()) for s, o in outs)
-        res.update(status="pass" if err < TOL else "FAIL", relative_error=err, seconds=round(time.time() - t0, 2))
+        err = float(errors.max())
+        res.update(status="pass" if err < TOL else "FAIL", relative_error=err, seconds=round(time.time() - t0, 2),
+                   replayed=replay.stats["replayed"] - before["replayed"],
+                   captured=replay.stats["captured"] - before["captured"])
     except Exception as e:  # noqa: BLE001 - the case's outcome (a watchdog error names op, rank, piece)
         res.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-600:])
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(res, f)
+    return res
+
+
+def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, init: str, out_path: str) -> None:
+    """The cases ``todo`` one after another in this set of processes, until one does not pass
+    (what follows a stalled case is run in fresh processes)."""
+    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the ranks share one GPU: meet in host memory
+    os.environ["COMPASS_FUSED_TIMEOUT_S"] = TIMEOUT_S
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+
+    results = []
+    for case in todo:
+        res = run_one(rank, world, case, calls, mix)
+        results.append(res)
+        with open(f"{out_path}.{rank}", "w") as f:  # what is done so far, should a later case stall
+            json.dump(results, f)
+        agreed = torch.tensor([1 if res["status"] == "pass" else 0])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank goes on to the next case, or none
+        if not agreed.item():
+            break
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - a rank of a stalled case may leave the group unusable
         pass
 
 
-def run_case(case: dict, calls: int, tmp: str, index: int, deadline_s: float) -> dict:
-    """One case in fresh processes; ranks still running after ``deadline_s`` (a stall whose
-    streams stay blocked after the watchdog's error) are killed and the case says so."""
-    t0 = time.time()
-    ranks, killed = launch.fresh_ranks(worker, case["world"], (case, calls), tmp, index, deadline_s)
-    statuses = {r["status"] for r in ranks}
-    status = "pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error"
-    row = dict(case, status=status, calls=calls, wall_s=round(time.time() - t0, 1),
-               relative_error=max((r.get("relative_error", 0.0) for r in ranks), default=None))
-    errors = [r["error"] for r in ranks if "error" in r]
-    if errors:
-        row["error"] = errors[0]
-    if killed:
-        row["killed_ranks"] = killed  # still blocked on the GPU after the error: ended by this script
-    return row
+def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: float, mix: bool) -> list[dict]:
+    """``todo`` (one world) in one set of fresh processes, then whatever a stalled case left undone
+    in another; ranks still running after ``deadline_s`` per case (a stall whose streams stay
+    blocked after the watchdog's error) are killed and the case says so."""
+    rows: list[dict] = []
+    while todo:
+        t0 = time.time()
+        world = todo[0]["world"]
+        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix), tmp, index * 1000 + len(rows),
+                                           deadline_s * len(todo))
+        per_rank = [r if isinstance(r, list) else [r] for r in ranks]
+        done = max(len(r) for r in per_rank)
+        for i in range(max(done, 1)):
+            got = [r[i] if i < len(r) else {"status": "error", "error": "rank stopped before this case"}
+                   for r in per_rank]
+            statuses = {r["status"] for r in got}
+            status = "pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error"
+            row = dict(todo[i], status=status, calls=calls, wall_s=round(time.time() - t0, 1),
+                       relative_error=max((r.get("relative_error", 0.0) for r in got), default=None),
+                       replayed=[r.get("replayed") for r in got], captured=[r.get("captured") for r in got])
+            errors = [r["error"] for r in got if "error" in r]
+            if errors:
+                row["error"] = errors[0]
+            if killed and status != "pass":
+                row["killed_ranks"] = killed  # still blocked on the GPU after the error: ended by this script
+            rows.append(row)
+            print(f"[{len(rows)}] {row['kind']} world={world} {row['schedule']} n={row['n']}: {status}"
+                  + (f" ({row['error'][:160]})" if "error" in row else "") + f" replayed {row['replayed']}", flush=True)
+        todo = todo[max(done, 1):]
+    return rows
 
 
 def cases(worlds: list[int]) -> list[dict]:
@@ -134,11 +184,13 @@ def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"W ranks sharing one GPU meet in pinned host memory (the host-staged fused operators); "
              f"{payload['calls']} back-to-back calls per case, the last rank late before one call in ten, every "
-             f"result against a reference; each case in fresh processes; watchdog timeout {TIMEOUT_S} s.", "",
+             f"result against a reference and dropped; the cases of a world one after another in one set of "
+             f"processes{' (rank 0 issuing one call in five command by command)' if payload.get('mix') else ''}; "
+             f"watchdog timeout {TIMEOUT_S} s. replayed: per rank, the calls served from captured CUDA graphs.", "",
              f"* {ok} of {len(rows)} cases pass; schedule direct (what the compiler runs without peer access): "
              f"{sum(r['status'] == 'pass' for r in direct)} of {len(direct)}", "",
              output.markdown_table(rows, ["kind", "world", "schedule", "m", "n", "k", "status",
-                                          ("relative_error", "rel. error"), ("wall_s", "wall s"), "error"])]
+                                          ("relative_error", "rel. error"), "replayed", ("wall_s", "wall s"), "error"])]
     return "\n".join(lines)
 
 
@@ -149,6 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="3,4")
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a case may take before its ranks are killed")
+    p.add_argument("--mix", action="store_true", help="rank 0 issues one call in five instead of replaying it")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
@@ -156,15 +209,12 @@ def main(argv=None) -> int:
         raise SystemExit("fused_host_stress runs the CUDA path: it needs a GPU")
     todo = cases([int(w) for w in args.worlds.split(",")])
     rows, t0 = [], time.time()
-    payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "environment": output.environment(False),
-               "rows": rows}
+    payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix,
+               "environment": output.environment(False), "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, case in enumerate(todo):
-            row = run_case(case, args.calls, tmp, i, args.deadline)
-            rows.append(row)
-            print(f"[{i + 1}/{len(todo)}] {case['kind']} world={case['world']} {case['schedule']} n={case['n']}: "
-                  f"{row['status']}" + (f" ({row['error'][:160]})" if "error" in row else ""), flush=True)
-            payload.update(seconds=round(time.time() - t0, 1), complete=i + 1 == len(todo))
+        for i, world in enumerate(sorted({c["world"] for c in todo}, key=[c["world"] for c in todo].index)):
+            rows += run_cases([c for c in todo if c["world"] == world], args.calls, tmp, i, args.deadline, args.mix)
+            payload.update(seconds=round(time.time() - t0, 1), complete=len(rows) == len(todo))
             output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far
     print(markdown(payload))
     return 0

@@ -11,18 +11,19 @@ second GPU), so the GPU timings are meaningless and only the host's are recorded
 * per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
   first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
   with other work before its ``wait_tensor``, checked the same way), through the ``.graph``
-  overload that rewritten graphs call (no Python autograd layers), and of the implementation
-  called directly (the difference is the dispatcher's), the plan's commands by
-  kind, and the cost model's ``fused_host_seconds`` for it; for the gathers also a copy of the op
-  whose CUDA kernel is registered through the custom op's wrapper, as before session 8
-  (``gather_as_before``).  The forms of a case take turns within every round: the lent machines'
-  hosts differ by up to 2x between runs, so only figures of one run compare.
+  overload that rewritten graphs call (no Python autograd layers; an eager call replays a CUDA
+  graph captured for its addresses, ``compass_fx.kernels.cuda.replay``), the same with
+  ``COMPASS_FUSED_REPLAY=0`` (every command launched from Python, as before; each result checked
+  too), and of the implementation called directly (the difference is the dispatcher's), the
+  plan's commands by kind, and the cost model's ``fused_host_seconds`` for it.  The forms of a
+  case take turns within every round: the lent machines' hosts differ by up to 2x between runs,
+  so only figures of one run compare.  ``--worlds 2,4,8``: one run per number of ranks sharing
+  the GPU.
 
-    python benchmarks/fused_host_time.py        # one GPU: writes fused_host_time-h200.{json,md}
+    python benchmarks/fused_host_time.py --worlds 2,4,8   # one GPU: writes fused_host_time-h200.{json,md}
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -38,7 +39,6 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 NAME = "fused_host_time"
-WORLD = 2
 TOLERANCE = 2e-2  # bf16 products summed in fp32 by cuBLAS, in a different order than the reference
 # (operator, rows of A on one rank, k, n): llama3-8b widths at 512-8192 tokens, TP 2
 CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 4096, 7168),
@@ -81,71 +81,72 @@ def operands(op: str, rows: int, k: int, n: int, rank: int):
     return a, b
 
 
-def relative_error(op: str, result, rows: int, k: int, n: int, rank: int) -> float:
+def relative_error(op: str, result, rows: int, k: int, n: int, rank: int, world: int) -> float:
     """Largest difference from plain matmuls of every rank's operands, over the largest element."""
-    pairs = [operands(op, rows, k, n, r) for r in range(WORLD)]
+    pairs = [operands(op, rows, k, n, r) for r in range(world)]
     if op == "all_gather_matmul":
         got, want = result[1][0], torch.cat([a for a, _ in pairs]) @ pairs[rank][1]
     else:
         full = sum(a.float() @ b.float() for a, b in pairs)
-        got, want = result, (full.chunk(WORLD)[rank] if op == "matmul_reduce_scatter" else full)
+        got, want = result, (full.chunk(world)[rank] if op == "matmul_reduce_scatter" else full)
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-@functools.cache
-def gather_as_before():
-    """``compass::all_gather_matmul`` as registered until session 8, for comparison: a copy of
-    the op (namespace ``compass_bench``, same checks, autograd and implementation) whose CUDA
-    kernel goes through the custom op's ``register_kernel`` wrapper instead of straight to the
-    dispatcher.  Timed beside the real op, it shows what that wrapper costs per call."""
-    from compass_fx.kernels import ops
-    from compass_fx.kernels.cuda import impl as cuda
+def python_profile(fn, calls: int = 40) -> list[dict]:
+    """cProfile's top functions (own time per call) over ``calls`` calls of ``fn``."""
+    import cProfile
+    import pstats
 
-    schema = "(Tensor a_shard, Tensor[] bs, str schedule, str group_name, int group_size) -> (Tensor, Tensor[])"
-
-    @torch.library.custom_op("compass_bench::all_gather_matmul", mutates_args=(), schema=schema)
-    def copy(a_shard, bs, schedule, group_name, group_size):
-        raise NotImplementedError("compass_bench::all_gather_matmul runs on CUDA only")
-
-    @copy.register_kernel("cuda")
-    def _(a_shard, bs, schedule, group_name, group_size):
-        ops._check_common(a_shard, bs, schedule, group_size)
-        return cuda.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
-
-    copy.register_autograd(ops._ag_backward, setup_context=ops._ag_setup)
-    return torch.ops.compass_bench.all_gather_matmul
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    rows = [{"where": f"{os.path.basename(f)}:{line}:{name}", "calls": nc / calls, "self_us": tt / calls * 1e6,
+             "cum_us": ct / calls * 1e6} for (f, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return sorted(rows, key=lambda r: -r["self_us"])[:20]
 
 
-def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> dict:
+def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_name: str, rounds: int,
+            profile: bool = False) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
+    from compass_fx.kernels.cuda import replay
     from compass_fx.kernels.issue_order import call_plans
 
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
     direct = getattr(cuda, op)
-    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, WORLD)
+    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, world)
     graph_op = through_op.graph
 
     def checked(name: str, fn) -> float:
-        err = relative_error(op, fn(a, *args), rows, k, n, rank)
+        err = relative_error(op, fn(a, *args), rows, k, n, rank, world)
         if err > TOLERANCE:
             raise RuntimeError(f"{name} rows={rows}: result off by {err:.3g} of its largest element (rank {rank})")
         return err
 
+    def issued(*call):  # every command launched from Python, as before replays (COMPASS_FUSED_REPLAY=0)
+        os.environ["COMPASS_FUSED_REPLAY"] = "0"
+        try:
+            return graph_op(*call)
+        finally:
+            os.environ["COMPASS_FUSED_REPLAY"] = "1"
+
     err = checked(op, through_op)
-    for _ in range(3):
-        through_op(a, *args)
+    for _ in range(2 * replay.PERIOD + 1):  # every residue of the epoch captured for these addresses
+        graph_op(a, *args)
     dist.barrier()
-    res = {"op": op, "rows": rows, "k": k, "n": n, "relative_error": err}
-    checked(f"{op}.graph", graph_op)
+    before = dict(replay.stats)
+    res = {"op": op, "world": world, "rows": rows, "k": k, "n": n, "relative_error": err,
+           "replayed_relative_error": checked(f"{op}.graph replayed", graph_op),
+           "issued_relative_error": checked(f"{op}.graph issued", issued)}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
-             "host_us_impl": lambda: direct(a, *args)}
-    if op == "all_gather_matmul":
-        before = gather_as_before()
-        timed["host_us_op_wrapped"] = lambda: before(a, *args)
-    else:  # the asynchronous form: start, other work, wait (fused_async)
+             "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
+    if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
         other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
@@ -154,41 +155,48 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, group_name: str) -> d
             out = start(a, *args)
             other @ other  # the caller's stream goes on while the pieces travel
             return wait(out)
-        res["async_relative_error"] = max(relative_error(op, started(), rows, k, n, rank) for _ in range(5))
+        res["async_relative_error"] = max(relative_error(op, started(), rows, k, n, rank, world) for _ in range(5))
         if res["async_relative_error"] > TOLERANCE:
             raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
         timed["host_us_async"] = started
     dist.barrier()
-    res.update(host_us(timed))  # every rank runs the same sequence of calls: they are collective
+    res.update(host_us(timed, rounds=rounds))  # every rank runs the same sequence of calls: they are collective
+    if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
+        res["profile"] = python_profile(lambda: graph_op(a, *args))
+        dist.barrier()
+    res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
+    res["captured_graphs"] = replay.stats["captured"] - before["captured"]
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
-    plans = call_plans(op, "direct", WORLD, rank, rows, cols, 1, 2, host=True)
+    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=True)
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
             counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
     res["commands"] = counts
-    m = rows * WORLD if op == "all_gather_matmul" else rows
-    w = Workload(op, m, n, k, "bfloat16", WORLD)
+    m = rows * world if op == "all_gather_matmul" else rows
+    w = Workload(op, m, n, k, "bfloat16", world)
     res["model_us"] = fused_host_seconds(w, Topology.preset("h200-host-staged-8"), "direct") * 1e6
     return res
 
 
-def worker(rank: int, init: str, out_path: str) -> None:
+def worker(rank: int, world: int, init: str, out_path: str, profile: bool) -> None:
     os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the peers share one GPU: meet in host memory
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
     payload = {"launch_us": launch_costs(), "rows": []}
     for case in CASES:
-        row = measure(*case, rank, dist.group.WORLD.group_name)
+        row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
+                      profile and case in (CASES[0], CASES[4]))
         payload["rows"].append(row)
         if rank == 0:
-            print(f"{row['op']} rows={row['rows']}: {row['host_us_op']:.0f} us per call ({row['host_us_graph']:.0f} "
-                  f"through the .graph overload, {row['host_us_impl']:.0f} "
-                  f"without dispatch), model {row['model_us']:.0f} us, commands {sum(row['commands'].values())}",
-                  flush=True)
+            print(f"world {world} {row['op']} rows={row['rows']}: {row['host_us_graph']:.0f} us per call through "
+                  f"the .graph overload ({row['host_us_issued']:.0f} issued command by command, "
+                  f"{row['host_us_op']:.0f} through the op, {row['host_us_impl']:.0f} without dispatch), model "
+                  f"{row['model_us']:.0f} us, commands {sum(row['commands'].values())}, replayed "
+                  f"{row['replayed_calls']}", flush=True)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(payload, f)
@@ -198,30 +206,49 @@ def worker(rank: int, init: str, out_path: str) -> None:
 
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
-             "Host microseconds of one fused call (2 ranks sharing one GPU, host-staged transport, schedule "
-             "direct, bf16); median of 15 rounds of 4 calls issued after the device went idle, the forms "
-             "of a case taking turns within each round.", "",
-             "Launch alone (us): " + ", ".join(f"{k} {v:.1f}" for k, v in payload["launch_us"].items()), "",
-             output.markdown_table(
-                 [dict(r, n_commands=sum(r["commands"].values()), model_over_op=r["model_us"] / r["host_us_op"])
-                  for r in payload["rows"]],
-                 ["op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
-                  ("host_us_graph", "host us (.graph overload)"),
-                  ("host_us_impl", "host us (impl)"), ("host_us_op_wrapped", "host us (op, kernel as before)"),
-                  ("host_us_async", "host us (start, wait)"),
-                  ("model_us", "model us"), ("model_over_op", "model / op")])]
+             "Host microseconds of one fused call (ranks sharing one GPU, host-staged transport, schedule "
+             "direct, bf16); median of 15 rounds (9 beyond two ranks) of 4 calls issued after the device went "
+             "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
+             "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
+             "recur); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
+             "before); impl: the implementation called directly; start, wait: the asynchronous form "
+             "(never replayed).", ""]
+    for world, launch in payload["launch_us"].items():
+        lines += [f"Launch alone, world {world} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()), ""]
+    lines.append(output.markdown_table(
+        [dict(r, n_commands=sum(r["commands"].values()), model_over_graph=r["model_us"] / r["host_us_graph"])
+         for r in payload["rows"]],
+        ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
+         ("host_us_graph", "host us (.graph)"), ("host_us_issued", "host us (issued)"),
+         ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
+         ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    args = output.one_gpu_args(__doc__, argv, "fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        t0 = time.time()
-        mp.spawn(worker, args=(f"file://{os.path.join(tmp, 'store')}", out), nprocs=WORLD)
-        payload = json.load(open(out))
-    payload.update(benchmark=NAME, tag=args.tag, seconds=time.time() - t0, environment=output.environment(False))
-    return output.print_and_write(NAME, args, payload, markdown(payload))
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2", help="ranks sharing the GPU, one run per world (e.g. 2,4,8)")
+    p.add_argument("--profile", action="store_true", help="cProfile the replayed calls of two cases per world")
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--out-dir", default=str(output.RESULTS))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
+    payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag}
+    t0 = time.time()
+    for world in (int(w) for w in args.worlds.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile), nprocs=world)
+            got = json.load(open(out))
+        payload["launch_us"][world] = got["launch_us"]
+        payload["rows"] += got["rows"]
+        payload.update(seconds=time.time() - t0, environment=output.environment(False))
+        output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far
+    print(markdown(payload))
+    return 0
 
 
 if __name__ == "__main__":

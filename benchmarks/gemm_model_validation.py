@@ -9,13 +9,13 @@ against the model's prediction.
   queued behind a GPU sleep: what the model predicts); goal: split/unsplit ratio error median
   <= 10%, p90 <= 25%.
 
-    python benchmarks/gemm_model_validation.py --out benchmarks/results/gemm_model_validation-h200.json
+    python benchmarks/gemm_model_validation.py --out benchmarks/results/gemm_model_validation/gemm_model_validation-h200.json
     python benchmarks/gemm_model_validation.py --shapes tp8   # gemm_model_validation-h200-tp8.json
     python benchmarks/gemm_model_validation.py --dry-run      # a few small shapes on CPU
-    python benchmarks/gemm_model_validation.py --reprice benchmarks/results/gemm_model_validation-h200-tp8.json
+    python benchmarks/gemm_model_validation.py --reprice benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json
                                                               # no GPU: the same measurements, the code's constants
-    python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation-h200.json,\
-        benchmarks/results/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
+    python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation/gemm_model_validation-h200.json,\
+        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
 
 Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute
 times and on split/unsplit ratios (the quantity InterDecom's choice of d depends on) for the
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", choices=("grid", "tp8"), default="grid",
                    help="the sweep grid's MLP GEMMs (host launches included), or issue 11's TP = 8 set in device time")
     p.add_argument("--out", default=None,
-                   help="default benchmarks/results/gemm_model_validation-h200.json (-tp8.json with --shapes tp8; "
+                   help="default benchmarks/results/gemm_model_validation/gemm_model_validation-h200.json (-tp8.json with --shapes tp8; "
                         "the file itself with --reprice)")
     p.add_argument("--reprice", default=None, metavar="FILE",
                    help="no GPU: price the measurements of a result file again with the code's constants")
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out = args.out or args.reprice
     else:
         meas, gpu, dtype, info = _measured(args, tp8)
-        args.out = args.out or f"benchmarks/results/gemm_model_validation-h200{'-tp8' if tp8 else ''}.json"
+        args.out = args.out or f"benchmarks/results/gemm_model_validation/gemm_model_validation-h200{'-tp8' if tp8 else ''}.json"
     result = evaluate(meas, gpu_spec(gpu), dtype, info)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -1,17 +1,18 @@
 """Decomposed gathers on gloo, as the backend lowers them, called many times: does a rank survive?
 
-Why: two or more functional ``all_gather_into_tensor`` in flight at once on a gloo group corrupt
-the heap in torch 2.13 (``funcol_gloo_inflight.py`` shows it with no compass_fx code), and an
-InterDecom pipeline issues part i+1's gather before part i's wait.  On gloo the lowering therefore
-keeps one gather in flight (``lowering/decompose.py::gathers_one_at_a_time``: part i+1 issued
-right after part i's wait, ordered by a data dependency so that Inductor cannot hoist it).  This
-soak compiles an all-gather -> matmul pair with ``backend="compass"`` split into 2, 3 and 4 parts,
-under Inductor and under the eager inner compiler, on two gloo ranks in fresh processes, calls
-each thousands of times and checks the result against an uncompiled reference every 100 calls.
-``--pipelined`` runs the form other backends get (gathers overlapping each other) on gloo, the
-form this replaces, to show what the workaround avoids.
+Why: torch 2.13's functional ``all_gather_into_tensor`` on gloo corrupts the heap now and then:
+two in flight at once killed a rank within a few thousand calls (``funcol_gloo_inflight.py``, no
+compass_fx code), and an InterDecom pipeline issues part i+1's gather before part i's wait.  So on
+gloo the lowering gathers each part with ``compass::all_gather_blocking`` (c10d's blocking gather,
+``lowering/blocking_gather.py``).  This soak compiles an all-gather -> matmul pair with
+``backend="compass"`` split into 2, 3 and 4 parts, under Inductor and under the eager inner
+compiler, on two gloo ranks in fresh processes, calls each thousands of times and checks the result
+against an uncompiled reference every 100 calls.  ``--functional`` runs the form NCCL gets
+(functional gathers in flight while the previous part is multiplied) on gloo instead, to show what
+the blocking form avoids.
 
-    python benchmarks/gloo_gather_soak.py            # writes gloo_gather_soak-cpu.{json,md}
+    python benchmarks/gloo_gather_soak.py                  # writes gloo_gather_soak-cpu.{json,md}
+    python benchmarks/gloo_gather_soak.py --functional     # writes gloo_gather_soak-cpu-functional.*
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ NAME = "gloo_gather_soak"
 ROWS, COLS, OUT_COLS = 48, 32, 16   # each rank's shard [48, 32] (divisible by 2, 3 and 4 parts)
 
 
-def _rank(rank: int, world: int, parts: int, inner: str, calls: int, pipelined: bool, init_method: str,
+def _rank(rank: int, world: int, parts: int, inner: str, calls: int, functional: bool, init_method: str,
           out_path: str) -> None:
     """One rank: compile the pair, call it ``calls`` times, check every 100th call; progress in
     ``out_path.<rank>.progress``, the result (with what the compiled graphs hold) at the end."""
@@ -45,8 +46,8 @@ def _rank(rank: int, world: int, parts: int, inner: str, calls: int, pipelined: 
     import compass_fx.backend
     import compass_fx.lowering.decompose as decompose
 
-    if pipelined:  # the form other backends get: part i+1's gather issued before part i's wait
-        decompose.gathers_one_at_a_time = lambda pair: False
+    if functional:  # the form NCCL gets: functional gathers, part i+1's issued before part i's wait
+        decompose.gathers_blocking = lambda pair: False
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional
     weight = torch.randn(COLS, OUT_COLS, generator=torch.Generator().manual_seed(1))
@@ -75,10 +76,10 @@ def _rank(rank: int, world: int, parts: int, inner: str, calls: int, pipelined: 
                                                       "us_per_call": round(seconds / calls * 1e6, 1)}))
 
 
-def run_case(parts: int, inner: str, calls: int, pipelined: bool, deadline_s: float, tmp: str, index: int) -> dict:
+def run_case(parts: int, inner: str, calls: int, functional: bool, deadline_s: float, tmp: str, index: int) -> dict:
     """One case in fresh processes: clean (every rank passed every check), or why not."""
     start = time.time()
-    ranks, killed = launch.fresh_ranks(_rank, 2, (parts, inner, calls, pipelined), tmp, index, deadline_s)
+    ranks, killed = launch.fresh_ranks(_rank, 2, (parts, inner, calls, functional), tmp, index, deadline_s)
     progress = Path(tmp, f"case{index}.0.progress")
     reached = int(progress.read_text() or 0) if progress.exists() else 0
     signals = [str(-r["exit_code"]) for i, r in enumerate(ranks) if i not in killed and (r.get("exit_code") or 0) < 0]
@@ -97,8 +98,8 @@ def run_case(parts: int, inner: str, calls: int, pipelined: bool, deadline_s: fl
 
 
 def markdown(payload: dict) -> str:
-    form = ("gathers overlapping each other (`--pipelined`: the form this replaces)" if payload["pipelined"]
-            else "one gather in flight (the lowering on gloo)")
+    form = ("functional gathers in flight, as NCCL gets them (`--functional`: what the blocking form replaces)"
+            if payload["functional"] else "each part gathered by `compass::all_gather_blocking` (the lowering on gloo)")
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"Two gloo ranks (torch {payload['environment']['torch']}), fresh processes per case: an all-gather -> "
              f"matmul pair compiled with `backend=\"compass\"` into `parts` parts, {form}; up to "
@@ -115,24 +116,24 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=3000, help="calls per case")
     p.add_argument("--parts", default="2,3,4")
     p.add_argument("--inner", default="inductor,eager")
-    p.add_argument("--pipelined", action="store_true",
-                   help="gathers overlapping each other on gloo (what the lowering no longer emits there)")
+    p.add_argument("--functional", action="store_true",
+                   help="functional gathers in flight, as on NCCL (what the lowering no longer emits on gloo)")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds a case may take before its ranks are killed")
-    p.add_argument("--tag", default=None, help="file name tag (default: cpu, or cpu-pipelined)")
+    p.add_argument("--tag", default=None, help="file name tag (default: cpu, or cpu-functional)")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
-    args.tag = args.tag or ("cpu-pipelined" if args.pipelined else "cpu")
+    args.tag = args.tag or ("cpu-functional" if args.functional else "cpu")
     cases = [(int(n), inner) for inner in args.inner.split(",") for n in args.parts.split(",")]
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
         for parts, inner in cases:
             row = {"parts": parts, "inner": inner,
-                   **run_case(parts, inner, args.calls, args.pipelined, args.deadline, tmp, len(rows))}
+                   **run_case(parts, inner, args.calls, args.functional, args.deadline, tmp, len(rows))}
             print(f"[{len(rows) + 1}/{len(cases)}] {parts} parts, {inner}: {row['status']} after "
                   f"{row['calls_reached']} calls ({row['gathers']} gathers, {row['seconds']} s)", flush=True)
             rows.append(row)
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(False), "calls": args.calls,
-               "pipelined": args.pipelined, "seconds": round(time.time() - t0, 1), "rows": rows,
+               "functional": args.functional, "seconds": round(time.time() - t0, 1), "rows": rows,
                "gathers_clean": sum(r["gathers"] or 0 for r in rows if r["status"] == "clean"),
                "crashed": sum(1 for r in rows if r["status"] != "clean")}
     return output.print_and_write(NAME, args, payload, markdown(payload))

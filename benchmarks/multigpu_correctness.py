@@ -27,7 +27,7 @@ Two levels:
     torchrun --nproc-per-node 8 benchmarks/multigpu_correctness.py    # one world
     python benchmarks/multigpu_correctness.py --dry-run               # 2 gloo ranks on CPU, fp32
 
-Writes benchmarks/results/multigpu_correctness-<device>.json and .md; exits 1 on any mismatch.
+Writes benchmarks/results/multigpu_correctness/multigpu_correctness-<device>.json and .md; exits 1 on any mismatch.
 """
 from __future__ import annotations
 

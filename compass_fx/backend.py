@@ -25,6 +25,8 @@ log = logging.getLogger("compass_fx")
 # purpose: a report is small, a training job compiles few graphs, and a capped buffer would make
 # ``history[before:]`` silently empty once full.
 history: list[GraphReport] = []
+_compiles: list[int] = []  # beside ``history``: which compile (one compile_graph call) each graph came from
+_compile_count = 0
 _collectors: list[list[GraphReport]] = []
 
 
@@ -39,10 +41,23 @@ def collect_reports() -> Iterator[list[GraphReport]]:
         _collectors.remove(sink)
 
 
-def _record(report: GraphReport) -> None:
-    history.append(report)
+def _record(report: GraphReport, compile_id: int | None) -> None:
+    """Give ``report`` to every collector, and to ``history`` unless ``compile_id`` is None (explain's
+    own traces: ``last_report`` shows only what models compiled themselves)."""
+    if compile_id is not None:
+        history.append(report)
+        _compiles.append(compile_id)
     for sink in _collectors:
         sink.append(report)
+
+
+def latest_compile() -> list[GraphReport]:
+    """The graphs of the most recent compile: its forward, and its backward once compiled (AOTAutograd
+    compiles a backward at the first backward call); inference graphs alone."""
+    if not history:
+        return []
+    last = _compiles[-1]
+    return [r for r, c in zip(history, _compiles) if c == last]
 
 
 def _eager_inner(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
@@ -65,9 +80,14 @@ def compass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompassOptions,
-                  finish: Callable | None = None) -> Callable:
-    """AOTAutograd + compass pass + inner compiler (``finish`` overrides the inner compiler)."""
+                  finish: Callable | None = None, in_history: bool = True) -> Callable:
+    """AOTAutograd + compass pass + inner compiler (``finish`` overrides the inner compiler).
+    ``in_history=False``: the reports go to collectors only (explain's traces)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    global _compile_count
+    _compile_count += 1
+    compile_id = _compile_count if in_history else None
 
     topology = _topology(opts)
     if opts.calibration is not None and topology is None:  # the default topology: check it now
@@ -88,7 +108,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
             report = compass_pass(graph, kind, opts, topology)
         _note_shared_queues(report)
         _note_cuda_graphs(report, opts)
-        _record(report)
+        _record(report, compile_id)
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)
 

@@ -3,14 +3,29 @@
     compass-fx explain --world 4 --chunks 2      # what the backend does to the demo TP model
     compass-fx plan --model llama3-70b --tp 8 --tokens 8192 --topology a6000-nvlink-pairs-pcie-8
     compass-fx sweep --out-dir compass-sweep     # the 288-configuration planning grid
+
+Every error is one line on stderr (``compass-fx <command>: error: ...``); ``--debug`` shows the
+traceback instead.  Exit status: 0 done; 1 an unexpected internal error; 2 bad usage or input
+(an option, a value, a topology file's content, a missing GPU); 3 a file or directory that cannot
+be read or written; 4 a missing optional dependency.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from typing import Sequence
 
 from .cli_args import positive_int, require_multiple
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_FILE, EXIT_DEPENDENCY = 0, 1, 2, 3, 4
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the usage block is one ``--help`` away, not in every error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -58,8 +73,8 @@ def check_demo_shape(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False everywhere: "sweep --out x" must be an error, not a silent "--out-dir x".
-    parser = argparse.ArgumentParser(prog="compass-fx", description=__doc__, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="compass-fx", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="show which matmul<->collective pairs the backend rewrites in the demo model",
                         allow_abbrev=False)
@@ -85,17 +100,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_subcommands(sub)
     for command in sub.choices.values():
         command.set_defaults(command_parser=command)  # main reports a late ValueError through it
+        command.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one subcommand; a bad input exits with status 2 and argparse's message style."""
+    """Run one subcommand; any error is one line on stderr and an exit status (module docstring)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{_suggestion(unknown, args.command_parser)}")
     try:
         return args.func(args)
-    except ValueError as e:  # found after parsing (values that must agree, bad options): same as argparse's
-        args.command_parser.error(str(e))
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line, unless --debug
+        if args.debug:
+            raise
+        status, message = describe_error(e)
+        print(f"{args.command_parser.prog}: error: {message}", file=sys.stderr)
+        return status
+
+
+def describe_error(e: BaseException) -> tuple[int, str]:
+    """The exit status and the one-line message for an error a subcommand raised."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return EXIT_FILE, f"cannot use {e.filename}: {e.strerror or e}"
+    if isinstance(e, OSError):
+        return EXIT_FILE, str(e)
+    if isinstance(e, ImportError):
+        return EXIT_DEPENDENCY, str(e)
+    if isinstance(e, (ValueError, argparse.ArgumentTypeError)):
+        return EXIT_USAGE, str(e).replace("\n", "; ")
+    first = str(e).splitlines()[0] if str(e) else ""
+    return EXIT_INTERNAL, f"internal error ({type(e).__name__}: {first}); rerun with --debug for the traceback"
+
+
+def _suggestion(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """" (did you mean --out-dir?)" for an option that is close to one of ``parser``'s, else ""."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ COLLECTIVES = (
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    torch.ops.compass.all_gather_blocking.default,  # a decomposed gather's part on gloo
 )
 
 

@@ -144,7 +144,9 @@ def _legend(report: Report) -> list[str]:
     """The columns and numbers a first-time reader cannot guess, explained under the table."""
     if not report.pairs:
         return []
-    lines = ["legend: group = the collective's process group as name/ranks (0/2: group '0' of 2 ranks)",
+    first = report.pairs[0]  # the example is a row of this very table
+    lines = [f"legend: group = the collective's process group as name/ranks ({first.group}/{first.group_size}: "
+             f"group '{first.group}' of {first.group_size} ranks)",
              "        dim = the tensor dim the collective gathers or scatters"]
     if any(p.d_star for p in report.pairs):
         lines += ["        d* = the decomposition model's continuous optimum sqrt(C/A) of T(d) = A*d + B + C/d,",

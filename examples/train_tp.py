@@ -95,7 +95,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
             first_compile = step == 0 and fn is compiled
             if first_compile:
                 log(rank, "compiling the forward and backward graphs with backend='compass' (Dynamo, "
-                          "AOTAutograd, the compass pass, Inductor): about a minute on 2 CPU cores ...")
+                          "AOTAutograd, the compass pass, Inductor): about two minutes on 2 CPU cores ...")
             t0 = time.perf_counter()
             with heartbeat(rank, "compiling") if first_compile else contextlib.nullcontext():
                 logits = fn(inputs)

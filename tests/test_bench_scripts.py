@@ -185,7 +185,7 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     from compass_fx.machine.gpus import GPUS
 
     env = dict(os.environ, PYTHONPATH=str(ROOT),
-               COMPASS_FX_CALIBRATION=str(BENCH / "results" / "calibration-h200x2.json"))
+               COMPASS_FX_CALIBRATION=str(BENCH / "results" / "calibration" / "calibration-h200x2.json"))
     proc = subprocess.run([sys.executable, str(BENCH / "fit_model_constants.py"), "--out-dir", str(tmp_path)],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -201,7 +201,7 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
     errors of median <= 10% and p90 <= 25%, also with each file's held-out half."""
     from compass_fx.machine.gpus import GPUS
 
-    files = [BENCH / "results" / f"gemm_model_validation-h200{tag}.json" for tag in ("", "-tp8")]
+    files = [BENCH / "results" / "gemm_model_validation" / f"gemm_model_validation-h200{tag}.json" for tag in ("", "-tp8")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("COMPASS_FX_CALIBRATION", None)
     proc = subprocess.run([sys.executable, str(BENCH / "gemm_model_validation.py"), "--fit-jointly",
@@ -243,7 +243,7 @@ def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path):
 def test_gemm_validation_reprices_a_committed_file_into_json_and_markdown(tmp_path):
     """``--reprice`` needs no GPU: the committed measurements priced with the code's constants come
     back with the committed errors, and the markdown beside them says whether the goal holds."""
-    committed = BENCH / "results" / "gemm_model_validation-h200-tp8.json"
+    committed = BENCH / "results" / "gemm_model_validation" / "gemm_model_validation-h200-tp8.json"
     copy = tmp_path / "gemm_model_validation-h200-tp8.json"
     copy.write_text(committed.read_text())
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -353,7 +353,7 @@ def test_every_benchmark_script_starts():
 
 
 def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
-    """The soak of decomposed gathers on gloo (one gather in flight, as the lowering emits it there):
+    """The soak of decomposed gathers on gloo (each part gathered blocking, as the lowering emits it):
     every case clean, each call ran ``parts`` gathers (so the pair was decomposed), all counted."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(BENCH / "gloo_gather_soak.py"), "--calls", "101", "--parts", "3",
@@ -361,7 +361,7 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gloo_gather_soak-cpu.json").read_text())
-    assert data["crashed"] == 0 and not data["pipelined"]
+    assert data["crashed"] == 0 and not data["functional"]
     (row,) = data["rows"]
     assert row["status"] == "clean" and row["gathers_per_call"] == 3 and row["gathers"] == 3 * 101
     assert data["gathers_clean"] == 303

@@ -120,8 +120,50 @@ def test_no_parser_accepts_abbreviations(capsys):
 def test_bad_numbers_are_argparse_errors(capsys, argv, message):
     status, out, err = run_main(capsys, *argv)
     assert status == 2 and out == ""
-    assert err.startswith("usage: compass-fx " + argv[0]) and message in err
+    assert err.startswith(message) and err.count("\n") == 1, err  # one line, the usage one --help away
     assert "Workload" not in err and "Traceback" not in err
+
+
+def test_an_unknown_option_close_to_a_known_one_is_named(capsys):
+    status, _, err = run_main(capsys, "sweep", "--out", "sweep.csv")
+    assert status == 2 and err.count("\n") == 1
+    assert "unrecognized arguments: --out sweep.csv (did you mean --out-dir?)" in err
+
+
+@pytest.mark.parametrize("argv", [["sweep", "--no-progress", "--out-dir", "/proc/compass-x"],
+                                  ["sweep", "--no-progress", "--out-dir", "{file}"],
+                                  ["plan", "--png", "/proc/compass-x/plan.png"],
+                                  ["plan", "--out-dir", "{file}/sub"]])
+def test_paths_that_cannot_be_written_are_one_line_with_status_3(capsys, tmp_path, argv):
+    """An unwritable or not-a-directory path fails before any planning (nothing on stdout), in one
+    line naming the path, exit status 3 (the CLI's docstring lists the statuses)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    argv = [a.replace("{file}", str(blocker)) for a in argv]
+    status, out, err = run_main(capsys, *argv)
+    assert status == 3 and out == "", (out, err)
+    assert err.startswith(f"compass-fx {argv[0]}: error: cannot use ") and err.count("\n") == 1, err
+
+
+def test_a_missing_dependency_is_one_line_with_status_4_and_debug_shows_the_traceback(capsys, monkeypatch):
+    import compass_fx.tools.commands as commands
+
+    def needs_something(args):
+        raise ImportError("this needs matplotlib: pip install 'compass-fx[plot]'")
+
+    monkeypatch.setattr(commands, "cmd_sweep", needs_something)
+    status, _, err = run_main(capsys, "sweep")
+    assert status == 4 and err == "compass-fx sweep: error: this needs matplotlib: pip install 'compass-fx[plot]'\n"
+    with pytest.raises(ImportError):
+        main(["sweep", "--debug"])
+
+
+def test_an_unexpected_error_says_how_to_see_the_traceback(capsys, monkeypatch):
+    import compass_fx.tools.commands as commands
+
+    monkeypatch.setattr(commands, "cmd_sweep", lambda args: {}["missing"])
+    status, _, err = run_main(capsys, "sweep")
+    assert status == 1 and err.count("\n") == 1 and "KeyError" in err and "--debug" in err
 
 
 def test_bad_number_exit_status_of_the_console_script():
@@ -148,3 +190,28 @@ def test_commands_import_without_warnings():
     tomllib = pytest.importorskip("tomllib")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert any(d.startswith("numpy") for d in pyproject["project"]["dependencies"])  # torch does not declare it
+
+
+def test_progress_in_a_log_is_plain_lines():
+    """stderr redirected to a file: a few whole lines, no carriage returns; on a terminal, one
+    bar redrawn in place."""
+    import io
+
+    from compass_fx.tools.sweep import progress_bar
+
+    log = io.StringIO()
+    update = progress_bar(log)
+    for done in range(289):
+        update(done, 288)
+    assert "\r" not in log.getvalue() and log.getvalue().splitlines()[-1] == "sweep: 288/288 configurations planned"
+    assert len(log.getvalue().splitlines()) == 4
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    update = progress_bar(tty)
+    for done in range(289):
+        update(done, 288)
+    assert tty.getvalue().count("\r") == 41 and tty.getvalue().endswith("288/288\n")

@@ -138,3 +138,26 @@ def test_plan_says_where_its_numbers_come_from_and_prices_what_auto_uses(capsys,
     assert "where the GPUs lack peer access" in err
     labels = {label for pair in json.loads(out)["pairs"] for label in pair["candidates"]}
     assert {label for label in labels if label.startswith("fuse")} == {"fuse(direct)"}
+
+
+def test_the_plan_picture_says_what_the_table_says(capsys, monkeypatch, tmp_path):
+    """Each row of the timeline picture is titled with the table's figure (the planned row with
+    the table's "planned"), and every candidate's lanes end no earlier than its price: what the
+    lanes do not draw (a fused call's setup and host floor) is a segment labelled "other"."""
+    import re
+
+    import compass_fx.tools.timeline_plot as timeline_plot
+
+    seen = {}
+    monkeypatch.setattr(timeline_plot, "plot_timelines", lambda views, path, title: seen.setdefault("views", views)
+                        and path)
+    assert run("plan", "--model", "llama3-70b", "--tp", "8", "--tokens", "8192", "--fused", "all",
+               "--topology", "a6000-nvlink-pairs-pcie-8", "--out-dir", str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    planned_ms = float(re.search(r"planned ([\d.]+)ms", out).group(1))
+    views = {name: (segs, predicted) for name, segs, predicted in seen["views"]}
+    segs, predicted = views["planned"]
+    assert predicted * 1e3 == pytest.approx(planned_ms, abs=0.006)   # the table prints 2 decimals
+    assert max(s.end for s in segs) >= predicted * (1 - 1e-9)
+    fused, fused_predicted = views["best fuse per pair"]  # every fused price holds setup the lanes do not draw
+    assert fused_predicted * (1 - 1e-9) <= max(s.end for s in fused) <= fused_predicted * 1.01

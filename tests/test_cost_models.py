@@ -15,7 +15,8 @@ from compass_fx.machine.gpus import with_overrides
 from compass_fx.cost.overlap import slowdown
 
 dims = st.integers(1, 20000)
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gemm_model_validation-h200.json"
+RESULTS = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gemm_model_validation"
+           / "gemm_model_validation-h200.json")
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,7 +1,8 @@
 """Inductor keeps a decomposed pair pipelined: in the code it generates, each part's collective
-is issued before the previous part's wait (on gloo: right after it, before that part's matmul) (Inductor's peak-memory reordering would move every wait
+is issued before the previous part's wait (Inductor's peak-memory reordering would move every wait
 right behind its collective, which serialized the parts on 2 H200s); and each part's GEMM reads and
-writes its rows where they lie (no copy of rows, no cat of the parts)."""
+writes its rows where they lie (no copy of rows, no cat of the parts).  Gathers on gloo are the
+exception: they block (``lowering/blocking_gather.py`` says why)."""
 from __future__ import annotations
 
 import re
@@ -45,8 +46,8 @@ def _generated_order(rank: int, world: int, kind: str, options: dict, check: boo
         _, codes = run_and_get_code(compiled, x)
         if check:
             torch.testing.assert_close(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
-    calls = re.findall(r"(all_gather_into_tensor|reduce_scatter_tensor|wait_tensor|mm_into_row_blocks)\.default\(",
-                       "\n".join(codes))
+    calls = re.findall(r"(all_gather_into_tensor|all_gather_blocking|reduce_scatter_tensor|wait_tensor|"
+                       r"mm_into_row_blocks)\.default\(", "\n".join(codes))
     notes = [n for r in list(compass_fx.backend.history)[before:] for n in r.notes]
     return calls, notes
 
@@ -59,17 +60,21 @@ def _positions(calls: list[str]) -> tuple[list[int], list[int], list[int]]:
     return collectives, waits, matmuls
 
 
-@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
-def test_decomposed_parts_stay_pipelined_under_inductor(ranks, kind):
-    calls, notes = ranks(2).run(_generated_order, 2, kind, {"chunks": 2})[0]
-    collectives, waits, matmuls = _positions(calls)
+def test_decomposed_reduce_scatter_stays_pipelined_under_inductor(ranks):
+    calls, notes = ranks(2).run(_generated_order, 2, "reduce_scatter", {"chunks": 2})[0]
+    collectives, waits, _ = _positions(calls)
     assert len(collectives) == 2 and len(waits) == 2, calls
-    if kind == "reduce_scatter":
-        assert collectives[1] < waits[0], f"the first part's wait comes before the second part's collective: {calls}"
-    else:  # gloo keeps one gather in flight (torch 2.13 crashes with more), the next one issued
-        # right after the previous wait and before that part's matmul, so it travels meanwhile
-        assert len(matmuls) == 2, calls
-        assert waits[0] < collectives[1] < matmuls[0], f"not one gather in flight, pipelined: {calls}"
+    assert collectives[1] < waits[0], f"the first part's wait comes before the second part's collective: {calls}"
+    assert any("reorder_for_peak_memory" in n for n in notes)
+
+
+def test_decomposed_gathers_on_gloo_leave_nothing_in_flight(ranks):
+    """On gloo each part is gathered by compass::all_gather_blocking (torch 2.13's functional gathers
+    corrupt the heap there now and then): no functional gather, no wait, and the result is right
+    (``_generated_order`` checks it); the NCCL form is checked below on a fake group."""
+    calls, notes = ranks(2).run(_generated_order, 2, "all_gather", {"chunks": 2})[0]
+    assert calls.count("all_gather_blocking") == 2 and calls.count("mm_into_row_blocks") == 2, calls
+    assert "all_gather_into_tensor" not in calls and "wait_tensor" not in calls, calls
     assert any("reorder_for_peak_memory" in n for n in notes)
 
 

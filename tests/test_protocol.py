@@ -408,6 +408,8 @@ def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_que
     interleavings, and check every rank's result.  ``rows``: rows of A (a shard for a gather);
     ``buffers``: sets of symmetric buffers; ``sim_options``: more :class:`Simulator` arguments."""
     world, op = len(plans), plans[0].op
+    # eager plans (no wait for an earlier call's flag): the CUDA path's coded flags must decide every wait alike
+    sim_options.setdefault("coded", not any(isinstance(c, pr.WaitFlag) and c.delta < 0 for c in plans[0].commands))
     gen = torch.Generator().manual_seed(seed)
     gather = op == "all_gather_matmul"
     width = K if not gather or plans[0].n_weights else COLS  # a gather without GEMM moves result rows

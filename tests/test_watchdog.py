@@ -98,3 +98,16 @@ def test_a_captured_wait_that_timed_out_is_reported(caplog):
     assert "captured wait 3 on rank 0 for rank 1's rows" in caplog.text
     with pytest.raises(RuntimeError, match="captured wait 3 .*captured in a CUDA graph"):
         dog.check_failed()
+
+
+def test_a_finished_calls_event_is_reused_before_the_next_scan():
+    """Back-to-back calls take the oldest pending call's event once it has finished (the scan runs
+    about once a second; a new event per call would cost the host a creation each)."""
+    dog = watchdog.Watchdog(0)
+    w = watchdog.Watched(lambda epoch: pytest.fail("diagnosed"))
+    done, never = _Done(), _Never()
+    w.pending += [watchdog._Pending(1, done, 0.0), watchdog._Pending(2, never, 0.0)]
+    assert dog.reusable(w) is done and [p.epoch for p in w.pending] == [2]
+    assert dog.reusable(w) is None  # call 2 still runs: its event is not handed out
+    w.pool.append(done)
+    assert dog.reusable(w) is done and not w.pool

@@ -123,7 +123,11 @@ def print_and_write(name: str, args, payload: dict, markdown: str) -> int:
 
 def write_results(name: str, tag: str, payload: dict, markdown: str, out_dir: str | os.PathLike = RESULTS
                   ) -> tuple[Path, Path]:
+    """``<name>-<tag>.json`` and ``.md`` in ``out_dir``; the default folder, ``benchmarks/results``,
+    keeps each benchmark's files in a folder of its own (``benchmarks/results/<name>/``)."""
     out = Path(out_dir)
+    if out.resolve() == RESULTS.resolve():
+        out = out / name
     out.mkdir(parents=True, exist_ok=True)
     jpath, mpath = out / f"{name}-{tag}.json", out / f"{name}-{tag}.md"
     jpath.write_text(json.dumps(payload, indent=1, default=str) + "\n")

@@ -47,7 +47,7 @@ def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) ->
     Schedules that move the same bytes over the same links tie on the device; the one cut into more
     pieces (the double ring at two ranks: each shard in two halves to the one peer) costs more
     launches and was measured slower in 17 of the 24 pairs of the two-H200 grid
-    (benchmarks/results/multigpu_operators-h200x2.json: "direct" best, the double ring picked)."""
+    (benchmarks/results/multigpu_operators/multigpu_operators-h200x2.json: "direct" best, the double ring picked)."""
     return fused_host_seconds(workload, topo, candidate.schedule) if candidate.strategy == "fuse" else 0.0
 
 
@@ -116,6 +116,6 @@ def fuses_by_default(topology: Topology, group_size: int) -> bool:
     """Whether strategy='auto' prices the fused operators without ``auto_fuse``: only where the
     group's GPUs lack peer access, where their host-staged transport (copy engines through pinned
     host memory) was measured 1.07-1.6x faster per pair than NCCL + cuBLAS on 2 H200s
-    (benchmarks/results/fused_ops-h200x2-hoststaged.json); on peer links their gain is smaller and
+    (benchmarks/results/fused_ops/fused_ops-h200x2-hoststaged.json); on peer links their gain is smaller and
     they stay opt-in."""
     return topology.host_staged(group_size)

@@ -28,19 +28,33 @@ from .workload import Workload
 # The fused operators multiply each piece with cuBLAS (no slower than the unsplit GEMM per flop
 # on the shapes measured) and pay a fixed device-side cost per call: the own block's copy into
 # symmetric memory and the first flag round trip, +16 us (all-gather) and +3 us (reduce-scatter)
-# over NCCL + cuBLAS on a 512-row pair on 2 H200s (benchmarks/results/fused_ops-h200x2-small.json).
+# over NCCL + cuBLAS on a 512-row pair on 2 H200s (benchmarks/results/fused_ops/fused_ops-h200x2-small.json).
 FUSED_GEMM_EFFICIENCY = 1.0
 FUSED_SETUP_S = 15e-6
 MAX_PARTS = 64                # decomposition beyond this many parts is not considered
 
-# The host's work per fused call: Python issues one launch per command of the plan (a cuBLAS GEMM,
+# The host's work per fused call.  An eager call replays a CUDA graph of its plan's commands once
+# its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
+# dispatch and the Python around the replay, plus the driver's launch of each captured command.
+# Fitted (least squares over the 10 configurations of 17-166 commands) to the ".graph" host times
+# of two ranks sharing one H200, benchmarks/results/fused_host_time/fused_host_time-h200-replay.json: 67 us +
+# 1.4 us per command (4 ranks sharing it: 120 + 1.6; 8: 166 + 1.5, the ranks' processes contending
+# for one host and one GPU's driver).  FUSED_CALLS_REPLAYED = False prices every call issued
+# command by command instead (the constants below; a deferred call, fused_async, is issued so).
+FUSED_CALLS_REPLAYED = True
+FUSED_REPLAY_CALL_S = 67e-6
+FUSED_REPLAY_COMMAND_S = 1.4e-6
+_REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.9e-6, "Reduce": 7.2e-6, "Copy": 6.3e-6, "SetFlag": 2.4e-6, "WaitFlag": 2.4e-6,
+                           "Record": 0.8e-6, "WaitEvent": 0.85e-6}  # the launches alone on the host of that fit
+
+# Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
 # When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
 # so a call takes the longer of the two).  Each launch costs about 1.6 times what it costs alone (the
-# closures and tensor views around it: benchmarks/results/fused_host_time-h200-run{1,2}.json, two
+# closures and tensor views around it: benchmarks/results/fused_host_time/fused_host_time-h200-run{1,2}.json, two
 # ranks sharing one H200).  The fixed work of a call besides the dispatch is fitted to the two
 # world-2 operator grids of the two-H200 machine (benchmarks/fit_model_constants.py ->
-# results/model_constants_fit-h200x2.json): the small fused calls there took 0.47-0.63 ms whatever
+# results/model_constants_fit/model_constants_fit-h200x2.json): the small fused calls there took 0.47-0.63 ms whatever
 # their size (host-bound; 0.27 ms in another run of the same session), and at 500 us the picks
 # with the fused operators priced lose at most 0.2% to sequential on both grids (at the 38 us the
 # one-GPU runs gave: 76% on NVLink, 32% host-staged).  An in-sample fit: the next grid tests it.
@@ -179,21 +193,40 @@ class FusedBreakdown:
     host_staged: bool = False
 
 
+def _launch_speed(measured: dict, fitted: dict[str, float]) -> tuple[dict[str, float], float]:
+    """This machine's launches (measured where calibrated, else the fitted host's) and their median
+    ratio to the ``fitted`` host's."""
+    launch = {kind: float(measured["launch_s"].get(kind, fitted[kind])) for kind in fitted}
+    return launch, sorted(launch[k] / fitted[k] for k in launch)[len(launch) // 2]
+
+
 def fused_host_costs() -> tuple[float, dict[str, float]]:
-    """(seconds per call, seconds per command kind) of the host's work in a fused call: this
-    machine's calibration where it measured them, else the constants fitted on the H200 host."""
+    """(seconds per call, seconds per command kind) of the host's work in a fused call issued command
+    by command: this machine's calibration where it measured them, else the constants fitted on the
+    H200 host."""
     measured = calibrated_fused_host()
     if measured is None:
         return FUSED_HOST_CALL_S, FUSED_HOST_COMMAND_S
-    launch = {kind: float(measured["launch_s"].get(kind, _FITTED_LAUNCH_S[kind])) for kind in _FITTED_LAUNCH_S}
-    speed = sorted(launch[k] / _FITTED_LAUNCH_S[k] for k in launch)[len(launch) // 2]  # median ratio
-    call = float(measured.get("dispatch_s", FUSED_HOST_CALL_S - FUSED_HOST_CALL_REST_S)) + FUSED_HOST_CALL_REST_S * speed
+    launch, speed = _launch_speed(measured, _FITTED_LAUNCH_S)
+    dispatch = float(measured.get("dispatch_s", FUSED_HOST_CALL_S - FUSED_HOST_CALL_REST_S))
+    call = dispatch + FUSED_HOST_CALL_REST_S * speed
     return call, {kind: LAUNCH_INSIDE_CALL * s for kind, s in launch.items()}
 
 
-def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
+def fused_replay_costs() -> tuple[float, float]:
+    """(seconds per call, seconds per command) of a replayed fused call, scaled to this machine's
+    launches where a calibration measured them."""
+    measured = calibrated_fused_host()
+    if measured is None:
+        return FUSED_REPLAY_CALL_S, FUSED_REPLAY_COMMAND_S
+    _, speed = _launch_speed(measured, _REPLAY_FITTED_LAUNCH_S)
+    return FUSED_REPLAY_CALL_S * speed, FUSED_REPLAY_COMMAND_S * speed
+
+
+def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: bool | None = None) -> float:
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
-    them for this transport) priced by kind, plus the per-call dispatch."""
+    them for this transport), replayed from a captured graph (``replayed``, default
+    ``FUSED_CALLS_REPLAYED``) or issued one by one and priced by kind, plus the per-call work."""
     from ..kernels.issue_order import call_plans
 
     host = topo.host_staged(w.group_size)
@@ -202,8 +235,11 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str) -> float:
     cols = w.k if w.kind == "all_gather_matmul" else w.n
     plans = call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
                        host)
-    per_call, per_command = fused_host_costs()
-    return sum(per_call + sum(per_command.get(type(c).__name__, 0.0) for c in plan.commands) for plan in plans)
+    if FUSED_CALLS_REPLAYED if replayed is None else replayed:
+        per_call, per_command = fused_replay_costs()
+        return sum(per_call + per_command * len(plan.commands) for plan in plans)
+    per_call, per_kind = fused_host_costs()
+    return sum(per_call + sum(per_kind.get(type(c).__name__, 0.0) for c in plan.commands) for plan in plans)
 
 
 def fused_breakdown(w: Workload, topo: Topology, schedule: str) -> FusedBreakdown:

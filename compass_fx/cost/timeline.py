@@ -27,8 +27,21 @@ def _shift(segments: list[Segment], offset: float, label: str) -> list[Segment]:
     return [Segment(s.lane, s.start + offset, s.end + offset, label or s.label) for s in segments]
 
 
+OTHER = "other"  # what a price holds beyond the lanes drawn: a fused call's setup and host floor, grouped GEMMs
+
+
 def candidate_segments(w: Workload, topo: Topology, c: Candidate) -> list[Segment]:
-    """The lanes of one candidate, starting at 0."""
+    """The lanes of one candidate, starting at 0; where the candidate's price is longer than the
+    lanes drawn, a segment labelled ``other`` on the compute lane takes the rest, so the drawing
+    ends where the price does (a decomposition's lanes may end a little after its T(d))."""
+    segments = _lanes(w, topo, c)
+    end = max((s.end for s in segments), default=0.0)
+    if c.seconds is not None and c.seconds > end * (1 + 1e-9):
+        segments.append(Segment(COMPUTE, end, c.seconds, OTHER))
+    return segments
+
+
+def _lanes(w: Workload, topo: Topology, c: Candidate) -> list[Segment]:
     gather = w.kind == "all_gather_matmul"
     if c.strategy == "sequential" or w.group_size == 1:
         comm = nccl_time(w, topo).seconds if w.group_size > 1 else 0.0

@@ -38,7 +38,7 @@ def fused_ops_capturable() -> bool:
 # The CUDA kernels are registered with the dispatcher directly rather than through the custom op's
 # ``register_kernel``, whose wrapper (an output-aliasing check, a dynamo guard, a table lookup)
 # cost 3-55 us of host time per call, median 25 (H200 machine, 2 ranks, gathers of 256-4096 rows,
-# the two forms timed in turns: benchmarks/results/fused_host_time-h200-interleaved-*.json).  A
+# the two forms timed in turns: benchmarks/results/fused_host_time/fused_host_time-h200-interleaved-*.json).  A
 # small fused call's device time is of that order.
 _CUDA_KERNELS = torch.library.Library("compass", "IMPL")
 
@@ -51,10 +51,17 @@ def _cuda_kernel(name: str):
     return register
 
 
-def _cuda():
-    from .cuda import impl  # imported on first use: the CPU-only paths never load the driver bindings
+_impl = []
 
-    return impl
+
+def _cuda():
+    """``.cuda.impl``, imported on first use (the CPU-only paths never load the driver bindings) and
+    then kept: an import statement per call costs the host ~1 us."""
+    if not _impl:
+        from .cuda import impl
+
+        _impl.append(impl)
+    return _impl[0]
 
 
 def _check_common(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: int) -> None:
@@ -246,7 +253,7 @@ matmul_all_reduce.register_autograd(_ar_backward, setup_context=_ar_setup)
 # of host time per call on the CPU machine against ~3 us for an op defined on the dispatcher
 # directly.  So the graphs call the same kernels through overloads defined here, with no autograd:
 # on the H200 machine 27-41 us less host time per fused call, median over 10 shapes
-# (benchmarks/results/fused_host_time-h200-graph-overloads{,-run2}.json).
+# (benchmarks/results/fused_host_time/fused_host_time-h200-graph-overloads{,-run2}.json).
 _GRAPH_OPS = torch.library.Library("compass", "FRAGMENT")
 
 

@@ -188,7 +188,7 @@ def consumer_group_rows(cols: int, sms: int, waves: int = CONSUMER_WAVES) -> int
     TP = 8 Llama-3 shapes (device time), eight piece-sized cuBLAS calls reached 0.41-1.01 of one
     call over all rows (median 0.91), the own block then arrivals grouped into GEMMs of at least
     one wave 0.78-1.01 (median 0.93), of two waves 0.78-1.01 (median 0.96)
-    (``benchmarks/results/chunked_gemm-h200.json``).  The low end is a product of one wave
+    (``benchmarks/results/chunked_gemm/chunked_gemm-h200.json``).  The low end is a product of one wave
     (Llama-3 QKV at 4096 tokens): its own-block GEMM takes 10-23 us beside the 36-107 us of the
     whole, and the arrivals' GEMM is still one wave, 95-96% of the whole.  Alternating the
     GEMMs over two streams does not help (0.80-1.0, median 0.95): cuBLAS's Hopper kernels launch

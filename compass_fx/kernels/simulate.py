@@ -7,7 +7,9 @@ command (or one rank's host issuing its next call) is picked at random, so a ran
 of its streams, can fall arbitrarily far behind the others.  Every row of a symmetric buffer
 carries the epoch of the call that wrote it, and every read checks it: a read of stale data, or
 of data a fast peer already overwrote for a later call, raises :class:`ProtocolViolation` at once.  A state in which work remains and nothing
-can run raises :class:`Deadlock`.  The results are compared with plain matmuls and sums.
+can run raises :class:`Deadlock`.  The results are compared with plain matmuls and sums.  With
+``coded``, every evaluation of a flag wait also checks that the eager CUDA path's coded flags
+(:mod:`.flag_codes`: the epoch as one bit of four) would decide it as the epoch does.
 
 The plans are :mod:`.protocol`'s, the same objects the CUDA implementation executes.
 """
@@ -19,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import flag_codes
 from .protocol import (MAIN, SELF, STREAMS, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag,
                        WaitEvent, WaitFlag)
 
@@ -60,8 +63,9 @@ class Simulator:
 
     def __init__(self, plans: list[Plan], cols: int, seed: int = 0,
                  handlers: dict[type, Handler] | None = None, buffers: int = 2, one_queue: bool = False,
-                 parity: Callable[[int], int] | None = None) -> None:
+                 parity: Callable[[int], int] | None = None, coded: bool = False) -> None:
         self.plans = plans
+        self.coded = coded  # check each flag wait against the eager path's coded flags (flag_codes)
         # which buffer call e uses: e % buffers, as eager calls alternate; a CUDA graph's replays
         # repeat the parities they were captured with, so two calls in a row may share one
         self.parity = parity or (lambda epoch: epoch % buffers)
@@ -146,7 +150,17 @@ class Simulator:
 
 def _wait_flag(sim: Simulator, st: RankState, cmd: WaitFlag, call: _Call) -> bool:
     target = call.epoch + cmd.delta
-    return target < 1 or sim.ranks[cmd.peer].flags[cmd.slot] >= target
+    value = sim.ranks[cmd.peer].flags[cmd.slot]
+    released = target < 1 or value >= target
+    if sim.coded and target >= 1:
+        if value and not target - 1 <= value <= target + 1:
+            raise ProtocolViolation(f"rank {st.rank}, call {call.epoch}: waits for rank {cmd.peer}'s flag "
+                                    f"{cmd.slot} to reach {target} while it holds {value}: outside the window "
+                                    "that coded flags tell apart (flag_codes)")
+        if flag_codes.satisfied(flag_codes.code(value) if value else 0, target) != released:
+            raise ProtocolViolation(f"rank {st.rank}, call {call.epoch}: the coded flag {value} decides the wait "
+                                    f"for {target} otherwise than the epoch")
+    return released
 
 
 def _set_flag(sim: Simulator, st: RankState, cmd: SetFlag, call: _Call) -> bool:

@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.fx as fx
 
+from . import blocking_gather  # noqa: F401 - registers compass::all_gather_blocking (counted as a collective)
 from .graph_edit import NodeBuilder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort
 
 __all__ = ["NodeBuilder", "RewriteFailed", "erase_unused", "graph_fake_mode", "stable_toposort", "transaction"]

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..graph.pairs import BatchedWeight, GatherPair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from ..groups import backend_for
-from . import ordering  # noqa: F401 - defines compass::copy_after
+from . import blocking_gather  # noqa: F401 - defines compass::all_gather_blocking
 from .graph_edit import NodeBuilder
 from .replay import RowReplay
 from .row_blocks import block_matmul, matmul_into_rows, part_row_blocks, result_buffer
@@ -151,12 +151,15 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         shard_parts.append(b.contiguous(piece) if g > 0 else piece)
     gathers: list[fx.Node] = []
 
-    def issue(i: int, after: fx.Node | None = None) -> None:
-        shard_part = shard_parts[i] if after is None else b.call(torch.ops.compass.copy_after.default,
-                                                                 shard_parts[i], after)
-        gathers.append(b.call(c10d.all_gather_into_tensor.default, shard_part, world, pair.group_name))
+    blocking = gathers_blocking(pair)
 
-    one_in_flight = gathers_one_at_a_time(pair)
+    def issue(i: int) -> None:
+        if blocking:  # gloo: gathered before the op returns, nothing left in flight
+            gathers.append(b.call(torch.ops.compass.all_gather_blocking.default, shard_parts[i], world,
+                                  pair.group_name))
+        else:
+            gathers.append(b.call(c10d.all_gather_into_tensor.default, shard_parts[i], world, pair.group_name))
+
     issue(0)
     logical_parts: list[fx.Node] = []
     row_outs: list[list[fx.Node]] = [[] for _ in pair.row_consumers]
@@ -164,11 +167,9 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     in_place = [result_buffer(b, layout, rc.mm) if _writes_in_place(rc.mm) else None for rc in pair.row_consumers]
     sums: list[fx.Node | None] = [None for _ in pair.contraction_consumers]
     for i in range(parts):
-        if i + 1 < parts and not one_in_flight:
+        if i + 1 < parts:
             issue(i + 1)  # in flight while part i is waited for and multiplied
-        gathered = b.wait(gathers[i])
-        if i + 1 < parts and one_in_flight:
-            issue(i + 1, after=gathered)  # in flight while part i is multiplied
+        gathered = gathers[i] if blocking else b.wait(gathers[i])
         if g > 0:
             gathered = b.cat(b.split(gathered, shard_shape[0], 0, world), g)
         logical_parts.append(gathered)
@@ -212,13 +213,9 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         b.replace(pair.logical, full)
 
 
-def gathers_one_at_a_time(pair: GatherPair) -> bool:
-    """Whether the parts' gathers must not overlap each other: on gloo (CPU tensors), where two
-    functional ``all_gather_into_tensor`` in flight at once corrupt the heap in torch 2.13
-    (``benchmarks/funcol_gloo_inflight.py``: 2 in flight killed a rank within 4000-5800 calls, 1
-    never in 10000).  Part i+1 is then issued right after part i's wait, before part i's matmuls,
-    so it still travels while they compute; the graph stays the same on every rank.  Other
-    backends (NCCL) issue part i+1 before part i's wait, which keeps the link busy."""
+def gathers_blocking(pair: GatherPair) -> bool:
+    """Whether the parts are gathered by ``compass::all_gather_blocking`` (gloo: CPU tensors), whose
+    docstring says why; other backends (NCCL) keep the functional collectives in flight."""
     val = pair.shard.meta.get("val")
     device = val.device.type if isinstance(val, torch.Tensor) else "cpu"
     return backend_for(pair.group_name, device) == "gloo"

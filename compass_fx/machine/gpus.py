@@ -85,14 +85,14 @@ class GpuSpec:
 # shapes with relative efficiencies, efficiency, the overheads and split-K were fitted jointly to
 # 288 bf16 GEMMs of the sweep grid (timed from an idle GPU) and 112 of issue 11's set (the 16
 # TP = 8 Llama-3 projections split into 1-64 parts, device time), both measured on one H200 with
-# torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation-h200{,-tp8}.json; refit with
+# torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation/gemm_model_validation-h200{,-tp8}.json; refit with
 # gemm_model_validation.py --fit-jointly, which tests/test_bench_scripts.py checks gives these):
 # split/unsplit ratio errors median 4.6% / 4.3%, p90 20% / 17%; each file's held-out half, fitted
 # on the rest: median 5.1% / 4.2%, p90 25% / 19% (three tiles: 11% and 35% on issue 11's set).
 # The H100 is the same processor: it shares them.
 # part_overhead_s, the software cost the decomposition model charges per extra part, is fitted to
 # every decompose candidate of the two world-2 operator grids measured on two H200s (NVLink and
-# host-staged; benchmarks/fit_model_constants.py -> results/model_constants_fit-h200x2.json): at 50 us
+# host-staged; benchmarks/fit_model_constants.py -> results/model_constants_fit/model_constants_fit-h200x2.json): at 50 us
 # the model's part count is within 3% of the best measured one in 22 and 17 of 24 pairs (20 and 9
 # at the 182 us used before, taken from one-rank calls issued back to back) and its decompose
 # predictions are off by a median 26% and 10% (44% and 26% before); no pick of "auto" changes.

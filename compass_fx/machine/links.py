@@ -18,7 +18,7 @@ LINK_DEFAULTS: dict[str, tuple[float, float]] = {
     "pcie5": (48.0, 1.2),             # x16 Gen5
     "pcie4-staged": (13.0, 4.0),      # no peer-to-peer: copies bounce through host memory
     # no peer-to-peer on PCIe Gen5 (or NCCL_P2P_DISABLE=1): measured between two H200s, NCCL bus
-    # bandwidth 25 GB/s at 64-256 MiB, about 30 us fixed (benchmarks/results/profile_pair-h200x2-hoststaged)
+    # bandwidth 25 GB/s at 64-256 MiB, about 30 us fixed (benchmarks/results/profile_pair/profile_pair-h200x2-hoststaged)
     "pcie5-staged": (25.0, 30.0),
     "upi": (40.0, 1.0),               # two-three UPI links between the sockets, per direction
     "ib-ndr": (45.0, 2.5),            # 400 Gb/s InfiniBand NIC per GPU
@@ -26,7 +26,7 @@ LINK_DEFAULTS: dict[str, tuple[float, float]] = {
 
 # Copy engines through pinned host memory (the host-staged fused operators), per direction per
 # GPU while every GPU copies both ways, and the fixed cost of one piece (its flag's round trip).
-# Measured on 2 H200s (benchmarks/results/host_copy-h200x2): 36.7-41.7 GB/s per direction with
+# Measured on 2 H200s (benchmarks/results/host_copy/host_copy-h200x2): 36.7-41.7 GB/s per direction with
 # both GPUs copying both ways, 54-55 one way; about 30 us fixed per fused call of a small shape.
 HOST_COPY_DEFAULTS: dict[str, tuple[float, float]] = {
     "pcie5-staged": (40.0, 10.0),

@@ -80,10 +80,13 @@ def _topology(text: str) -> Topology:
 
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
+    from ..cost.decision import Candidate
     from ..cost.timeline import candidate_segments, sequence
+    from ..cost.workload import Workload
     from .timeline_plot import plot_timelines
 
     topo = args.topology
+    png = None if args.no_png else picture_path(args, topo)
     fused, graphs_note = fused_under_graphs(args.fused, args.cuda_graphs)
     lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
                     sequence_parallel=not args.no_sequence_parallel, backward=args.backward,
@@ -105,19 +108,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("compass-fx plan: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     if args.no_png:
         return 0
-    views = [("sequential", sequence([(n, candidate_segments(w, topo, decision.candidate("sequential")))
-                                      for n, w, decision in lp.rows]))]
+    def view(name: str, picks: list[tuple[str, Workload, Candidate]]) -> tuple[str, list, float]:
+        """A picture row: the picks' lanes one after another, titled with the sum of their prices
+        (the table's figures; the lanes are the model's breakdown of each price)."""
+        return (name, sequence([(n, candidate_segments(w, topo, c)) for n, w, c in picks]),
+                sum(c.seconds for _, _, c in picks))
+
+    views = [view("sequential", [(n, w, decision.candidate("sequential")) for n, w, decision in lp.rows])]
     for family in ("decompose", "fuse"):
         picks = []
         for n, w, decision in lp.rows:
             cands = [c for c in decision.candidates if c.strategy == family]
             if cands:
-                picks.append((n, candidate_segments(w, topo, min(cands, key=lambda c: c.seconds))))
+                picks.append((n, w, min(cands, key=lambda c: c.seconds)))
         if len(picks) == len(lp.rows):
-            views.append((f"best {family} per pair", sequence(picks)))
-    views.append(("planned", sequence([(n, candidate_segments(w, topo, next(
-        c for c in decision.candidates if c.label == decision.label))) for n, w, decision in lp.rows])))
-    png = args.png or f"compass-plan-{args.model}-tp{args.tp}-{args.tokens}-{topo.name}.png"
+            views.append(view(f"best {family} per pair", picks))
+    views.append(view("planned", [(n, w, next(c for c in decision.candidates if c.label == decision.label))
+                                  for n, w, decision in lp.rows]))
     try:
         path = plot_timelines(views, png, f"{args.model} tp={args.tp} tokens={args.tokens} on {topo.name}")
     except ImportError as exc:  # an optional extra: the table above is the result, the picture a bonus
@@ -125,6 +132,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"timeline: {path}", file=sys.stderr)
     return 0
+
+
+def picture_path(args: argparse.Namespace, topo: Topology) -> Path:
+    """Where ``plan`` draws its timeline: ``--png``, else a file named for the plan in ``--out-dir``;
+    the folder is made (or found unwritable) before any planning, so a bad path fails first."""
+    png = Path(args.png) if args.png else \
+        Path(args.out_dir) / f"compass-plan-{args.model}-tp{args.tp}-{args.tokens}-{topo.name}.png"
+    ensure_writable_dir(png.parent)
+    return png
+
+
+def ensure_writable_dir(path: Path) -> None:
+    """Make ``path`` (and its parents) if needed; OSError naming it if it cannot hold new files."""
+    import errno
+    import os
+
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(errno.EACCES, "not writable", str(path))
 
 
 # ---- sweep -------------------------------------------------------------------------------------
@@ -137,7 +163,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for name in config.topologies:
         Topology.resolve(name)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_writable_dir(out)
     rows = run_sweep(config, None if args.no_progress else progress_bar())
     summary = summarize(rows)
     write_csv(rows, out / "sweep.csv")
@@ -286,7 +312,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
                    help="price the step as CUDA graph replays (Inductor's mode='reduce-overhead'): no host issue "
                         "costs, an extra InterDecom part costs its device time alone")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--png", default=None, help="timeline picture path (default: compass-plan-<...>.png)")
+    p.add_argument("--out-dir", default="compass-plan",
+                   help="folder for the timeline picture (default: compass-plan, made if needed)")
+    p.add_argument("--png", default=None, help="timeline picture path (default: <out-dir>/compass-plan-<...>.png)")
     p.add_argument("--no-png", action="store_true", help="skip the timeline picture")
     p.set_defaults(func=cmd_plan)
 

@@ -129,16 +129,20 @@ def format_summary(summary: dict) -> str:
 
 
 def progress_bar(stream=sys.stderr, width: int = 40) -> Callable[[int, int], None]:
-    """A dependency-free text progress bar."""
+    """A dependency-free progress bar: redrawn in place on a terminal; in a log (stderr not a
+    terminal) one plain line per quarter, so no carriage returns end up in the file."""
     shown = [-1]
+    live = hasattr(stream, "isatty") and stream.isatty()
 
     def update(done: int, total: int) -> None:
-        filled = width * done // max(total, 1)
+        steps = width if live else 4
+        filled = steps * done // max(total, 1)
         if filled == shown[0] and done != total:
             return
         shown[0] = filled
-        stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-        if done == total:
-            stream.write("\n")
+        if live:
+            stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}" + ("\n" if done == total else ""))
+        elif done == total or filled > 0:
+            stream.write(f"sweep: {done}/{total} configurations planned\n")
         stream.flush()
     return update

@@ -13,6 +13,7 @@ import ctypes
 from functools import lru_cache
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
+WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: (*addr & value) != 0
 _u64, _u32, _ptr = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p
 
 
@@ -45,6 +46,10 @@ def _lib() -> dict:
         "launch": fn(("cuLaunchKernel",), [_ptr, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _ptr,
                                           ctypes.POINTER(_ptr), _ptr]),
         "capture_mode": fn(("cuThreadExchangeStreamCaptureMode",), [ctypes.POINTER(ctypes.c_int)]),
+        "graph_launch": fn(("cuGraphLaunch",), [_ptr, _ptr]),
+        "event_record": fn(("cuEventRecord",), [_ptr, _ptr]),
+        "event_create": fn(("cuEventCreate",), [ctypes.POINTER(_ptr), ctypes.c_uint]),
+        "event_query": fn(("cuEventQuery",), [_ptr]),
     }
 
 
@@ -58,7 +63,8 @@ def check(result: int, what: str) -> None:
 
 def raw(name: str):
     """The ctypes function behind ``memcpy`` / ``wait`` / ``write`` (arguments as those take them,
-    the stream first for the stream operations), for callers that issue many calls and check the
+    the stream first for the stream operations), ``graph_launch`` (graph exec, stream) or
+    ``event_record`` (event, stream), for callers that issue many calls and check the
     result themselves (:func:`check`): it skips a lookup and a Python frame per call."""
     return _lib()[name]
 
@@ -111,6 +117,31 @@ def launcher(function: int, args: list, blocks: int = 1, threads: int = 1):
         check(launch(function, blocks, 1, 1, threads, 1, 1, 0, stream, params, None), "cuLaunchKernel")
     run.kept = (kept, params)  # the packed arguments live as long as the launcher
     return run
+
+
+_EVENT_DISABLE_TIMING, _NOT_READY = 0x2, 600
+
+
+class Event:
+    """A CUDA event of the current context, recorded and queried by the driver directly (what the
+    watchdog needs of an event: ``record`` on a stream handle, ``query``).  Never destroyed: the
+    watchdog's pools reuse them for the life of the process."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self) -> None:
+        self.handle = _ptr()
+        check(_lib()["event_create"](ctypes.byref(self.handle), _EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def record(self, stream: int) -> None:
+        check(_lib()["event_record"](self.handle, stream), "cuEventRecord")
+
+    def query(self) -> bool:
+        result = _lib()["event_query"](self.handle)
+        if result == _NOT_READY:
+            return False
+        check(result, "cuEventQuery")
+        return True
 
 
 _CAPTURE_MODE_RELAXED = 2

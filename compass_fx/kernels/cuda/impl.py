@@ -11,7 +11,10 @@ streams of a rank meet at CUDA events; the ranks meet only at flags.  The watchd
 Per (operator, schedule, group, shape, dtype) a workspace is built once (collectively, on first
 use, in the same order on every rank): the double-buffered symmetric buffers, the flags, the
 staging buffers, the peers' addresses and the events.  A call then does no host synchronisation
-and no allocation beyond its outputs, and issues a fixed list of launches.
+and no allocation beyond its outputs, and issues a fixed list of launches, or replays them from a
+CUDA graph captured for the call's addresses (:mod:`.replay`: the host's cost then no longer grows
+with the plan); the flags hold the epoch as one bit of four (:mod:`..flag_codes`), so that the
+replayed flag operations are right for every fourth call.
 
 CUDA graphs.  An eager call passes its epoch to the flag operations as a number, which a graph
 would replay stale, and picks its buffers by the epoch's parity, which a graph would replay
@@ -25,6 +28,7 @@ allocates and meets the peers, which a capture forbids).
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Callable
@@ -33,12 +37,16 @@ import torch
 
 from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
                         SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
+from .. import flag_codes
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, graph_buffer_sets, graph_flags, graphs_enabled, watchdog
+from . import driver, env, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+# the caller's current stream as a handle, without a Stream object (Inductor's generated code uses it too)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
 _workspaces: dict[tuple, "_Workspace"] = {}
 _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 Step = Callable[[dict, int, dict], None]
@@ -47,9 +55,14 @@ Step = Callable[[dict, int, dict], None]
 def supported(dtype: torch.dtype) -> bool:
     """True where this path runs: a CUDA device and a supported dtype.
     ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead."""
-    if os.environ.get("COMPASS_CUDA_FUSED", "copy_engine") == "p2p":
+    if env("COMPASS_CUDA_FUSED", "copy_engine") == "p2p":
         return False
-    return dtype in _SUPPORTED and torch.cuda.is_available()
+    return dtype in _SUPPORTED and _cuda_available()
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()  # asked on every call otherwise (~1 us); it cannot change
 
 
 def _device_index(device: torch.device) -> int:
@@ -75,13 +88,11 @@ def transport() -> str:
     memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
     ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
     as the cost model assumes), peer or host."""
-    from ...machine.detect import host_staged
-
-    wanted = os.environ.get("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
+    wanted = env("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
     if wanted not in ("auto", "peer", "host"):
         raise ValueError(f"COMPASS_FUSED_TRANSPORT must be auto, peer or host, got {wanted!r}")
-    if wanted == "auto":
-        return "host" if host_staged() else "peer"
+    if wanted == "auto":  # machine.detect.host_staged, read as fast as the per-call settings are
+        return "host" if env("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes") else "peer"
     return wanted
 
 
@@ -140,9 +151,13 @@ class _Workspace:
             self.engines = graph_flags.engines(plan, self.row_bytes)
             # the copy kernels' counts of finished blocks, one per command
             self.arrived = torch.zeros(len(plan.commands), dtype=torch.int32, device=device)
-        self.steps = [[self._compile(c, parity, i) for i, c in enumerate(plan.commands)]
-                      for parity in range(self.copies)]
+        # an eager call's commands per residue of its epoch mod PERIOD (its flags' codes, its buffers'
+        # parity); a captured call's per set of buffers (its epoch is on the GPU)
+        self.phases = self.copies if captured else flag_codes.PERIOD
+        self.steps = [[self._compile(c, phase, i) for i, c in enumerate(plan.commands)]
+                      for phase in range(self.phases)]
         self.join_at = join_start(plan)
+        self.replays = None if captured or not replay.enabled() else replay.Replays(index)
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
 
     def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
@@ -221,10 +236,12 @@ class _Workspace:
         return address
 
     # -- one command -> one closure over what stays fixed -----------------------------------
-    def _compile(self, cmd, parity: int, index: int) -> Step:
-        """One command as a closure over everything that stays fixed between calls: addresses of
-        the workspace's buffers, the side streams' handles, the driver functions (the host issues
-        every call's commands one after another, so each closure keeps its work to the launch)."""
+    def _compile(self, cmd, phase: int, index: int) -> Step:
+        """One command as a closure over everything that stays fixed between calls of epochs
+        ``phase`` mod ``self.phases``: addresses of the workspace's buffers (their parity), the
+        flags' codes, the side streams' handles, the driver functions (the host issues every
+        call's commands one after another, so each closure keeps its work to the launch)."""
+        parity = phase % self.copies
         side = cmd.stream
         fixed_stream = {COMM: self.comm, PUB: self.pub, TAIL: self.tail}.get(side)
         if isinstance(cmd, Matmul) and side != MAIN or isinstance(cmd, Reduce) and side not in (MAIN, TAIL):
@@ -238,18 +255,19 @@ class _Workspace:
             step = self._compile_captured(cmd, parity, index, stream_of)
             if step is not None:
                 return step
-        if isinstance(cmd, WaitFlag):
+        if isinstance(cmd, WaitFlag):  # the flag holds a code (flag_codes): wait for either accepted bit
             wait, addr, delta = driver.raw("wait"), self.peer_flag_address[cmd.peer] + 4 * cmd.slot, cmd.delta
+            bits = flag_codes.mask(phase + delta)
 
             def wait_flag(tensors, epoch, streams):
-                driver.check(wait(stream_of(streams), addr, (epoch + delta) & 0xFFFFFFFF, driver.WAIT_GEQ),
-                             "cuStreamWaitValue32")
+                if epoch + delta >= 1:
+                    driver.check(wait(stream_of(streams), addr, bits, driver.WAIT_AND), "cuStreamWaitValue32")
             return wait_flag
         if isinstance(cmd, SetFlag):
-            write, addr = driver.raw("write"), self.flag_address + 4 * cmd.slot
+            write, addr, value = driver.raw("write"), self.flag_address + 4 * cmd.slot, flag_codes.code(phase)
 
             def set_flag(tensors, epoch, streams):
-                driver.check(write(stream_of(streams), addr, epoch & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
+                driver.check(write(stream_of(streams), addr, value, 0), "cuStreamWriteValue32")
             return set_flag
         if isinstance(cmd, Copy):
             memcpy = driver.raw("memcpy")
@@ -350,31 +368,64 @@ class _Workspace:
         """Issue one call.  ``deferred``: leave the join out and return it (the caller's stream
         goes on with other work while the call's side streams finish; the results are valid after
         ``Join.wait``).  A call still waiting for its join is joined first: at most one call of a
-        workspace is ever outstanding, which the double-buffering argument needs."""
+        workspace is ever outstanding, which the double-buffering argument needs.  An eager call
+        that is not deferred replays a graph of its commands where :mod:`.replay` has one."""
         if self.pending is not None:
             self.pending.wait()
-        self.dog.check_failed()  # eager or captured: _workspace chose this workspace for the call
-        for name in ("A", "OUT", "GATHERED"):
-            for t in tensors.get(name, ()):
-                if not t.is_contiguous():
-                    raise ValueError(f"compass::{self.plan.op}: {name} must be contiguous")
+        if self.dog.failure:  # eager or captured: _workspace chose this workspace for the call
+            self.dog.check_failed()
+        if not tensors["A"][0].is_contiguous():  # the outputs are the call's own, contiguous
+            raise ValueError(f"compass::{self.plan.op}: A must be contiguous")
         self.epoch += 1
-        streams = {MAIN: torch.cuda.current_stream(self.device_index)}  # an index: no device lookup (~30 us)
+        epoch = self.epoch
+        if self.replays is not None and not deferred and not Join.outstanding and replay.enabled():
+            graph = self.replays.graph(self._addresses(tensors), epoch, lambda stream: self._issue(tensors, stream))
+            if graph is not None:
+                stream = _raw_stream(self.device_index)
+                graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
+                self._watch(None, stream)
+                return None
+        main = torch.cuda.current_stream(self.device_index)  # an index: no device lookup (~30 us)
         if self.captured:
-            self.bumps[self.epoch % self.copies](streams[MAIN].cuda_stream)  # before anything of the call
-        steps = self.steps[self.epoch % self.copies]
+            self.bumps[epoch % self.copies](main.cuda_stream)  # before anything of the call
+        steps = self.steps[epoch % self.phases]
+        streams = {MAIN: main}
         for step in steps[:self.join_at]:
-            step(tensors, self.epoch, streams)
+            step(tensors, epoch, streams)
         if not self.captured:  # a captured call's waits bound themselves (graph_flags)
-            done = self.watched.pool.pop() if self.watched.pool else torch.cuda.Event()
-            done.record(self.comm)
-            self.dog.add(self.watched, self.epoch, done)
-        join = Join(self, steps[self.join_at:], tensors, self.epoch)
+            self._watch(self.comm)
         if not deferred:
-            join.wait()
+            for step in steps[self.join_at:]:
+                step(tensors, epoch, streams)
             return None
-        self.pending = join
-        return join
+        self.pending = Join(self, steps[self.join_at:], tensors, epoch)
+        return self.pending
+
+    def _issue(self, tensors: dict[str, list[torch.Tensor]], main: torch.cuda.Stream) -> None:
+        """Every command of the running call, ``main`` standing for the caller's stream (a capture)."""
+        streams = {MAIN: main}
+        for step in self.steps[self.epoch % self.phases]:
+            step(tensors, self.epoch, streams)
+
+    @staticmethod
+    def _addresses(tensors: dict[str, list[torch.Tensor]]) -> tuple:
+        """What a graph of a call bakes in besides the workspace: where the call's tensors lie (and
+        the weights' strides, which pick cuBLAS's transposes; the rest is contiguous)."""
+        return (tuple(t.data_ptr() for t in tensors["A"]), tuple((w.data_ptr(), w.stride()) for w in tensors["W"]),
+                tuple(t.data_ptr() for t in tensors["OUT"]), tuple(t.data_ptr() for t in tensors.get("GATHERED", ())))
+
+    def _watch(self, stream: torch.cuda.Stream | None, handle: int | None = None) -> None:
+        """Let the watchdog bound the running call: an event after its last wait, on ``stream``,
+        or on the stream whose ``handle`` a replay passes (a driver event, recorded directly:
+        torch's ``Event.record()`` looks the current stream up again, ~20 us on the lent host)."""
+        done = self.dog.reusable(self.watched)
+        if handle is not None:
+            done = done if isinstance(done, driver.Event) else driver.Event()
+            done.record(handle)
+        else:
+            done = done if isinstance(done, torch.cuda.Event) else torch.cuda.Event()
+            done.record(stream)
+        self.dog.add(self.watched, self.epoch, done)
 
     def _explain_timeout(self, code: int) -> str:
         """What the captured wait that stored ``code`` (its command's position + 1) waited for."""
@@ -393,13 +444,15 @@ class _Workspace:
             with torch.cuda.stream(side):
                 seen = {p: f.cpu().tolist() for p, f in self.peer_flags.items()}
         stuck = [c for c in self.plan.commands if isinstance(c, WaitFlag)
-                 and seen[c.peer][c.slot] < epoch + c.delta]
+                 and not flag_codes.satisfied(seen[c.peer][c.slot], epoch + c.delta)]
         if not stuck:
             what = "its own streams (every flag it waits for is set)"
         else:
             c = stuck[0]
-            what = (f"rank {c.peer}'s {self.plan.slot_names[c.slot]} (flag {c.slot} reads "
-                    f"{seen[c.peer][c.slot]}, needs {epoch + c.delta})")
+            target = epoch + c.delta
+            what = (f"rank {c.peer}'s {self.plan.slot_names[c.slot]} (flag {c.slot} "
+                    f"{flag_codes.decoded(seen[c.peer][c.slot])}, needs call {target}'s code "
+                    f"{flag_codes.code(target)})")
         message = (f"compass::{self.plan.op}: rank {self.rank} waits in call {epoch} for {what}; that rank "
                    f"is late, has died, or calls the fused operators in another order. Every later call "
                    f"of a compass fused operator on this rank raises this error.")
@@ -410,12 +463,12 @@ class _Workspace:
             hardware queue could (the issue order, :mod:`..issue_order`, keeps the plan's own waits
             from doing so)."""
             for c in stuck:
+                value = flag_codes.code(epoch + c.delta)
                 if in_host_memory:
-                    value = (epoch + c.delta) & 0xFFFFFFFF
-                    self.peer_flags[c.peer][c.slot] = value - (1 << 32) if value >= 1 << 31 else value  # int32
+                    self.peer_flags[c.peer][c.slot] = value
                     continue
                 addr = self.peer_flag_address[c.peer] + 4 * c.slot
-                driver.write(addr, epoch + c.delta, side.cuda_stream)
+                driver.write(addr, value, side.cuda_stream)
             if side is not None:
                 side.synchronize()
 
@@ -424,10 +477,15 @@ class _Workspace:
 
 class Join:
     """The end of a deferred call: the caller's stream waits for the call's side streams.  Holds
-    the call's tensors until then (the side streams write its outputs)."""
+    the call's tensors until then (the side streams write its outputs).  While any is
+    outstanding, eager calls are issued, not replayed: a graph's side-stream work would not queue
+    behind the deferred call's on the shared side streams, as the issue order assumes."""
+
+    outstanding = 0  # deferred calls of this process not yet joined
 
     def __init__(self, workspace: _Workspace, steps: list[Step], tensors: dict, epoch: int) -> None:
         self.workspace, self.steps, self.tensors, self.epoch = workspace, steps, tensors, epoch
+        Join.outstanding += 1
 
     def wait(self) -> None:
         if self.steps is None:
@@ -436,6 +494,7 @@ class Join:
         for step in self.steps:
             step(self.tensors, self.epoch, streams)
         self.steps = self.tensors = None
+        Join.outstanding -= 1
         if self.workspace.pending is self:
             self.workspace.pending = None
 

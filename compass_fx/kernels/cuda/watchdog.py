@@ -70,6 +70,17 @@ class Watchdog:
         if self.failure:
             raise RuntimeError(self.failure)
 
+    def reusable(self, w: Watched):
+        """An event of ``w``'s finished calls, or None: from the pool, else the oldest pending
+        call's if it has finished (so that back-to-back calls between two scans reuse events
+        instead of making new ones)."""
+        with self.lock:
+            if w.pool:
+                return w.pool.pop()
+            if w.pending and w.pending[0].event.query():
+                return w.pending.pop(0).event
+        return None
+
     def add(self, w: Watched, epoch: int, event) -> None:
         with self.lock:
             w.pending.append(_Pending(epoch, event, time.monotonic()))

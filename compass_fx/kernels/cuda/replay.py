@@ -1,0 +1,161 @@
+"""Eager fused calls replayed from CUDA graphs: the host's cost of a call stops growing with its plan.
+
+Why: issued one by one from Python, a call's commands cost the host 300-1500 us on the lent H200
+machine (a GEMM launch ~20 us, a copy ~8 us, a flag operation ~4 us, each with its Python around
+it), more than the device needs for a call below 8192 tokens.  A captured graph of the same
+commands is one launch (``benchmarks/results/host_issue_profile/host_issue_profile-h200.json``: 8 waits, copies and
+flag writes on a side stream and 4 GEMMs replay in 35 us against 169 us issued one by one).
+
+What a graph may bake in.  Its commands address the call's tensors (its input, weights and
+outputs) and the workspace's buffers, and its flag operations carry numbers.  So a workspace
+keeps one graph per set of the call's addresses and per residue of the epoch mod 4: the flags
+hold the epoch as one bit of four (:mod:`..flag_codes`) and the buffers alternate with the
+epoch's parity, so the four graphs of a set replay every later call with those addresses.  The
+caching allocator hands a training step's tensors the same addresses step after step, so the
+sets recur; a set is captured on its second sighting (a tensor seen once costs no capture), at
+most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default 64; the least recently used goes;
+a workspace whose sets are evicted before they pay back their captures stops capturing).  A graph
+keeps what its capture allocated: nothing, except the float32 sum of a reduction of more than two
+terms (a plan beyond two ranks), which stays reserved for the graph while it lives.
+
+Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
+buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
+differ: their addresses do) and every guarantee of the eager path holds: the same flag waits on
+the same streams (no kernel spins), the watchdog's bounded waits (an event after the replay), the
+issue order (the graph's nodes are captured in it).  ``COMPASS_FUSED_REPLAY=0`` issues every call
+one command at a time, as before.  A capture that fails turns replays off for the process, with a
+warning, and the call is issued as before.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+import torch
+
+from ..flag_codes import PERIOD
+from . import driver, env
+
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
+stats = {"replayed": 0, "captured": 0}  # calls of this process served from graphs, graphs captured
+
+
+def enabled() -> bool:
+    """``COMPASS_FUSED_REPLAY`` (default 1): eager calls of the fused operators replay captured graphs."""
+    return not _disabled and env("COMPASS_FUSED_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def limit() -> int:
+    """``COMPASS_FUSED_REPLAY_GRAPHS`` (default 64): sets of addresses a workspace keeps graphs for."""
+    raw = env("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"COMPASS_FUSED_REPLAY_GRAPHS must be a positive integer, got {raw!r}")
+    return value
+
+
+def _capture_stream(device_index: int) -> torch.cuda.Stream:
+    """A stream to capture on (a capture cannot start on the legacy default stream), whose cuBLAS
+    workspace exists before any capture (allocated inside one, it would belong to that graph)."""
+    if device_index not in _capture_streams:
+        stream = torch.cuda.Stream(device=device_index)
+        with torch.cuda.device(device_index), torch.cuda.stream(stream):
+            a = torch.zeros(16, 16, device=f"cuda:{device_index}", dtype=torch.bfloat16)
+            torch.mm(a, a)
+        stream.synchronize()
+        _capture_streams[device_index] = stream
+    return _capture_streams[device_index]
+
+
+class Captured:
+    """A captured call, launched by the driver directly: ``CUDAGraph.replay`` also refreshes the
+    random number generators' offsets (two fills on the GPU, ~15 us of host on the lent machine),
+    which a graph without random numbers does not need."""
+
+    __slots__ = ("graph", "exec")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph  # owns the executable graph
+        try:
+            self.exec = graph.raw_cuda_graph_exec()
+        except (AttributeError, RuntimeError):  # an older torch: replay() it is
+            self.exec = None
+
+    def launch(self, stream: int) -> None:
+        """Run the call on ``stream`` (the caller's current stream's handle)."""
+        if self.exec:
+            driver.check(driver.raw("graph_launch")(self.exec, stream), "cuGraphLaunch")
+        else:
+            self.graph.replay()
+
+
+class Replays:
+    """One workspace's graphs: ``graphs[addresses][epoch % PERIOD]``."""
+
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
+        self.most = limit()
+        self.graphs: OrderedDict[Hashable, list] = OrderedDict()
+        self.seen: OrderedDict[Hashable, None] = OrderedDict()  # sets of addresses seen once
+        self.captures = self.evicted = 0
+
+    def thrashing(self) -> bool:
+        """Whether sets are evicted before they pay back their captures: more sets recur than
+        ``most`` holds (say more call sites of one shape per step than the limit).  A capture costs
+        about two eager issues, so then this workspace stops capturing (its graphs still replay)."""
+        return self.evicted > self.most and self.evicted * PERIOD * 2 > self.captures
+
+    def graph(self, addresses: Hashable, epoch: int, issue: Callable[[torch.cuda.Stream], None]):
+        """The graph that runs this call (captured now if these addresses were seen before), or
+        None: issue the call eagerly.  ``issue(stream)`` issues the call's commands with ``stream``
+        as the caller's."""
+        phase = epoch % PERIOD
+        graphs = self.graphs.get(addresses)
+        if graphs is not None:
+            self.graphs.move_to_end(addresses)
+            if graphs[phase] is not None:
+                stats["replayed"] += 1
+                return graphs[phase]
+        elif addresses in self.seen:
+            if self.thrashing():
+                return None
+            del self.seen[addresses]
+            graphs = self.graphs[addresses] = [None] * PERIOD
+            while len(self.graphs) > self.most:
+                self.graphs.popitem(last=False)
+                self.evicted += 1
+        else:
+            self.seen[addresses] = None
+            while len(self.seen) > 4 * self.most:
+                self.seen.popitem(last=False)
+            return None
+        graphs[phase] = self._capture(issue)
+        if graphs[phase] is not None:
+            self.captures += 1
+            stats["captured"] += 1
+            stats["replayed"] += 1
+        return graphs[phase]
+
+    def _capture(self, issue: Callable[[torch.cuda.Stream], None]):
+        stream = _capture_stream(self.device_index)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    issue(stream)
+                finally:
+                    graph.capture_end()
+            captured = Captured(graph)
+        except Exception as e:  # noqa: BLE001 - replays off, the call goes on eagerly
+            _disabled.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"compass fused operators: capturing a call in a CUDA graph failed ({e}); eager calls "
+                          "are issued one command at a time from now on", RuntimeWarning, stacklevel=3)
+            self.graphs.clear()
+            return None
+        return captured

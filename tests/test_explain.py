@@ -1,0 +1,66 @@
+"""explain tells the truth about a compiled model, and last_report shows only what models compiled."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import compass_fx
+import tp_models
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", (WORLD,))
+    dist.destroy_process_group()
+
+
+def _mlp(mesh):
+    torch._dynamo.reset()
+    return tp_models.build("sp0_mlp", mesh), tp_models.example_input("sp0_mlp", 0, WORLD).requires_grad_()
+
+
+def test_a_model_compiled_with_options_is_explained_with_them(mesh):
+    model, x = _mlp(mesh)
+    compiled = torch.compile(model, backend="compass", options={"chunks": 4, "inner": "eager"})
+    report = compass_fx.explain(compiled, x)
+    assert report.options["chunks"] == 4 and report.options["strategy"] != "off"
+    assert report.pairs and all(p.status == "rewritten" and p.parts == 4 for p in report.pairs)
+    # the same options given again agree; other options would explain another compile: refused
+    assert compass_fx.explain(compiled, x, chunks=4, inner="eager").options["chunks"] == 4
+    with pytest.raises(ValueError) as e:
+        compass_fx.explain(compiled, x, strategy="off")
+    assert "compiled with backend='compass' and options {'chunks': 4, 'inner': 'eager'}" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_model_compiled_with_a_mode_is_explained_under_it(mesh):
+    model, x = _mlp(mesh)
+    compiled = torch.compile(model, backend="compass", mode="reduce-overhead")
+    report = compass_fx.explain(compiled, x)
+    assert report.options["mode"] == "reduce-overhead"
+    assert any("replays CUDA graphs" in n for g in report.graphs for n in g.notes)
+
+
+def test_a_model_compiled_with_another_backend_is_explained_with_the_options_given(mesh):
+    model, x = _mlp(mesh)
+    report = compass_fx.explain(torch.compile(model, backend="eager"), x, chunks=2)
+    assert report.pairs and all(p.parts == 2 for p in report.pairs)
+
+
+def test_last_report_shows_the_latest_compile_only(mesh):
+    """explain's traces are not the model's: after explain and a forward-only call of a compiled
+    model, last_report holds that model's forward graph alone; after a backward, its backward too."""
+    model, x = _mlp(mesh)
+    compass_fx.explain(model, x, chunks=2)
+    compiled = torch.compile(model, backend="compass", options={"chunks": 2, "inner": "eager"})
+    out = compiled(x)
+    assert [g.graph for g in compass_fx.last_report().graphs] == ["forward"]
+    out.sum().backward()
+    assert [g.graph for g in compass_fx.last_report().graphs] == ["forward", "backward"]
+    assert len(compass_fx.last_report(graphs=1).graphs) == 1

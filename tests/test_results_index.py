@@ -1,0 +1,36 @@
+"""benchmarks/results/INDEX.md lists every result file, each in its benchmark's folder."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_the_index_lists_every_result_file_and_nothing_else():
+    index = (RESULTS / "INDEX.md").read_text()
+    linked = set(re.findall(r"\]\(([\w./-]+)\)", index))
+    files = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file() and p.name != "INDEX.md"}
+    assert linked == files, (f"not in INDEX.md (run python benchmarks/results_index.py): {sorted(files - linked)}; "
+                             f"listed but missing: {sorted(linked - files)}")
+
+
+def test_results_sit_in_their_benchmark_folder():
+    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and p.name != "INDEX.md"]
+    assert not loose, loose
+    for folder in (p for p in RESULTS.iterdir() if p.is_dir()):
+        assert all(f.name.startswith(folder.name + "-") for f in folder.iterdir()), folder
+
+
+def test_a_fixture_is_marked_as_such():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_index
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = {line.split("`")[1]: line for line in (RESULTS / "INDEX.md").read_text().splitlines()
+            if line.startswith("| `")}
+    assert "fixture: test_bench_scripts.py" in rows["calibration-h200x2"]
+    assert results_index.readers("gemm_model_validation-h200.json")  # test_cost_models reads it
