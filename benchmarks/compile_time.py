@@ -15,6 +15,9 @@ Times (wall clock, seconds):
   ``compass_fx.explain`` compiles, or "inductor");
 * ``first call``: the compiled model's first forward call (dynamo's tracing, the compile, one run).
 
+The machine's other load shows as noise: the modes of one layer count take turns, and the summary
+compares the best of the repeats.
+
     python benchmarks/compile_time.py                  # 2..64 layers, writes compile_time-cpu.{json,md}
     python benchmarks/compile_time.py --layers 2,4,8   # a subset
 """
@@ -166,8 +169,8 @@ def main(argv=None) -> int:
     rows, t0 = [], time.time()
     total = len(layers) * len(modes) * args.repeats
     for n in layers:
-        for mode in modes:
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):
+            for mode in modes:  # the modes take turns: a slow spell of the shared machine hits them all
                 row = run_fresh(n, mode, args.inner, args.timeout)
                 rows.append(row)
                 print(f"[{len(rows)}/{total}] {n} layers, {mode}: pass {row.get('pass_s')} s, compile "
