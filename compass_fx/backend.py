@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .options import CompassOptions, parse_options
-from .passes.run import compass_pass
+from .graph_pass import compass_pass
 from .report import GraphReport
 
 log = logging.getLogger("compass_fx")

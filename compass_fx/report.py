@@ -37,6 +37,8 @@ class PairRecord:
     d_star: float | None = None            # the decomposition model's continuous optimum sqrt(C/A)
     coefficients: list[float] | None = None  # A, B, C of T(d) = A*d + B + C/d
     asynchronous: bool = False             # a fused reduction started early, waited for at first use
+    # strategies this pair's lowering cannot take, never priced: {"strategy": ..., "reason": ...}
+    refused: list[dict[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class GraphReport:
     collectives_before: int = 0
     collectives_after: int = 0
     notes: list[str] = field(default_factory=list)  # what the backend changed around the pass
+    pass_seconds: float | None = None  # wall time of the pass on this graph (find, decide, agree, rewrite)
 
 
 @dataclass
@@ -131,6 +134,9 @@ def format_report(report: Report) -> str:
             cands = ", ".join(f"{c['label']}={_fmt_seconds(c.get('seconds'))}" for c in p.candidates)
             d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
             lines.append(f"candidates {p.graph}/{p.collective}{d_star}: {cands}")
+    for p in report.pairs:
+        for r in p.refused:
+            lines.append(f"refused {p.graph}/{p.collective}: {r['strategy']}: {r['reason']}")
     return "\n".join(lines + _legend(report))
 
 

@@ -5,7 +5,9 @@ Stages, earliest first: the machine's description (``machine``: topology, preset
 datasheets, calibration) and the argument types of the command line; the pure parts that price and
 run on it (``cost``, ``kernels``) and what every stage shares (``graph``, ``options``,
 ``report``); finding and deciding (``passes.match``, ``agree``, ``decide``); the rewrites
-(``lowering``); the pass on top (``passes.run``); the entry points (backend, explain) and the
+(``lowering``); the pair kinds, each with its matching and its surgery, and the finding over them
+(the other ``passes`` modules); the pass on top (``graph_pass``) beside the entry points (backend,
+explain), and the
 tools beside them (``tools``: commands, sweep, calibration driver, timeline picture); the CLI last.
 Inside ``kernels`` the same rule holds one level down: the pure plans (``schedules``, then
 ``protocol``, then ``issue_order``), what runs them (``simulate``, ``reference``, then the ``cuda`` path), the

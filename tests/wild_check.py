@@ -15,9 +15,10 @@ import torch.fx as fx
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from compass_fx.cost.decision import Decision
-from compass_fx.lowering import rewrite
+from compass_fx.graph_pass import rewrite_pairs
+from compass_fx.lowering import RewriteFailed
 from compass_fx.lowering.row_blocks import run_in_place
-from compass_fx.passes.match import find_pairs
+from compass_fx.passes.find import find_pairs
 from compass_fx.graph.pairs import Pair
 from compass_fx.report import SkipRecord
 
@@ -84,27 +85,20 @@ def assert_same_outputs(ref: list, got: list, rtol: float = 1e-4, atol: float = 
 
 def rewrite_all(gm: fx.GraphModule, parts: Callable[[Pair], int | None], graph_kind: str = "forward",
                 group: str | None = None) -> tuple[list[Pair], list[SkipRecord]]:
-    """The backend's loop with a chosen part count per pair (None: leave it); returns what was done."""
+    """The backend's pass with a chosen part count per pair (None: leave it); returns what was done."""
     gm.graph.eliminate_dead_code()
-    done: list[Pair] = []
-    handled: set[str] = set()
-    skips: dict[str, SkipRecord] = {}
-    while True:
-        pairs, new_skips = find_pairs(gm, graph_kind, group)
-        for s in new_skips:
-            skips.setdefault(s.collective, s)
-        todo = [p for p in pairs if p.collective.name not in handled]
-        if not todo:
-            break
-        pair = todo[0]
-        handled.add(pair.collective.name)
+    pairs, skips = find_pairs(gm, graph_kind, group)
+
+    def choose(pair: Pair) -> Decision:
         k = parts(pair)
-        if k is not None and k in pair.feasible_parts():
-            rewrite(gm, pair, Decision("decompose", k))
-            gm.graph.lint()
-            done.append(pair)
-    gm.recompile()
-    return done, list(skips.values())
+        return Decision("decompose", k) if k is not None and k in pair.feasible_parts() else Decision("sequential")
+
+    records, gone = rewrite_pairs(gm, graph_kind, pairs, choose, group)
+    failed = [r for r in records if r.status == "skipped"]
+    if failed:  # a rewrite that fails is a bug here: say so (the graph itself is left as it was)
+        raise RewriteFailed(failed[0].reason)
+    rewritten = {r.collective for r in records if r.status == "rewritten"}
+    return [p for p in pairs if p.collective.name in rewritten], skips + gone
 
 
 class GraphCapture:

@@ -1,6 +1,6 @@
 """Rewrites that change nothing but the graph's form, run before matching: so that code a user
 writes in other words than DTensor's (an explicit wait, a gather into a list) still shows its
-pairs to the matcher (:mod:`..passes.match`)."""
+pairs to the matchers (:mod:`..passes.find`)."""
 from __future__ import annotations
 
 import operator

@@ -95,6 +95,9 @@ class Pair(ABC):
     group_name: str
     group_size: int
     dtype: torch.dtype      # what the collective moves
+    # Every node the match looked at (the collective, the nodes between it and the matmuls, their
+    # users): a rewrite of another pair that touches one of them changes what this match saw.
+    footprint: frozenset[fx.Node] = field(default=frozenset(), repr=False, compare=False)
 
     @property
     @abstractmethod

@@ -7,11 +7,20 @@ scale per row.  Every such step computes row r of its output from row r of its i
 a part of the gathered rows can be quantized and multiplied on its own, with its own scales,
 as soon as it arrives.  A step that mixes rows (a tensorwise amax of the whole gathered tensor)
 ends the region: nothing after it can start before every part has arrived.
+
+A float8 tensor gathered as its bytes (``all_gather(xq.view(torch.uint8))`` then
+``.view(torch.float8_e4m3fn)``: gloo has no float8 collectives, and Transformer Engine keeps
+float8 data in uint8 tensors) is row-local too: a view that reinterprets the dtype keeps every
+row's bytes in that row.
+
+Everything here looks only at the region and its edge: a pass matches many pairs per graph, and a
+walk to the end of the graph per pair would make the pass quadratic in the model's depth.
 """
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -29,22 +38,56 @@ _ROW_REDUCTIONS = (aten.amax.default,)
 
 @dataclass
 class RowRegion:
-    """The row-local nodes computed from ``logical`` (itself included), and everything computed
-    from it at all (``downstream``), which is what an operand must not be to count as independent."""
+    """The row-local nodes computed from ``logical`` (itself included).
+
+    Whether an operand is computed from the gathered rows is answered by a walk back from it that
+    stops at nodes placed before ``logical`` (FX keeps every node's place in the graph as a sort
+    key: comparing two nodes costs nothing), remembered across questions."""
 
     logical: fx.Node
     rows: int
     nodes: set[fx.Node]
-    downstream: set[fx.Node]
+    _from_rows: dict[fx.Node, bool] = field(default_factory=dict, repr=False)
+
+    def computed_from_rows(self, node: object) -> bool:
+        """Whether ``node`` is computed (through any path) from the gathered rows."""
+        if not isinstance(node, fx.Node):
+            return False
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in self._from_rows:
+                stack.pop()
+                continue
+            if n is self.logical or n in self.nodes:
+                self._from_rows[n] = True
+                stack.pop()
+                continue
+            if n < self.logical:
+                self._from_rows[n] = False
+                stack.pop()
+                continue
+            todo = [a for a in n.all_input_nodes if a not in self._from_rows]
+            if todo:
+                stack.extend(todo)
+                continue
+            self._from_rows[n] = any(self._from_rows[a] for a in n.all_input_nodes)
+            stack.pop()
+        return self._from_rows[node]
 
     def independent(self, node: object) -> bool:
         """Computed without the gathered rows (a weight, a scale from before the gather)."""
-        return not isinstance(node, fx.Node) or node not in self.downstream
+        return not self.computed_from_rows(node)
 
     def row_aligned(self, node: object) -> bool:
         """A tensor with one row per gathered row: [rows, c] after flattening its leading dims."""
         shape = shape_of(node) if isinstance(node, fx.Node) else None
         return shape is not None and len(shape) >= 2 and math.prod(shape[:-1]) == self.rows
+
+    @staticmethod
+    def in_order(nodes: object) -> list[fx.Node]:
+        """``nodes`` in graph order."""
+        return sorted(nodes)
 
     def ancestors_in_region(self, *targets: object) -> tuple[fx.Node, ...]:
         """The region's nodes that ``targets`` are computed from (graph order, ``logical`` excluded)."""
@@ -56,24 +99,31 @@ class RowRegion:
                 continue
             seen.add(node)
             stack.extend(a for a in node.all_input_nodes if a in self.nodes)
-        order = {n: i for i, n in enumerate(self.logical.graph.nodes)}
-        return tuple(sorted(seen, key=order.__getitem__))
+        return tuple(self.in_order(seen))
+
+    def edge(self) -> list[fx.Node]:
+        """The users of the region's nodes that are not in it, in graph order."""
+        return self.in_order({u for n in self.nodes for u in n.users if u not in self.nodes})
 
 
 def row_region(logical: fx.Node, rows: int) -> RowRegion:
-    """Walk the graph once, in order, from ``logical``: a node joins the region when it is row-local
-    in its region inputs and its other tensor inputs are independent of the gathered rows."""
-    region = RowRegion(logical, rows, {logical}, {logical})
-    started = False
-    for node in logical.graph.nodes:
-        if node is logical:
-            started = True
+    """Grow the region from ``logical`` through its users, in graph order: a node joins when it is
+    row-local in its region inputs and its other tensor inputs are independent of the gathered
+    rows.  (Graph order makes every region input of a node decided before the node is.)"""
+    region = RowRegion(logical, rows, {logical})
+    heap = list(logical.users)
+    heapq.heapify(heap)
+    seen: set[fx.Node] = set()
+    while heap:
+        node = heapq.heappop(heap)
+        if node in seen:
             continue
-        if not started or not any(a in region.downstream for a in node.all_input_nodes):
-            continue
-        region.downstream.add(node)
+        seen.add(node)
         if _row_local(node, region):
             region.nodes.add(node)
+            for user in node.users:
+                if user not in seen:
+                    heapq.heappush(heap, user)
     return region
 
 
@@ -89,6 +139,8 @@ def _row_local(node: fx.Node, region: RowRegion) -> bool:
         dims = [dims] if isinstance(dims, int) else list(dims)
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         return src in region.nodes and keepdim and [d % len(shape) for d in dims] == [len(shape) - 1]
+    if node.target is aten.view.dtype:
+        return src in region.nodes and _keeps_rows_as_bytes(src, node)
     if is_reshape(node):
         return src in region.nodes and shape_of(src)[-1] == shape[-1]
     if node.target in _CASTS or torch.Tag.pointwise in getattr(node.target, "tags", ()):
@@ -97,10 +149,21 @@ def _row_local(node: fx.Node, region: RowRegion) -> bool:
     return False
 
 
+def _keeps_rows_as_bytes(src: fx.Node, view: fx.Node) -> bool:
+    """``view`` reinterprets ``src``'s bytes as another dtype: the same element size keeps the
+    shape; another size scales the last dim only (each row's bytes stay in that row)."""
+    before, after = shape_of(src), shape_of(view)
+    if before is None or after is None or len(before) != len(after) or before[:-1] != after[:-1]:
+        return False
+    size_in = src.meta["val"].dtype.itemsize
+    size_out = view.meta["val"].dtype.itemsize
+    return before[-1] * size_in == after[-1] * size_out
+
+
 def _broadcasts_over_rows(node: fx.Node, shape: tuple[int, ...], region: RowRegion) -> bool:
     """An independent operand that broadcasts over the rows ([..1, c]) or has the node's rows."""
     other = shape_of(node)
-    if not region.independent(node) or other is None:
+    if other is None or not region.independent(node):
         return False
     lead = other[:-1] if other else ()
     return all(d == 1 for d in lead) or (len(other) == len(shape) and tuple(lead) == tuple(shape[:-1]))

@@ -1,4 +1,6 @@
-"""InterDecom: rewrite one pair into a pipeline of ``parts`` smaller collectives and matmuls.
+"""InterDecom: rewrite one pair into a pipeline of ``parts`` smaller collectives and matmuls, one
+function per pair kind (:func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce`), each
+building with a ``NodeBuilder`` inside ``lowering.transaction``.
 
 Consumer side (all_gather_matmul): the gather of part i+1 is issued before the matmul of part i,
 and each wait sits just before its first use.  Producer side (matmul_reduce_scatter,
@@ -14,11 +16,11 @@ import math
 import torch
 import torch.fx as fx
 
-from ..graph.pairs import BatchedWeight, GatherPair, Pair, ReducePair, mm_operands
+from ..graph.pairs import BatchedWeight, GatherPair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from ..groups import backend_for
 from . import blocking_gather  # noqa: F401 - defines compass::all_gather_blocking
-from .graph_edit import NodeBuilder, finish_rewrite
+from .graph_edit import NodeBuilder
 from .replay import RowReplay
 from .row_blocks import block_matmul, matmul_into_rows, part_row_blocks, result_buffer
 from .rows import interleave, interleave_rows, select_rows
@@ -26,19 +28,6 @@ from .rows import interleave, interleave_rows, select_rows
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 prims = torch.ops.prims
-
-
-def decompose(gm: fx.GraphModule, pair: Pair, parts: int) -> None:
-    """Rewrite ``pair`` in place into ``parts`` pipelined parts (go through
-    :func:`compass_fx.lowering.rewrite`, which checks ``parts`` and restores the graph on failure)."""
-    b = NodeBuilder(gm.graph, pair.collective)
-    if isinstance(pair, GatherPair):
-        _all_gather(b, pair, parts)
-    elif pair.all_reduce:
-        _all_reduce(b, pair, parts)
-    else:
-        _reduce_scatter(b, pair, parts)
-    finish_rewrite(gm, b.created, (pair.wait, pair.collective))
 
 
 def _matmul_like(b: NodeBuilder, mm: fx.Node, rows: fx.Node, weight: fx.Node | None = None) -> fx.Node:
@@ -68,7 +57,7 @@ def scaled_mm_like(b: NodeBuilder, mm: fx.Node, a: fx.Node, mat2: fx.Node | None
     return b.call(aten._scaled_mm.default, *args, **kwargs)
 
 
-def shared_float8_b(mat2: fx.Node) -> fx.Node:
+def shared_float8_b(b: NodeBuilder, mat2: fx.Node) -> fx.Node:
     """The B of a float8 GEMM that the parts now share, marked so that Inductor keeps its strides.
 
     A float8 GEMM wants B column-major, and Inductor checks that.  With one user, B's layout
@@ -77,7 +66,7 @@ def shared_float8_b(mat2: fx.Node) -> fx.Node:
     makes it realize B, and the views between B and what computes it, with the traced strides."""
     node = mat2
     while isinstance(node, fx.Node) and node.op == "call_function":
-        node.meta["inductor_realize_to_strides"] = True
+        b.mark(node, "inductor_realize_to_strides")
         if node.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             break
         node = node.args[0]
@@ -141,7 +130,8 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
     return cache[casts]
 
 
-def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
+def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
+    """all_gather -> matmul in ``parts`` parts: part i+1's gather is issued before part i's matmuls."""
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     shard, shard_shape = pair.shard, shape_of(pair.shard)
     if len(shard_shape) != len(layout.shape):  # the layout took each rank's slab as rows
@@ -149,7 +139,7 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         shard = b.view(b.contiguous(shard), shard_shape)
     c = shard_shape[g] // parts
     flat = [layout.rows // parts, layout.shape[-1]]
-    weights = [shared_float8_b(mm_operands(rc.mm)[1]) if rc.mm.target is aten._scaled_mm.default
+    weights = [shared_float8_b(b, mm_operands(rc.mm)[1]) if rc.mm.target is aten._scaled_mm.default
                else batched_weight_2d(b, rc.weight) for rc in pair.row_consumers]
 
     # a float8 weight gradient's B is column-major: its rows are cut from one row-major copy
@@ -213,14 +203,14 @@ def _all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         out = whole if whole is not None else interleave_rows(b, outs, layout)
         if rc.mm.target is aten.bmm.default:
             out = b.view(out, list(shape_of(rc.mm)))
-        rc.mm.replace_all_uses_with(out)
+        b.replace(rc.mm, out)
     for cc, total in zip(pair.contraction_consumers, sums):
         if cc.mm.target is aten._scaled_mm.default:  # float32 sum of the parts, then the output dtype
             total = b.call(prims.convert_element_type.default, total, cc.mm.meta["val"].dtype)
-        cc.mm.replace_all_uses_with(total)
+        b.replace(cc.mm, total)
     if pair.whole_tensor_uses:
         full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
-        pair.logical.replace_all_uses_with(full)
+        b.replace(pair.logical, full)
 
 
 def gathers_blocking(pair: GatherPair) -> bool:
@@ -249,7 +239,7 @@ class _PartValues:
     def __init__(self, b: NodeBuilder, pair: ReducePair, parts: int) -> None:
         self.b, self.pair, self.parts = b, pair, parts
         self.weights = {t: batched_weight_2d(b, w) for t, w in pair.batched_weights.items()}
-        self.weights.update({t: shared_float8_b(mm_operands(t)[1]) for t in pair.terms
+        self.weights.update({t: shared_float8_b(b, mm_operands(t)[1]) for t in pair.terms
                              if t.target is aten._scaled_mm.default})
         self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
 
@@ -319,10 +309,11 @@ class _PartValues:
 def _rebuild_shared_partial_sums(values: _PartValues) -> None:
     """Nodes of the sum that other nodes use too get their whole value back from the parts."""
     for node in values.pair.shared_partial_sums:
-        node.replace_all_uses_with(values.whole(node))
+        values.b.replace(node, values.whole(node))
 
 
-def _reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
+def reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
+    """matmul -> reduce_scatter in ``parts`` parts: part i's collective is issued after its matmuls."""
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     c = layout.local_extent // parts
     part_shape = list(layout.shape)
@@ -340,10 +331,11 @@ def _reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
     if pair.scatter_perm is not None:
         out = b.call(aten.permute.default, out, list(pair.scatter_perm))
     _rebuild_shared_partial_sums(values)
-    pair.wait.replace_all_uses_with(out)
+    b.replace(pair.wait, out)
 
 
-def _all_reduce(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
+def all_reduce(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
+    """matmul -> all_reduce in ``parts`` parts, each a run of the rows every rank keeps."""
     values = _PartValues(b, pair, parts)
     pending = [b.call(c10d.all_reduce.default, values.value(pair.reduced, i), pair.reduce_op,
                       pair.group_name) for i in range(parts)]
@@ -351,4 +343,4 @@ def _all_reduce(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
     if len(pair.layout.shape) != 2:
         out = b.view(out, list(pair.layout.shape))
     _rebuild_shared_partial_sums(values)
-    pair.wait.replace_all_uses_with(out)
+    b.replace(pair.wait, out)

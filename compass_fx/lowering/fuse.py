@@ -14,73 +14,77 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..cost.decision import Decision
 from ..graph.pairs import GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
-from .graph_edit import NodeBuilder, RewriteFailed, finish_rewrite, stable_toposort
+from .graph_edit import NodeBuilder, RewriteFailed, stable_toposort
 
 aten = torch.ops.aten
 log = logging.getLogger("compass_fx")
 
 
-def lower(gm: fx.GraphModule, pair: Pair, decision: Decision, asynchronous: bool = False) -> None:
-    """Rewrite ``pair`` into a fused call, or raise ``RewriteFailed``.  Called through
-    :func:`compass_fx.lowering.rewrite`, which has already turned down a pair :func:`unsupported`
-    names, restores the graph on failure, and asks for ``asynchronous`` on reductions only.
+def all_gather(b: NodeBuilder, pair: GatherPair, schedule: str) -> None:
+    """all_gather -> matmul as one call of ``compass.all_gather_matmul``."""
+    _build(b, _all_gather, pair, schedule, False)
 
-    ``asynchronous`` (reduce-scatter and all-reduce pairs): the ``*_start`` form of the operator,
-    moved up to just after its inputs, and a ``wait_tensor`` on its result just before the first
-    use, so that the work between them (a weight gradient beside an input gradient's all-reduce)
-    runs while the pieces travel."""
+
+def reduce_scatter(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronous: bool = False) -> None:
+    """matmul -> reduce_scatter as one call of ``compass.matmul_reduce_scatter`` (its ``*_start`` form
+    and a wait when ``asynchronous``: :func:`spread` then moves them apart)."""
+    _build(b, _reduce_scatter, pair, schedule, asynchronous)
+
+
+def all_reduce(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronous: bool = False) -> None:
+    """matmul -> all_reduce as one call of ``compass.matmul_all_reduce`` (``asynchronous``: as above)."""
+    _build(b, _all_reduce, pair, schedule, asynchronous)
+
+
+def _build(b: NodeBuilder, build, pair: Pair, schedule: str, asynchronous: bool) -> None:
     import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
 
-    described = pair.describe()  # the pair's nodes are gone once it is rewritten
-    b = NodeBuilder(gm.graph, pair.collective)
-    if isinstance(pair, GatherPair):
-        build = _all_gather
-    else:
-        build = _all_reduce if pair.all_reduce else _reduce_scatter
     try:
-        replacements = build(b, pair, decision.schedule or "ring", asynchronous)
+        replacements = build(b, pair, schedule, asynchronous)
     except Exception as e:  # noqa: BLE001 - metadata refused the rewrite: the transaction undoes it
         raise RewriteFailed(f"fused rewrite not applicable: {e}") from e
     for old, new in replacements:
-        old.replace_all_uses_with(new)
-    finish_rewrite(gm, b.created, (pair.wait, pair.collective))
-    if asynchronous:
-        try:
-            _spread(gm.graph, b.created)
-        except Exception as e:  # noqa: BLE001 - the call is correct wherever it sits; only overlap is lost
-            stable_toposort(gm.graph)
-            log.warning("compass_fx: asynchronous fused call of %s left where it was: %s", described, e)
+        b.replace(old, new)
 
 
+def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> None:
+    """Give an asynchronous fused call (the nodes ``created`` by its rewrite, in a graph sorted since)
+    its overlap; if that fails, the call stays where the rewrite put it (it is correct there: only
+    the overlap is lost) and the reason is logged."""
+    try:
+        _spread(graph, created)
+    except Exception as e:  # noqa: BLE001 - the call is correct wherever it sits; only overlap is lost
+        stable_toposort(graph)  # in case a move was half done (see _spread: it should not be)
+        log.warning("compass_fx: asynchronous fused call of %s left where it was: %s", described, e)
 
 
 def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
     """Move the start of an asynchronous call (with the nodes that prepare its operands) up to
     just after the last of its inputs, and its wait (with the views of the result) down to just
-    before the first node that reads the result.  Every rank moves the same nodes the same way."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    alive = [n for n in created if n.graph is graph and n in order]
+    before the first node that reads the result.  Every rank moves the same nodes the same way.
+
+    Both places are found before anything moves, by comparing the few nodes involved (FX keeps
+    every node's place as a sort key), so a failure leaves the graph as it was."""
+    alive = [n for n in created if not n._erased and n.graph is graph]
     starts = (torch.ops.compass.matmul_reduce_scatter_start.default, torch.ops.compass.matmul_all_reduce_start.default)
     start = next(n for n in alive if n.target in starts)
     wait = next(iter(start.users))
     feeding = _upstream(start, set(alive))
     outside = {i for n in feeding for i in n.all_input_nodes if i not in feeding}
-    after = max(outside, key=order.__getitem__)
+    after = max(outside)
     if after.op == "placeholder":
-        after = max((n for n in graph.nodes if n.op == "placeholder"), key=order.__getitem__)
-    for node in sorted(feeding, key=order.__getitem__):
-        after.append(node)
-        after = node
+        after = max(graph.find_nodes(op="placeholder", sort=False))
     result = _downstream(wait, set(alive))
     readers = [u for n in result for u in n.users if u not in result]
-    first = min(readers, key=lambda n: order[n]) if readers else None
+    first = min(readers) if readers else None
+    for node in sorted(feeding):
+        after.append(node)
+        after = node
     if first is not None:
-        for node in sorted(result, key=order.__getitem__):
+        for node in sorted(result):
             first.prepend(node)
-    graph.lint()
 
 
 def _upstream(node: fx.Node, among: set[fx.Node]) -> set[fx.Node]:
@@ -101,23 +105,6 @@ def _reachable(node: fx.Node, among: set[fx.Node], step) -> set[fx.Node]:
             out.add(n)
             todo += [m for m in step(n) if m in among]
     return out
-
-
-def unsupported(pair: Pair) -> str:
-    """Why the fused operators cannot take ``pair`` ("" when they can): checked before anything
-    is built, so a refused pair costs no copy of the graph."""
-    if not pair.is_plain_dtensor_shape:  # bmm form, casts, float8, shared partial sums: decompose only
-        return ("the pair has wild-graph details (bmm form, casts, float8 _scaled_mm, extra uses or a permuted "
-                "scatter); the fused operators are not offered for it")
-    if isinstance(pair, ReducePair):
-        if pair.reduce_op != "sum":
-            return f"the fused operators reduce with 'sum', this pair with {pair.reduce_op!r}"
-        if any(t.target is aten.addmm.default for t in pair.terms):
-            return "a bias added inside the reduction differs per rank; the fused GEMM has no bias"
-        dtypes = {mm_operands(t)[0].meta["val"].dtype for t in pair.terms}
-        if len(dtypes) != 1:
-            return "the reduced matmuls differ in dtype"
-    return ""
 
 
 def _local_shape(pair: Pair) -> list[int]:

@@ -1,38 +1,54 @@
 """Small, careful FX editing helpers shared by every rewrite.
 
-New nodes get a ``meta["val"]`` computed under the graph's own fake mode, so that the inner
-compiler (Inductor) sees the same metadata it would get from tracing.  Blocks are inserted before
-an anchor and the graph is then re-sorted stably, so that an operand defined after the anchor
-(a weight permuted late in a backward graph) never breaks the graph.
+A rewrite is built, then committed: the new nodes are inserted before an anchor (with a
+``meta["val"]`` computed under the graph's own fake mode, so that the inner compiler sees the same
+metadata it would get from tracing), and the uses of the nodes they replace, and any mark on an
+existing node, are only recorded.  ``commit`` applies them; ``rollback`` erases the new nodes,
+which nothing else uses yet.  So a rewrite that fails half-way leaves the graph as it was without
+a copy of the graph, and the cost of a rewrite is that of the nodes it adds.
+
+Operands defined after the anchor (a weight permuted late in a backward graph) leave the graph out
+of order until ``stable_toposort`` runs, once per graph after every rewrite.
 """
 from __future__ import annotations
 
 import heapq
+import operator
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_map
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_dense
+from torch.fx.node import map_arg
+
+from ..graph.nodes import PART_MARK
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-from ..graph.nodes import PART_MARK
 
 
 class RewriteFailed(RuntimeError):
     """A rewrite could not be applied; the graph is exactly as it was before it started."""
 
 
-class NodeBuilder:
-    """Creates nodes before ``anchor`` in ``graph`` and fills in their fake-tensor metadata."""
+def graph_fake_mode(graph: fx.Graph) -> Any:
+    """The fake mode the graph's metadata was traced under (None without one): one walk per graph."""
+    return detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
 
-    def __init__(self, graph: fx.Graph, anchor: fx.Node) -> None:
+
+class NodeBuilder:
+    """Creates nodes before ``anchor`` in ``graph``, fills in their fake-tensor metadata, and
+    records what the rewrite replaces, for ``commit`` (or ``rollback``)."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node, fake_mode: Any = None) -> None:
         self.graph = graph
         self.anchor = anchor
         self.created: list[fx.Node] = []
-        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if "val" in n.meta])
+        self.replacements: list[tuple[fx.Node, fx.Node]] = []
+        self.marks: list[tuple[fx.Node, str, Any]] = []
+        self.fake_mode = fake_mode
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -41,16 +57,47 @@ class NodeBuilder:
         self._infer_meta(node)
         return node
 
-    def _infer_meta(self, node: fx.Node) -> None:
-        def val(a: Any) -> Any:
-            return a.meta["val"] if isinstance(a, fx.Node) else a
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        """At commit, every use of ``old`` becomes a use of ``new``."""
+        self.replacements.append((old, new))
 
-        args = tree_map(val, node.args)
-        kwargs = tree_map(val, node.kwargs)
+    def mark(self, node: fx.Node, key: str, value: Any = True) -> None:
+        """At commit, ``node.meta[key] = value`` (a node of the graph the rewrite must not touch yet)."""
+        self.marks.append((node, key, value))
+
+    def commit(self) -> None:
+        """Apply the recorded marks and replacements; the new nodes are marked as a rewrite's own."""
+        _check_no_cycle(self.created, self.replacements)
+        for node, key, value in self.marks:
+            node.meta[key] = value
+        for old, new in self.replacements:
+            old.replace_all_uses_with(new)
+        for node in self.created:
+            node.meta[PART_MARK] = True
+
+    def rollback(self) -> None:
+        """Erase every node this builder created (nothing outside them uses them before commit)."""
+        for node in reversed(self.created):  # a new node's users are newer ones, erased before it
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def _infer_meta(self, node: fx.Node) -> None:
         if self.fake_mode is None:
             return
-        with self.fake_mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+        args = map_arg(node.args, _val)  # FX's own map: a fraction of pytree's cost, paid per new node
+        kwargs = map_arg(node.kwargs, _val)
+        if node.target is operator.getitem:  # a piece of a tuple or list of values: no tensor op
+            node.meta["val"] = operator.getitem(*args)
+        elif isinstance(node.target, torch._ops.OpOverload) and hasattr(self.fake_mode, "dispatch"):
+            # what the fake mode's __torch_dispatch__ does with the op, without entering the mode and
+            # going through the dispatcher to get there (a third of the cost of a new node's metadata)
+            node.meta["val"] = self.fake_mode.dispatch(node.target, _FAKE_TYPES, args, kwargs)
+        else:
+            with self.fake_mode:
+                if node.target is auto_functionalized:  # its fake implementation, less the higher-order op's dispatch
+                    node.meta["val"] = auto_functionalized_dense(*args, _only_clone_these_tensors=None, **kwargs)
+                else:
+                    node.meta["val"] = node.target(*args, **kwargs)
 
     # Shorthands for the few ops the rewrites use.
     def view(self, x: fx.Node, shape: Iterable[int]) -> fx.Node:
@@ -69,13 +116,58 @@ class NodeBuilder:
         return self.call(aten.add.Tensor, a, b)
 
     def split(self, x: fx.Node, size: int, dim: int, pieces: int) -> list[fx.Node]:
-        import operator
-
         s = self.call(aten.split.Tensor, x, size, dim)
         return [self.call(operator.getitem, s, j) for j in range(pieces)]
 
     def wait(self, x: fx.Node) -> fx.Node:
         return self.call(c10d.wait_tensor.default, x)
+
+
+_FAKE_TYPES = (FakeTensor,)
+
+
+def _val(node: fx.Node) -> Any:
+    return node.meta["val"]
+
+
+def _check_no_cycle(created: list[fx.Node], replacements: list[tuple[fx.Node, fx.Node]]) -> None:
+    """A new node that uses a replaced node and also feeds its replacement would, once the uses
+    are swapped, feed itself: refuse before anything is touched (looks at the new nodes only)."""
+    made = set(created)
+    for old, new in replacements:
+        readers = {u for u in old.users if u in made}
+        if not readers:
+            continue
+        stack, seen = [new], set()
+        while stack:
+            node = stack.pop()
+            if node in readers:
+                raise RewriteFailed(f"the replacement of {old.name} would feed itself through {node.name}")
+            if node in seen or node not in made:
+                continue
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+
+
+def erase_unused(graph: fx.Graph, candidates: Iterable[fx.Node], retired: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """Dead-code elimination from ``candidates`` only: erase those without users (and, in turn,
+    their inputs left without users), as ``graph.eliminate_dead_code`` would, plus the ``retired``
+    nodes FX keeps as impure (a replaced ``wait_tensor``) once nothing uses them.  Returns the
+    erased nodes; costs what it erases, not the graph."""
+    retired = set(retired)
+    stack = list(candidates) + list(retired)
+    erased: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node._erased or node.users or node.op in ("placeholder", "output"):
+            continue
+        if node not in retired and node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        stack.extend(inputs)
+    return erased
 
 
 def stable_toposort(graph: fx.Graph) -> None:
@@ -107,21 +199,3 @@ def stable_toposort(graph: fx.Graph) -> None:
     for node in order[1:]:
         prev.append(node)
         prev = node
-
-
-def finish_rewrite(gm: fx.GraphModule, created: Iterable[fx.Node], retired: Iterable[fx.Node]) -> None:
-    """Close a rewrite: mark its nodes, re-sort, and remove what it replaced.
-
-    Operands defined after the insertion point (weights permuted late) force a stable re-sort.
-    Then the replaced matmuls, views and the original collective are dead; collectives are not
-    side-effectful in FX, so dead-code elimination removes them and the old communication never
-    runs, except ``wait_tensor``, which FX keeps (impure): ``retired`` nodes are dropped by hand.
-    """
-    for node in created:
-        node.meta[PART_MARK] = True
-    stable_toposort(gm.graph)
-    gm.graph.eliminate_dead_code()
-    for node in retired:
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# uint8 / int8: what a collective moves when it gathers float8 data as its bytes (gloo has no float8
+# collectives; Transformer Engine keeps float8 data in uint8 tensors); the GEMMs then run in float8.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+               "uint8": 1, "int8": 1}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn"}
 

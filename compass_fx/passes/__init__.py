@@ -1,6 +1,7 @@
-"""FX analysis: find matmul<->collective pairs, decide, and drive their rewrite."""
-from .match import find_pairs
+"""FX analysis: find matmul<->collective pairs (one module per pair kind: its matching, the
+strategies its lowering takes and the surgery for each), decide, and agree across ranks.  The pass
+that drives them over a graph is ``compass_fx.graph_pass``."""
 from ..graph.pairs import GatherPair, Pair, ReducePair, RowLayout
-from .run import compass_pass
+from .find import KINDS, find_pairs
 
-__all__ = ["GatherPair", "Pair", "ReducePair", "RowLayout", "compass_pass", "find_pairs"]
+__all__ = ["GatherPair", "KINDS", "Pair", "ReducePair", "RowLayout", "find_pairs"]

@@ -1,11 +1,12 @@
-"""Make every rank of a group take the same decision for a pair, or fail clearly.
+"""Make every rank of a group take the same decisions for a graph's pairs, or fail clearly.
 
 Ranks can see different local information (a calibration file or a cost hook on one rank only,
 a different measured number): if each rewrote its graph on its own, the ranks would issue
 different collectives and hang.  So the group's first rank decides; the others adopt its
-decision through the default c10d store, check that they matched the same pair, and
-acknowledge.  A pair that differs between ranks, or a rank that never arrives within the
-store's timeout, raises ``RankDisagreement`` on every rank instead of hanging.
+decisions through the default c10d store, check that they matched the same pairs, and
+acknowledge: one round trip per graph and group, however many pairs the graph has.  A pair that
+differs between ranks, or a rank that never arrives within the store's timeout, raises
+``RankDisagreement`` on every rank instead of hanging.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import logging
 from collections import defaultdict
+from typing import Sequence
 
 import torch.distributed as dist
 
@@ -29,58 +31,85 @@ class RankDisagreement(RuntimeError):
     """The ranks of a group cannot agree on a pair (different graphs, or a rank missing)."""
 
 
-def agree(pair: Pair, local: Decision) -> Decision:
-    """The decision of the group's first rank for ``pair`` (``local`` there), the same on every rank."""
-    group = _group(pair.group_name)
+def agree(pairs: Sequence[Pair], local: Sequence[Decision]) -> list[Decision]:
+    """The decisions of each group's first rank for ``pairs`` (``local`` there), the same on every
+    rank: one store round trip per process group of the graph, whatever its number of pairs."""
+    agreed = list(local)
+    by_group: dict[str, list[int]] = {}
+    for i, pair in enumerate(pairs):
+        by_group.setdefault(pair.group_name, []).append(i)
+    for name, idx in by_group.items():  # in the order of the groups' first pairs: the same on every rank
+        for i, decision in zip(idx, _agree_group(name, [pairs[i] for i in idx], [local[i] for i in idx])):
+            agreed[i] = decision
+    return agreed
+
+
+def _agree_group(name: str, pairs: list[Pair], local: list[Decision]) -> list[Decision]:
+    group = _group(name)
     if group is None:
         return local
     ranks = dist.get_process_group_ranks(group)
     me, leader = dist.get_rank(), ranks[0]
+    what = _what(pairs)
     store = default_store()
     if store is None:
-        raise RankDisagreement(f"compass_fx: {pair.describe()}: no key-value store to agree through "
+        raise RankDisagreement(f"compass_fx: {what}: no key-value store to agree through "
                                "(torch.distributed's default group has none)")
-    _calls[pair.group_name] += 1
-    key = f"compass_fx/agree/{pair.group_name}/{_calls[pair.group_name]}"
-    mine = {"pair": pair.describe(), "graph": pair.graph_name, "strategy": local.strategy,
-            "parts": local.parts, "schedule": local.schedule}
+    _calls[name] += 1
+    key = f"compass_fx/agree/{name}/{_calls[name]}"
+    mine = [{"pair": p.describe(), "graph": p.graph_name, "strategy": d.strategy, "parts": d.parts,
+             "schedule": d.schedule} for p, d in zip(pairs, local)]
     if me == leader:
-        publish(store, key, mine)
-        problems = [_get(store, f"{key}/ack/{r}", pair, r) for r in ranks[1:]]
+        publish(store, key, {"pairs": mine})
+        problems = [_get(store, f"{key}/ack/{r}", what, r) for r in ranks[1:]]
         problems = [p for p in problems if p != "ok"]
         if problems:
-            raise RankDisagreement(f"compass_fx: ranks disagree on {pair.describe()}: {problems[0]}")
+            raise RankDisagreement(f"compass_fx: ranks disagree on {what}: {problems[0]}")
         return local
-    theirs = json.loads(_get(store, key, pair, leader))
-    problem = _mismatch(pair, mine, theirs)
+    theirs = json.loads(_get(store, key, what, leader))["pairs"]
+    problem = _mismatch(pairs, mine, theirs)
     store.set(f"{key}/ack/{me}", problem or "ok")
     if problem:
-        raise RankDisagreement(f"compass_fx: ranks disagree on {pair.describe()}: {problem}")
+        raise RankDisagreement(f"compass_fx: ranks disagree on {what}: {problem}")
+    return [_adopt(pair, decision, their, leader) for pair, decision, their in zip(pairs, local, theirs)]
+
+
+def _adopt(pair: Pair, local: Decision, theirs: dict, leader: int) -> Decision:
     if (theirs["strategy"], theirs["parts"], theirs["schedule"]) == (local.strategy, local.parts, local.schedule):
         return local
-    log.info("compass_fx: rank %d adopts rank %d's decision for %s: %s (its own: %s)", me, leader,
+    log.info("compass_fx: rank %d adopts rank %d's decision for %s: %s (its own: %s)", dist.get_rank(), leader,
              pair.describe(), theirs["strategy"], local.label)
     return dataclasses.replace(local, strategy=theirs["strategy"], parts=theirs["parts"],
                                schedule=theirs["schedule"],
                                reason=f"agreed with rank {leader} (local choice was {local.label})")
 
 
-def _mismatch(pair: Pair, mine: dict, theirs: dict) -> str | None:
-    if (theirs["pair"], theirs["graph"]) != (mine["pair"], mine["graph"]):
-        return (f"rank {dist.get_rank()} matched {mine['graph']} {mine['pair']} where the group's first "
-                f"rank matched {theirs['graph']} {theirs['pair']} (graphs differ between ranks)")
-    if theirs["strategy"] == "decompose" and theirs["parts"] not in pair.feasible_parts():
-        return f"parts={theirs['parts']} chosen by the first rank does not divide this rank's pair"
+def _what(pairs: list[Pair]) -> str:
+    """The pairs agreed on at once, named for an error: the first one and how many."""
+    more = f" and {len(pairs) - 1} more" if len(pairs) > 1 else ""
+    return f"{pairs[0].graph_name} pairs {pairs[0].describe()}{more}"
+
+
+def _mismatch(pairs: list[Pair], mine: list[dict], theirs: list[dict]) -> str | None:
+    for pair, m, t in zip(pairs, mine, theirs):
+        if (t["pair"], t["graph"]) != (m["pair"], m["graph"]):
+            return (f"rank {dist.get_rank()} matched {m['graph']} {m['pair']} where the group's first "
+                    f"rank matched {t['graph']} {t['pair']} (graphs differ between ranks)")
+        if t["strategy"] == "decompose" and t["parts"] not in pair.feasible_parts():
+            return f"parts={t['parts']} chosen by the first rank does not divide this rank's pair {m['pair']}"
+    if len(mine) != len(theirs):
+        return (f"rank {dist.get_rank()} matched {len(mine)} pairs where the group's first rank matched "
+                f"{len(theirs)} (graphs differ between ranks)")
     return None
 
 
-def _get(store: dist.Store, key: str, pair: Pair, rank: int) -> str:
+def _get(store: dist.Store, key: str, what: str, rank: int) -> str:
     try:
         return store.get(key).decode()
-    except Exception as e:  # noqa: BLE001 - a store timeout; name the pair and the rank
+    except Exception as e:  # noqa: BLE001 - a store timeout; name the pairs and the rank
         raise RankDisagreement(
-            f"compass_fx: rank {rank} did not reach {pair.graph_name} pair {pair.describe()} within the "
-            f"store timeout (do all ranks compile the same graphs?): {e}") from None
+            f"compass_fx: rank {rank} did not reach {what} within the store timeout (do all ranks "
+            f"compile the same graphs?): {e}") from None
 
 
 def _group(name: str) -> dist.ProcessGroup | None:

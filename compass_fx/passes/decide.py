@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping
 
 from ..cost.decision import Decision
 from ..cost.select import fuses_by_default, select
@@ -11,14 +12,24 @@ from ..graph.pairs import Pair
 
 
 class Infeasible(Exception):
-    """The options ask for something this pair's shape cannot take; the pair stays as it is."""
+    """The options ask for something this pair cannot take; the pair stays as it is.  ``decision``:
+    what the options asked for, when the pair's kind refuses it (the report shows it skipped)."""
+
+    def __init__(self, reason: str, decision: Decision | None = None) -> None:
+        super().__init__(reason)
+        self.decision = decision
 
 
-def decide(pair: Pair, options: CompassOptions, topology: object | None = None) -> Decision:
-    """The strategy for ``pair``: forced by options, or chosen by ``cost.select``.
+def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
+           refused: Mapping[str, str] | None = None) -> Decision:
+    """The strategy for ``pair``: forced by options, or chosen by ``cost.select`` among the
+    strategies its lowering can take.
 
-    A forced part count that the pair's shape cannot take raises ``Infeasible`` with the reason.
+    ``refused`` maps a strategy ("decompose", "fuse") to why the pair's kind cannot lower it: such a
+    strategy is never priced, so "auto" takes the best of the others (the report lists it, with why).
+    A forced strategy or part count the pair cannot take raises ``Infeasible`` with the reason.
     """
+    refused = refused or {}
     forced = options.forced(pair.group_size)
     if forced is not None:
         strategy, parts, schedule = forced
@@ -29,15 +40,25 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None) 
             # at once (and a reduce-scatter ring stalled at three ranks sharing one GPU): "direct",
             # which is also what the cost model prices there
             if schedule != "direct" and Topology.resolve(topology).host_staged(pair.group_size):
-                return Decision("fuse", schedule="direct",
-                                reason=f"forced: schedule={schedule}, run as direct: without peer access every "
-                                       "piece goes through host memory, where every peer is one hop away")
-            return Decision("fuse", schedule=schedule, reason=f"forced: schedule={schedule}")
-        if parts not in pair.feasible_parts():
+                forced_decision = Decision("fuse", schedule="direct",
+                                           reason=f"forced: schedule={schedule}, run as direct: without peer access "
+                                                  "every piece goes through host memory, where every peer is one "
+                                                  "hop away")
+            else:
+                forced_decision = Decision("fuse", schedule=schedule, reason=f"forced: schedule={schedule}")
+        elif parts not in pair.feasible_parts():
             raise Infeasible(f"chunks={parts} does not divide the split dimension (extent {pair.split_extent})")
-        return Decision("decompose", parts, reason=f"forced: chunks={parts}")
+        else:
+            forced_decision = Decision("decompose", parts, reason=f"forced: chunks={parts}")
+        if strategy in refused:
+            raise Infeasible(refused[strategy], dataclasses.replace(forced_decision, reason=refused[strategy]))
+        return forced_decision
     workload = pair.workload()
-    fused = _fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
+    if "decompose" in refused:
+        workload = dataclasses.replace(workload, feasible_parts=(1,))
+    fused = offered_fused_schedules(pair) if auto_fuse(options.auto_fuse, pair.group_size, topology) else ()
+    if "fuse" in refused:
+        fused = ()
     if options.captures_cuda_graphs():
         workload = dataclasses.replace(workload, cuda_graphs=True)
         if not _fused_calls_captured():
@@ -58,7 +79,7 @@ def auto_fuse(option: bool | None, group_size: int, topology: object | None = No
     return fuses_by_default(Topology.resolve(topology), group_size)
 
 
-def _fused_schedules(pair: Pair) -> tuple[str, ...]:
+def offered_fused_schedules(pair: Pair) -> tuple[str, ...]:
     """Fused schedules the cost model may choose for this pair: real implementations on GPUs only.
 
     On CPU the fused operators are a correct reference (point-to-point messages), not a fast path,

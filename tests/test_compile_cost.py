@@ -1,0 +1,82 @@
+"""What compiling costs grows with the graph, not with the graph times its pairs (issue 26).
+
+Counted, not timed: how many times the pass walks a graph's whole node list (FX's ``Graph.nodes``:
+dead-code elimination, a sort, a lint, a match of the whole graph, a copy of it all go through it)
+and how many times it copies a graph.  A pass that matched the graph again after every rewrite, or
+copied the graph to be able to undo one, walked it once or more per pair: the counts then grew with
+the model's depth.  Here they must be the same at 1 and 3 layers (the demo transformer with
+sequence parallelism: 9 and 25 pairs, every one decomposed).
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import compass_fx
+import compass_fx.backend as backend
+from compass_fx.demo import ModelArgs, Transformer, parallelize
+
+WORLD = 4
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield init_device_mesh("cpu", (WORLD,))
+    dist.destroy_process_group()
+
+
+def walks_per_graph(mesh, monkeypatch, layers: int, **options) -> tuple[dict[str, int], int]:
+    """Whole-graph walks and graph copies inside the pass, per graph kind; and the pairs rewritten."""
+    counts: collections.Counter = collections.Counter()
+    inside: list[str] = []
+    nodes, deepcopy = fx.Graph.nodes, fx.Graph.__deepcopy__
+
+    def counted_nodes(graph):
+        if inside:
+            counts[inside[-1]] += 1
+        return nodes.fget(graph)
+
+    def counted_copy(graph, memo=None):
+        if inside:
+            counts["copies"] += 1
+        return deepcopy(graph, memo)
+
+    real_pass = backend.compass_pass
+
+    def counted_pass(gm, kind, *args, **kwargs):
+        inside.append(kind)
+        try:
+            return real_pass(gm, kind, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(fx.Graph, "nodes", property(counted_nodes))
+    monkeypatch.setattr(fx.Graph, "__deepcopy__", counted_copy)
+    monkeypatch.setattr(backend, "compass_pass", counted_pass)
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = parallelize(Transformer(ModelArgs(n_layers=layers)), mesh, sequence_parallel=True)
+    report = compass_fx.explain(model, TOKENS, **options)
+    monkeypatch.undo()
+    return dict(counts), report.count(status="rewritten")
+
+
+@pytest.mark.parametrize("options", [{"chunks": 2}, pytest.param({"strategy": "auto"}, marks=pytest.mark.slow),
+                                     pytest.param({"strategy": "fuse", "schedule": "direct"}, marks=pytest.mark.slow)])
+def test_the_pass_walks_each_graph_a_fixed_number_of_times(mesh, monkeypatch, options):
+    small, rewritten_small = walks_per_graph(mesh, monkeypatch, 1, **options)
+    large, rewritten_large = walks_per_graph(mesh, monkeypatch, 3, **options)
+    if options.get("strategy") != "auto":  # auto on CPU may keep pairs sequential: then only the count matters
+        assert rewritten_large > rewritten_small > 0
+    assert small == large, f"whole-graph walks grow with the pairs: 1 layer {small}, 3 layers {large}"
+    assert "copies" not in large, "the pass copies the graph"
+    # dead code twice (each lints the graph), the normalizations, the fake mode, a sort, a lint, the code
+    assert all(n <= 16 for n in large.values()), large
