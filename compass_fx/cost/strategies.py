@@ -51,13 +51,10 @@ _REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.9e-6, "Reduce": 7.2e-6, "Copy": 6.3e-6, 
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
 # When the device work is shorter, the host sets the pace (a step keeps the host ahead of the GPU,
 # so a call takes the longer of the two).  Each launch costs about 1.6 times what it costs alone (the
-# closures and tensor views around it: benchmarks/results/fused_host_time/fused_host_time-h200-run{1,2}.json, two
+# closures and tensor views around it; benchmarks/results/fused_host_time/, run1 and run2, two
 # ranks sharing one H200).  The fixed work of a call besides the dispatch is fitted to the two
 # world-2 operator grids of the two-H200 machine (benchmarks/fit_model_constants.py ->
-# results/model_constants_fit/model_constants_fit-h200x2.json): the small fused calls there took 0.47-0.63 ms whatever
-# their size (host-bound; 0.27 ms in another run of the same session), and at 500 us the picks
-# with the fused operators priced lose at most 0.2% to sequential on both grids (at the 38 us the
-# one-GPU runs gave: 76% on NVLink, 32% host-staged).  An in-sample fit: the next grid tests it.
+# results/model_constants_fit/), whose small fused calls were host-bound whatever their size.
 FUSED_HOST_CALL_REST_S = 500e-6   # the fixed work of a call besides the dispatch, on the fitted host
 FUSED_HOST_CALL_S = 40e-6 + FUSED_HOST_CALL_REST_S  # dispatch (40 us on the fitted host) + the rest
 FUSED_HOST_COMMAND_S = {"Matmul": 17.6e-6, "Reduce": 9.1e-6, "Copy": 7.9e-6, "SetFlag": 3.0e-6, "WaitFlag": 3.1e-6,

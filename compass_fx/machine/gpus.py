@@ -80,28 +80,18 @@ class GpuSpec:
 
 
 # Hopper's cuBLAS picks among many tile shapes (its kernels are named nvjet_sm90_tst_192x128,
-# _320x128, _64x64 ...) and so loses far less to wave quantization than a model with three tiles
-# predicted: split into 16-64 thin parts it measured 30-50% cheaper than that model said.  Seven
-# shapes with relative efficiencies, efficiency, the overheads and split-K were fitted jointly to
-# 288 bf16 GEMMs of the sweep grid (timed from an idle GPU) and 112 of issue 11's set (the 16
-# TP = 8 Llama-3 projections split into 1-64 parts, device time), both measured on one H200 with
-# torch 2.11 / cuBLAS (benchmarks/results/gemm_model_validation/gemm_model_validation-h200{,-tp8}.json; refit with
-# gemm_model_validation.py --fit-jointly, which tests/test_bench_scripts.py checks gives these):
-# split/unsplit ratio errors median 4.6% / 4.3%, p90 20% / 17%; each file's held-out half, fitted
-# on the rest: median 5.1% / 4.2%, p90 25% / 19% (three tiles: 11% and 35% on issue 11's set).
-# The H100 is the same processor: it shares them.
-# part_overhead_s, the software cost the decomposition model charges per extra part, is fitted to
-# every decompose candidate of the two world-2 operator grids measured on two H200s (NVLink and
-# host-staged; benchmarks/fit_model_constants.py -> results/model_constants_fit/model_constants_fit-h200x2.json): at 50 us
-# the model's part count is within 3% of the best measured one in 22 and 17 of 24 pairs (20 and 9
-# at the 182 us used before, taken from one-rank calls issued back to back) and its decompose
-# predictions are off by a median 26% and 10% (44% and 26% before); no pick of "auto" changes.
-# On the device alone an extra part costs less (decompose_overhead-h200.json: median 6.2 us since
-# parts are read and written in place); the rest is the host's issue of each part's launches
-# (median 194 us per extra part on the lent machines' host, one-rank NCCL under Inductor).  Under
-# CUDA graphs (Inductor's "reduce-overhead") that issue is gone: graph_part_overhead_s is the
-# median device cost per extra part of decompose_overhead-h200-reduce-overhead.json (4.4 us; 4.5 in
-# a second run, -run2.json).
+# _320x128, _64x64 ...), so it loses far less to wave quantization than a model with three tiles
+# predicts for thin parts.  The seven tile shapes, their relative efficiencies, the overheads and
+# split-K are fitted jointly to two sets of bf16 GEMMs measured on one H200 (the sweep grid's
+# GEMMs split into 1-32 parts, and the 16 TP = 8 Llama-3 projections split into 1-64 parts:
+# benchmarks/results/gemm_model_validation/); `gemm_model_validation.py --fit-jointly` refits them
+# and tests/test_bench_scripts.py checks that it gives these.  The H100 is the same processor.
+# part_overhead_s, the software cost the decomposition model charges per extra part in the default
+# (eager) mode, is fitted to every decompose candidate of the two world-2 operator grids measured
+# on two H200s (benchmarks/fit_model_constants.py -> results/model_constants_fit/): it is mostly the
+# host's issue of each part's launches, which an eager step pays while the host keeps ahead of the
+# GPU.  Under CUDA graphs (Inductor's "reduce-overhead") that issue is gone: graph_part_overhead_s
+# is the median device cost per extra part measured by benchmarks/decompose_overhead.py in that mode.
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
                efficiency=0.72, kernel_overhead_s=4.0e-6, wave_overhead_s=0.3e-6, max_split_k=2,
                part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6,
