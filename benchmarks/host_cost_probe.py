@@ -182,6 +182,9 @@ def fused_worker(rank: int, world: int, init: str, out_path: str) -> None:
         def __new__(cls):
             return super().__new__(cls, keep_graph=True)
 
+        def __init__(self):
+            super().__init__(keep_graph=True)
+
         def capture_end(self):
             super().capture_end()
             self.instantiate()

@@ -54,28 +54,25 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
     c, world = rows // parts, group_size
     shard = shard.contiguous()
     outs = [shard.new_empty((rows * world, w.shape[1])) for w in weights]
-    if world == 1:  # the shard is the gathered tensor
-        for out, w in zip(outs, weights):
-            torch.mm(shard, w, out=out)
-        return outs
     _, gather, opts = _gather_of(group_name)
-    gathered = shard.new_empty((parts, world * c, k))
+    # one call each for every part's views (a view per part costs the host a few us each)
+    buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
+    gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
     blocking = shard.device.type == "cpu"
     works = []
-    for i in range(parts):
-        work = gather(gathered[i], shard[i * c:(i + 1) * c], opts)
+    for dst, src in zip(buffer.unbind(0), shard.view(parts, c, k).unbind(0)):
+        work = gather(dst, src, opts)
         if blocking:
             work.wait()
         works.append(work)
     # part i's rows of a result: rows [i*c, (i+1)*c) of every rank's block, as [world, c, n] in place
-    targets = [out.view(world, parts, c, out.shape[1]) for out in outs]
+    targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
     broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
-    for i, work in enumerate(works):
+    for i, (work, a) in enumerate(zip(works, gathered)):
         if not blocking:
             work.wait()  # the caller's stream waits for part i's gather (the host does not)
-        a = gathered[i].view(world, c, k)
         for target, w in zip(targets, broadcast):
-            torch.bmm(a, w, out=target[:, i])
+            torch.bmm(a, w, out=target[i])
     return outs
 
 
