@@ -88,11 +88,23 @@ def fake_group():
     dist.destroy_process_group()
 
 
-def test_decomposed_gathers_are_one_call_where_the_backend_allows(fake_group):
-    """Elsewhere than gloo (NCCL; here the fake group, whose numbers are garbage, so only the
-    code is checked) a plain decomposed gather is one ``compass::all_gather_mm_parts`` call, which
-    issues every part's gather before the first part's GEMM (``lowering/gather_parts.py``): the
-    host pays one gather, one wait and one GEMM per part, not a chain of graph nodes."""
+def test_decomposed_gathers_overlap_where_the_backend_allows(fake_group):
+    """Elsewhere than gloo (here the fake group, whose numbers are garbage, so only the order is
+    checked) the next part's gather is issued before the previous part's wait."""
+    calls, _ = _generated_order(0, 2, "all_gather", {"chunks": 2}, check=False)
+    collectives, waits, matmuls = _positions(calls)
+    assert len(collectives) == 2 and len(waits) == 2 and len(matmuls) == 2, calls
+    assert collectives[1] < waits[0] < matmuls[0], calls
+
+
+def test_decomposed_gathers_are_one_call_on_nccl(fake_group, monkeypatch):
+    """On NCCL (the fake group standing for it) a plain decomposed gather is one
+    ``compass::all_gather_mm_parts`` call, which issues every part's gather before the first
+    part's GEMM (``lowering/gather_parts.py``): the host pays one gather, one wait and one GEMM
+    per part, not a chain of graph nodes."""
+    from compass_fx.lowering import decompose
+
+    monkeypatch.setattr(decompose, "backend_for", lambda group, device: "nccl")
     calls, _ = _generated_order(0, 2, "all_gather", {"chunks": 2}, check=False)
     assert calls == ["all_gather_mm_parts"], calls
 

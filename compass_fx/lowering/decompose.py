@@ -221,8 +221,9 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
 def _one_call(pair: GatherPair) -> bool:
     """Whether the pair's parts can be one ``compass::all_gather_mm_parts`` call (what costs the
     host least per part, :mod:`.gather_parts`): a 2-D shard gathered on dim 0 whose gathered rows
-    feed only plain matmuls (mm, or bmm by one broadcast matrix, no casts), on a backend whose
-    gathers may be left in flight (not gloo).  Every other pair gets one node per step."""
+    feed only plain matmuls (mm, or bmm by one broadcast matrix, no casts), on NCCL (gloo's gathers
+    must not be left in flight; a fake group's, which the tests replay under LocalTensorMode,
+    must stay functional collectives).  Every other pair gets one node per step."""
     layout = pair.layout
     if layout.dim != 0 or len(layout.shape) != 2 or len(shape_of(pair.shard) or ()) != 2:
         return False
@@ -230,7 +231,8 @@ def _one_call(pair: GatherPair) -> bool:
         return False
     if any(rc.casts or rc.region or not _writes_in_place(rc.mm) for rc in pair.row_consumers):
         return False
-    return not gathers_blocking(pair)
+    val = pair.shard.meta.get("val")
+    return isinstance(val, torch.Tensor) and backend_for(pair.group_name, val.device.type) == "nccl"
 
 
 def _all_gather_one_call(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
