@@ -79,7 +79,10 @@ def rewrite_pairs(gm: fx.GraphModule, graph_kind: str, pairs: list[Pair], choose
 
 
 def count_collectives(gm: fx.GraphModule) -> int:
-    return sum(len(gm.graph.find_nodes(op="call_function", target=t, sort=False)) for t in COLLECTIVES)
+    """The graph's collectives; a decomposed gather issued as one call counts its parts' gathers."""
+    parts = sum(n.args[2] for n in gm.graph.find_nodes(op="call_function", sort=False,
+                                                       target=torch.ops.compass.all_gather_mm_parts.default))
+    return parts + sum(len(gm.graph.find_nodes(op="call_function", target=t, sort=False)) for t in COLLECTIVES)
 
 
 def _prepare(gm: fx.GraphModule, graph_kind: str) -> None:

@@ -47,7 +47,7 @@ def _generated_order(rank: int, world: int, kind: str, options: dict, check: boo
         if check:
             torch.testing.assert_close(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
     calls = re.findall(r"(all_gather_into_tensor|all_gather_blocking|reduce_scatter_tensor|wait_tensor|"
-                       r"mm_into_row_blocks)\.default\(", "\n".join(codes))
+                       r"mm_into_row_blocks|all_gather_mm_parts)\.default\(", "\n".join(codes))
     notes = [n for r in list(compass_fx.backend.history)[before:] for n in r.notes]
     return calls, notes
 
@@ -89,12 +89,48 @@ def fake_group():
 
 
 def test_decomposed_gathers_overlap_where_the_backend_allows(fake_group):
-    """Elsewhere than gloo (NCCL; here the fake group, whose numbers are garbage, so only the
-    order is checked) the next part's gather is issued before the previous part's wait."""
+    """Elsewhere than gloo (here the fake group, whose numbers are garbage, so only the order is
+    checked) the next part's gather is issued before the previous part's wait."""
     calls, _ = _generated_order(0, 2, "all_gather", {"chunks": 2}, check=False)
     collectives, waits, matmuls = _positions(calls)
     assert len(collectives) == 2 and len(waits) == 2 and len(matmuls) == 2, calls
     assert collectives[1] < waits[0] < matmuls[0], calls
+
+
+def test_decomposed_gathers_are_one_call_on_nccl(fake_group, monkeypatch):
+    """On NCCL (the fake group standing for it) a plain decomposed gather is one
+    ``compass::all_gather_mm_parts`` call, which issues every part's gather before the first
+    part's GEMM (``lowering/gather_parts.py``): the host pays one gather, one wait and one GEMM
+    per part, not a chain of graph nodes."""
+    from compass_fx.lowering import decompose
+
+    monkeypatch.setattr(decompose, "backend_for", lambda group, device: "nccl")
+    calls, _ = _generated_order(0, 2, "all_gather", {"chunks": 2}, check=False)
+    assert calls == ["all_gather_mm_parts"], calls
+
+
+def test_the_one_call_gathers_and_multiplies_every_part(ranks):
+    """``compass::all_gather_mm_parts`` on gloo ranks equals the gathered tensor times each weight
+    (a strided weight too), for 1, 2 and 4 parts; the graph passes no rank."""
+    for out in ranks(2).run(_one_call_errors, 2):
+        assert len(out) == 6 and max(out) < 1e-5, out
+
+
+def _one_call_errors(rank: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    from compass_fx.lowering import gather_parts  # noqa: F401 - registers the op
+
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 5, generator=g)
+    weights = [torch.randn(5, 3, generator=g), torch.randn(7, 5, generator=g).t()]
+    full = torch.empty(8 * world, 5)
+    dist.all_gather_into_tensor(full, x)
+    errors = []
+    for parts in (1, 2, 4):
+        outs = torch.ops.compass.all_gather_mm_parts(x, weights, parts, world, dist.group.WORLD.group_name)
+        errors += [float((o - full @ w).abs().max()) for o, w in zip(outs, weights)]
+    return errors
 
 
 def _notes_with(rank: int, world: int, options: dict, env: dict) -> list[str]:

@@ -10,7 +10,8 @@ from typing import Any, Callable, TypeVar
 
 import torch.fx as fx
 
-from . import blocking_gather  # noqa: F401 - registers compass::all_gather_blocking (counted as a collective)
+# register compass::all_gather_blocking and compass::all_gather_mm_parts (counted as collectives)
+from . import blocking_gather, gather_parts  # noqa: F401
 from .graph_edit import NodeBuilder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort
 
 __all__ = ["NodeBuilder", "RewriteFailed", "erase_unused", "graph_fake_mode", "stable_toposort", "transaction"]

@@ -12,6 +12,7 @@ whole tensor (:mod:`.row_blocks`), so no rows are copied to put the parts togeth
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -20,6 +21,7 @@ from ..graph.pairs import BatchedWeight, GatherPair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from ..groups import backend_for
 from . import blocking_gather  # noqa: F401 - defines compass::all_gather_blocking
+from . import gather_parts  # noqa: F401 - defines compass::all_gather_mm_parts
 from .graph_edit import NodeBuilder
 from .replay import RowReplay
 from .row_blocks import block_matmul, matmul_into_rows, part_row_blocks, result_buffer
@@ -132,6 +134,9 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
 
 def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     """all_gather -> matmul in ``parts`` parts: part i+1's gather is issued before part i's matmuls."""
+    if _one_call(pair):
+        _all_gather_one_call(b, pair, parts)
+        return
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
     shard, shard_shape = pair.shard, shape_of(pair.shard)
     if len(shard_shape) != len(layout.shape):  # the layout took each rank's slab as rows
@@ -211,6 +216,36 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     if pair.whole_tensor_uses:
         full = b.view(interleave(b, logical_parts, layout, [layout.shape[-1]]), list(shape_of(pair.logical)))
         b.replace(pair.logical, full)
+
+
+def _one_call(pair: GatherPair) -> bool:
+    """Whether the pair's parts can be one ``compass::all_gather_mm_parts`` call (what costs the
+    host least per part, :mod:`.gather_parts`): a 2-D shard gathered on dim 0 whose gathered rows
+    feed only plain matmuls (mm, or bmm by one broadcast matrix, no casts), on NCCL (gloo's gathers
+    must not be left in flight; a fake group's, which the tests replay under LocalTensorMode,
+    must stay functional collectives).  Every other pair gets one node per step."""
+    layout = pair.layout
+    if layout.dim != 0 or len(layout.shape) != 2 or len(shape_of(pair.shard) or ()) != 2:
+        return False
+    if pair.contraction_consumers or pair.whole_tensor_uses or not pair.row_consumers:
+        return False
+    if any(rc.casts or rc.region or not _writes_in_place(rc.mm) for rc in pair.row_consumers):
+        return False
+    val = pair.shard.meta.get("val")
+    return isinstance(val, torch.Tensor) and backend_for(pair.group_name, val.device.type) == "nccl"
+
+
+def _all_gather_one_call(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
+    """The pair as one call that gathers its parts and multiplies each into its rows of the results."""
+    weights = [batched_weight_2d(b, rc.weight) if rc.weight is not None else rc.mm.args[1]
+               for rc in pair.row_consumers]
+    outs = b.call(torch.ops.compass.all_gather_mm_parts.default, pair.shard, weights, parts,
+                  pair.group_size, pair.group_name)
+    for j, rc in enumerate(pair.row_consumers):
+        out = b.call(operator.getitem, outs, j)
+        if rc.mm.target is aten.bmm.default:
+            out = b.view(out, list(shape_of(rc.mm)))
+        b.replace(rc.mm, out)
 
 
 def gathers_blocking(pair: GatherPair) -> bool:

@@ -411,8 +411,14 @@ class _Workspace:
     def _addresses(tensors: dict[str, list[torch.Tensor]]) -> tuple:
         """What a graph of a call bakes in besides the workspace: where the call's tensors lie (and
         the weights' strides, which pick cuBLAS's transposes; the rest is contiguous)."""
-        return (tuple(t.data_ptr() for t in tensors["A"]), tuple((w.data_ptr(), w.stride()) for w in tensors["W"]),
-                tuple(t.data_ptr() for t in tensors["OUT"]), tuple(t.data_ptr() for t in tensors.get("GATHERED", ())))
+        key = [t.data_ptr() for t in tensors["A"]]
+        for w in tensors["W"]:
+            key += (w.data_ptr(), w.stride())
+        key += [-1] + [t.data_ptr() for t in tensors["OUT"]]  # -1: the outputs' addresses follow
+        gathered = tensors.get("GATHERED")
+        if gathered:
+            key.append(gathered[0].data_ptr())
+        return tuple(key)
 
     def _watch(self, stream: torch.cuda.Stream | None, handle: int | None = None) -> None:
         """Let the watchdog bound the running call: an event after its last wait, on ``stream``,

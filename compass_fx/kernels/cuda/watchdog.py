@@ -54,6 +54,7 @@ class Watched:
     pending: list[_Pending] = field(default_factory=list)
     pool: list = field(default_factory=list)
     what: str = "a compass fused operator"  # named in the error when the diagnosis itself is stuck
+    registered: bool = False  # in its watchdog's list (asked on every call: a flag, not a list search)
 
 
 class Watchdog:
@@ -84,9 +85,11 @@ class Watchdog:
     def add(self, w: Watched, epoch: int, event) -> None:
         with self.lock:
             w.pending.append(_Pending(epoch, event, time.monotonic()))
-            if w not in self.watched:
+            if not w.registered:
+                w.registered = True
                 self.watched.append(w)
-        self._start()
+        if self.thread is None:
+            self._start()
 
     def watch_status(self, status, explain: Callable[[int], str]) -> None:
         """Watch a host int32 word (``status[0]``) that captured waits set to a nonzero code when

@@ -1,0 +1,85 @@
+"""``compass::all_gather_mm_parts``: a decomposed all-gather -> matmul pair as one call.
+
+Why (issue 27): emitted as graph nodes, every extra InterDecom part of a gather cost the host about
+123 us on the lent H200 machine (``benchmarks/results/host_issue_profile/``): the functional
+gather's layers and its ``wait_tensor``, ``mm_into_row_blocks`` and the views around it, each a
+trip through the dispatcher and Inductor's wrapper.  This op issues the same pipeline from one
+call: every part's gather is issued first (c10d's own asynchronous gather, one work per part: on
+NCCL they run back to back on its stream), then, part by part, the caller's stream waits for that
+part's gather and multiplies it into its rows of each result (one GEMM per part and weight, written
+where the rows lie, as :mod:`.row_blocks` does).  An extra part costs the host one gather, one
+stream wait and one GEMM launch.
+
+The graph is the same on every rank (the group's name and size, never a rank).  On CPU tensors
+(gloo) each part's gather completes before the next is issued: gloo's gathers are not left in
+flight (:mod:`.blocking_gather` says why); the lowering keeps ``compass::all_gather_blocking`` there
+anyway, this op is for the other backends.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Defined on the dispatcher directly (no custom_op wrapper: see row_blocks.py); graphs call it
+# with nothing requiring grad.
+_LIB = torch.library.Library("compass", "FRAGMENT")
+_LIB.define("all_gather_mm_parts(Tensor shard, Tensor[] weights, int parts, int group_size, str group_name)"
+            " -> Tensor[]")
+_groups: dict[str, tuple] = {}  # group name -> (process group, its gather, its options)
+
+
+def _gather_of(group_name: str) -> tuple:
+    """The process group's asynchronous gather into one tensor (c10d's, called directly: the
+    Python wrapper ``dist.all_gather_into_tensor`` checks and builds options on every call)."""
+    got = _groups.get(group_name)
+    if got is None:
+        from torch.distributed.distributed_c10d import AllgatherOptions, _resolve_process_group
+
+        pg = _resolve_process_group(group_name)
+        opts = AllgatherOptions()
+        if hasattr(opts, "asyncOp"):
+            opts.asyncOp = True
+        gather = getattr(pg, "all_gather_single", None) or pg._allgather_base  # the newer name, where it exists
+        got = _groups[group_name] = (pg, gather, opts)
+    return got
+
+
+def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group_size: int,
+                         group_name: str) -> list[Tensor]:
+    """``[all_gather(shard, dim 0) @ w for w in weights]``, gathered and multiplied in ``parts``
+    parts (part i: rows ``[i*c, (i+1)*c)`` of every rank's shard)."""
+    rows, k = shard.shape
+    if parts < 1 or rows % parts:
+        raise ValueError(f"all_gather_mm_parts: {rows} rows do not split into {parts} parts")
+    c, world = rows // parts, group_size
+    shard = shard.contiguous()
+    outs = [shard.new_empty((rows * world, w.shape[1])) for w in weights]
+    _, gather, opts = _gather_of(group_name)
+    # one call each for every part's views (a view per part costs the host a few us each)
+    buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
+    gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
+    blocking = shard.device.type == "cpu"
+    works = []
+    for dst, src in zip(buffer.unbind(0), shard.view(parts, c, k).unbind(0)):
+        work = gather(dst, src, opts)
+        if blocking:
+            work.wait()
+        works.append(work)
+    # part i's rows of a result: rows [i*c, (i+1)*c) of every rank's block, as [world, c, n] in place
+    targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
+    broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
+    for i, (work, a) in enumerate(zip(works, gathered)):
+        if not blocking:
+            work.wait()  # the caller's stream waits for part i's gather (the host does not)
+        for target, w in zip(targets, broadcast):
+            torch.bmm(a, w, out=target[i])
+    return outs
+
+
+_LIB.impl("all_gather_mm_parts", _all_gather_mm_parts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("compass::all_gather_mm_parts", lib=_LIB)
+def _(shard: Tensor, weights: list[Tensor], parts: int, group_size: int, group_name: str) -> list[Tensor]:
+    rows = shard.shape[0] * group_size
+    return [shard.new_empty((rows, w.shape[1])) for w in weights]
