@@ -8,12 +8,14 @@ would have compiled; with ``inner="eager"`` the rewritten graphs run as plain Py
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.exc import ShortenTraceback
 
 from .options import CompassOptions, parse_options
 from .graph_pass import compass_pass
@@ -75,8 +77,17 @@ def compass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     if unexpected:
         raise ValueError(f"unknown compass backend argument(s) {sorted(unexpected)}; "
                          "pass settings as options={...}")
-    opts = parse_options(options, **({"mode": mode} if mode is not None and mode != "default" else {}))
+    try:
+        opts = parse_options(options, **({"mode": mode} if mode is not None and mode != "default" else {}))
+    except ValueError as e:  # met at the first call of a compiled model: say it as ours, not as dynamo's crash
+        raise CompassOptionsError(str(e), first_useful_frame=inspect.currentframe()) from None
     return compile_graph(gm, example_inputs, opts)
+
+
+class CompassOptionsError(ShortenTraceback, ValueError):
+    """A bad option given to ``torch.compile(backend="compass", options=...)``.  Dynamo passes
+    this kind of error on as it is (its traceback cut to the backend's frame) instead of wrapping
+    it in ``BackendCompilerFailed``, so the user's last line is the project's message."""
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompassOptions,

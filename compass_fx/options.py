@@ -220,7 +220,7 @@ def check_calibration_matches(path: str, gpus: tuple[str, ...], topology: Any) -
 def check_options(options: Mapping[str, Any] | None = None, /, **extra: Any) -> CompassOptions:
     """Validate options before ``torch.compile``, as ``check_options(chunks=4)`` or ``check_options({...})``.
 
-    The backend runs this same check, but only at the model's first call, where the ``ValueError``
-    arrives wrapped in Dynamo's ``BackendCompilerFailed``; here it is raised as it is, at once.
+    The backend runs this same check, but only at the model's first call (``torch.compile`` hands a
+    backend its options then, not before); here it is raised at once.
     """
     return parse_options(options, **extra)
