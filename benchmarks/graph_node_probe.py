@@ -204,6 +204,27 @@ def copy_section() -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 rows.append({"kind": kind, "blocks": blocks, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
+    flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+    writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(pieces)]
+    write = driver.raw("write")
+    for how in ("stream_write", "kernel_write"):  # a copy-engine copy to host memory, then its flag
+        def fn():
+            h = side.cuda_stream
+            for i in range(pieces):
+                driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, h), "memcpy")
+                if how == "stream_write":
+                    driver.check(write(h, flags.data_ptr() + 4 * i, 1, 0), "write")
+                else:
+                    writes[i](h)
+
+        def beside():
+            side.wait_stream(main)
+            torch.mm(a, b, out=c)
+            fn()
+            main.wait_stream(side)
+        rows.append({"kind": f"d2h+flag:{how}", "blocks": 0, "MiB": pieces * n >> 20, "with_gemm_ms": device_ms(beside),
+                     "gemm_ms": gemm_ms})
+        print(rows[-1], flush=True)
     return rows
 
 

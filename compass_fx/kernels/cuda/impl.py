@@ -387,9 +387,11 @@ class _Workspace:
 
         * A flag write: a one-thread kernel that stores the flag's code (the same value
           ``cuStreamWriteValue32`` stores, after the stream's earlier work, fenced system-wide).
-        * A copy to or from host memory (the host-staged transport's publications and pulls): a
-          copy kernel over the mapped host memory (:func:`.graph_flags.copy_wide`); a copy whose
-          size or addresses are not whole 16-byte words stays on the copy engines.
+        * A copy to or from host memory (the host-staged transport's publications and pulls), with
+          ``COMPASS_REPLAY_HOST_COPIES=kernel``: a copy kernel over the mapped host memory
+          (:func:`.graph_flags.copy_wide`; a copy whose size or addresses are not whole 16-byte
+          words stays on the copy engines).  Not the default: such a kernel does not overlap a
+          GEMM that fills the GPU (:func:`.replay.host_copies_as_kernels`).
         * A flag wait stays a stream wait unless ``COMPASS_REPLAY_WAITS=kernel``.  A spinning wait
           kernel would save ~3 us of launch per wait, but where ranks time-slice one GPU (several
           processes without MPS: how this project tests on one GPU) a spinning kernel keeps its
@@ -399,6 +401,8 @@ class _Workspace:
           wait: the watchdog releases a late one by storing the awaited code into the flag."""
         dev = self.device_index
         if isinstance(cmd, SetFlag):
+            if not replay.flag_writes_as_kernels():
+                return None
             launch = graph_flags.write_code(dev, self.flag_address + 4 * cmd.slot, flag_codes.code(phase))
             return lambda tensors, epoch, streams: launch(stream_of(streams))
         if isinstance(cmd, WaitFlag):
