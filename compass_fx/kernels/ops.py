@@ -77,6 +77,23 @@ def _check_common(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: in
             raise ValueError(f"operands differ in dtype/device: {a.dtype}/{a.device} vs {b.dtype}/{b.device}")
 
 
+_SCHEDULE_NAMES = frozenset(SCHEDULES)
+
+
+def _check_cuda(a: Tensor, bs: Sequence[Tensor], schedule: str, group_size: int) -> None:
+    """:func:`_check_common` for a CUDA kernel's call, which passes it in the common case with no
+    Python frame per check and no device object (``get_device`` is an int); any doubt: the full
+    check, which raises the error."""
+    if schedule in _SCHEDULE_NAMES and group_size >= 1 and a.dim() == 2:
+        k, dtype, device = a.shape[1], a.dtype, a.get_device()
+        for b in bs:
+            if b.dim() != 2 or b.shape[0] != k or b.dtype != dtype or b.get_device() != device:
+                break
+        else:
+            return
+    _check_common(a, bs, schedule, group_size)
+
+
 def _check_divisible(rows: int, group_size: int) -> None:
     if rows % group_size:
         raise ValueError(f"reduce-scatter needs rows divisible by group_size: {rows} % {group_size} != 0")
@@ -108,7 +125,7 @@ def _ag_fake(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, 
 
 @_cuda_kernel("all_gather_matmul")
 def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
-    _check_common(a_shard, bs, schedule, group_size)
+    _check_cuda(a_shard, bs, schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a_shard.dtype):
         return cuda.all_gather_matmul(a_shard.contiguous(), bs, schedule, group_name, group_size)
@@ -175,7 +192,7 @@ def _rs_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 
 @_cuda_kernel("matmul_reduce_scatter")
 def _rs_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
-    _check_common(a, [b], schedule, group_size)
+    _check_cuda(a, (b,), schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     cuda = _cuda()
     if cuda.supported(a.dtype):
@@ -221,7 +238,7 @@ def _ar_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 
 @_cuda_kernel("matmul_all_reduce")
 def _ar_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
-    _check_common(a, [b], schedule, group_size)
+    _check_cuda(a, (b,), schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a.dtype) and a.shape[0] % group_size == 0:
         return cuda.matmul_all_reduce(a, b, schedule, group_name, group_size)
@@ -268,6 +285,50 @@ def _graph_op(qualname: str, schema: str, any_backend, fake, cuda_kernel) -> Non
 _graph_op("all_gather_matmul.graph", _AG_SCHEMA, _ag_any, _ag_fake, _ag_cuda)
 _graph_op("matmul_reduce_scatter.graph", _MATMUL_SCHEMA, _rs_any, _rs_fake, _rs_cuda)
 _graph_op("matmul_all_reduce.graph", _MATMUL_SCHEMA, _ar_any, _ar_fake, _ar_cuda)
+
+
+# The ``.graph`` overloads' eager CUDA calls skip the C++ dispatcher: for plain CUDA tensors outside
+# any mode or transform, the dispatcher can only pick the CUDA kernel registered above (these
+# overloads have no autograd, autocast or other kernel), yet its boxing of the arguments into the
+# Python kernel and back cost ~30 us of a ~110 us replayed call on the lent H200 host
+# (fused_host_time-h200-replay-trim: .graph against impl).  Anything else (a tensor subclass such as
+# a fake or functional tensor, a dispatch or torch-function mode, a functorch transform, a CPU
+# tensor, an input that requires grad while grad mode is on) takes the dispatcher as before.
+_plain = torch.Tensor
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_transforms = getattr(torch._C, "_are_functorch_transforms_active", None)
+_grad_on = torch.is_grad_enabled
+
+
+def _plain_cuda(a: Tensor, b: Tensor) -> bool:
+    return (type(a) is _plain and type(b) is _plain and a.is_cuda and not _dispatch_modes()
+            and not _function_modes() and not _transforms()
+            and not ((a.requires_grad or b.requires_grad) and _grad_on()))
+
+
+def _direct(overload, kernel, weights_listed: bool) -> None:
+    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above)."""
+    through_dispatcher = overload._op
+
+    if weights_listed:
+        def call(a_shard, bs, schedule, group_name, group_size):
+            if (type(bs) is list and len(bs) == 1 and _plain_cuda(a_shard, bs[0])):
+                return kernel(a_shard, bs, schedule, group_name, group_size)
+            return through_dispatcher(a_shard, bs, schedule, group_name, group_size)
+    else:
+        def call(a, b, schedule, group_name, group_size):
+            if _plain_cuda(a, b):
+                return kernel(a, b, schedule, group_name, group_size)
+            return through_dispatcher(a, b, schedule, group_name, group_size)
+    call.through_dispatcher = through_dispatcher
+    overload._op = call  # what OpOverload.__call__ runs
+
+
+if None not in (_dispatch_modes, _function_modes, _transforms) and os.environ.get("COMPASS_FUSED_DIRECT", "1") != "0":
+    _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True)
+    _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False)
+    _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False)
 
 
 def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:

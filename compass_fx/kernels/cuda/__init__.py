@@ -22,6 +22,15 @@ def env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+def env_raw(name: bytes) -> bytes | None:
+    """The raw value of environment variable ``name`` (bytes) or None: one dict lookup, for the
+    settings read on every call, whose parsed values are kept per raw value."""
+    if _ENV_DATA is not None:
+        return _ENV_DATA.get(name)
+    value = os.environ.get(name.decode())
+    return None if value is None else value.encode()
+
+
 def graphs_enabled() -> bool:
     """``COMPASS_FUSED_GRAPHS=1``: the fused operators may be captured in CUDA graphs (each
     workspace gets a twin for captured calls, ``impl``); read when ``compass_fx.kernels`` is

@@ -66,6 +66,44 @@ extern "C" __global__ void compass_copy(uint4* dst, const uint4* src, unsigned l
   }
 }
 
+// Kernels of an EAGER call's replay graph (replay.py): a graph made only of kernel nodes and
+// device-to-device copies launches in ~4 us whatever its size, while every copy to or from host
+// memory, stream memory operation or memset in it costs the launch ~2 us more.
+// The flag codes are constants of the graph (flag_codes: one graph per residue of the epoch).
+
+// Store ``code`` once the stream's earlier work is done (kernel boundary) and fenced system-wide.
+extern "C" __global__ void compass_write_code(volatile int* flag, int code) {
+  __threadfence_system();
+  *flag = code;
+  __threadfence_system();
+}
+
+// Hold the stream until (*flag & bits) != 0 (cuStreamWaitValue32's CU_STREAM_WAIT_VALUE_AND).  One
+// thread: it never waits for a peer's grid to become resident.  Unbounded here: the watchdog bounds
+// it from the host, as it bounds a stream wait (it stores the awaited code into the flag itself).
+extern "C" __global__ void compass_wait_code(const volatile int* flag, int bits) {
+  while ((*flag & bits) == 0) __nanosleep(256);
+  __threadfence_system();
+}
+
+// dst[0:n16] = src[0:n16] in 16-byte words, four loads in flight per thread (a read of host memory
+// over PCIe needs many bytes in flight to reach the link's rate); loads bypass the caches (the
+// source may be host memory a peer's copy just wrote), stores write through, then a system fence.
+extern "C" __global__ void compass_copy_wide(uint4* dst, const uint4* src, unsigned long long n16) {
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n16; i += 4 * stride) {
+    const uint4 a = __ldcv(src + i), b = __ldcv(src + i + stride), c = __ldcv(src + i + 2 * stride),
+                d = __ldcv(src + i + 3 * stride);
+    __stwt(dst + i, a);
+    __stwt(dst + i + stride, b);
+    __stwt(dst + i + 2 * stride, c);
+    __stwt(dst + i + 3 * stride, d);
+  }
+  for (; i < n16; i += stride) __stwt(dst + i, __ldcv(src + i));
+  __threadfence_system();
+}
+
 extern "C" __global__ void compass_wait_flag(const volatile int* flag, const volatile int* epoch, int delta,
                                              volatile int* status, int code, unsigned long long timeout_ns) {
   const int target = *epoch + delta;
@@ -99,7 +137,8 @@ def _functions(device_index: int) -> dict[str, int]:
     with torch.cuda.device(device_index):
         torch.cuda.current_stream().synchronize()  # the context exists before the driver loads into it
         out = {}
-        for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy"):
+        for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy",
+                     "compass_write_code", "compass_wait_code", "compass_copy_wide"):
             ptx, mangled = _nvrtc_compile(SOURCE, name)
             out[name] = driver.load_function(ptx, mangled)
     return out
@@ -122,6 +161,48 @@ def wait(device_index: int, flag_address: int, epoch_address: int, delta: int, s
                            [ctypes.c_uint64(flag_address), ctypes.c_uint64(epoch_address), ctypes.c_int(delta),
                             ctypes.c_uint64(status_address), ctypes.c_int(code),
                             ctypes.c_uint64(int(timeout_s * 1e9))])
+
+
+def write_code(device_index: int, flag_address: int, code: int):
+    """``launch(stream)``: store ``code`` at ``flag_address`` once the stream's earlier work is done
+    (a kernel node: what ``cuStreamWriteValue32`` does, for an eager call's replay graph)."""
+    return driver.launcher(_functions(device_index)["compass_write_code"],
+                           [ctypes.c_uint64(flag_address), ctypes.c_int(code)])
+
+
+def wait_code(device_index: int, flag_address: int, bits: int):
+    """``launch(stream)``: hold ``stream`` until ``*flag_address & bits`` is nonzero (what
+    ``cuStreamWaitValue32`` with ``WAIT_AND`` does, as a one-thread kernel; bounded by the watchdog,
+    which releases a late wait by storing the awaited code into the flag)."""
+    return driver.launcher(_functions(device_index)["compass_wait_code"],
+                           [ctypes.c_uint64(flag_address), ctypes.c_int(bits)])
+
+
+WIDE_COPY_THREADS = 512
+WIDE_COPY_BYTES_PER_BLOCK = 256 << 10  # one block per 256 KiB: a 4 MiB piece gets 16
+WIDE_COPY_MOST_BLOCKS = 16
+
+
+def wide_copy_blocks(nbytes: int) -> int:
+    return max(1, min(WIDE_COPY_MOST_BLOCKS, -(-nbytes // WIDE_COPY_BYTES_PER_BLOCK)))
+
+
+def copy_wide(device_index: int, nbytes: int, blocks: int | None = None):
+    """``(launch(stream), set_addresses(dst, src))``: copy ``nbytes`` (whole 16-byte words, 16-byte
+    aligned addresses) with a kernel of ``blocks`` blocks (default :func:`wide_copy_blocks`); for
+    copies to or from host memory in an eager call's replay graph."""
+    if nbytes <= 0 or nbytes % 16:
+        raise ValueError(f"a copy kernel moves whole 16-byte words, not {nbytes} bytes")
+    dst, src = ctypes.c_uint64(0), ctypes.c_uint64(0)
+    launch = driver.launcher(_functions(device_index)["compass_copy_wide"],
+                             [dst, src, ctypes.c_uint64(nbytes // 16)],
+                             blocks=blocks or wide_copy_blocks(nbytes), threads=WIDE_COPY_THREADS)
+
+    def set_addresses(to: int, frm: int) -> None:
+        if (to | frm) % 16:
+            raise ValueError(f"a copy kernel needs 16-byte aligned addresses, got {to:#x} <- {frm:#x}")
+        dst.value, src.value = to, frm
+    return launch, set_addresses
 
 
 SMALL_COPY_BYTES = 256 << 10  # captured copies up to this size run as a kernel (see the module docstring)

@@ -40,7 +40,7 @@ from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Mat
 from .. import flag_codes
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, env, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
+from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -65,6 +65,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()  # asked on every call otherwise (~1 us); it cannot change
 
 
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -83,11 +86,23 @@ def _arena_for(group, nbytes: int) -> SharedHostArena:
     return SharedHostArena(group, nbytes, register=driver.host_register)
 
 
+_transports: dict[tuple, str] = {}  # (raw COMPASS_FUSED_TRANSPORT, raw NCCL_P2P_DISABLE) -> transport
+
+
 def transport() -> str:
     """How this process's fused operators move data: ``"peer"`` (copies out of the peers' GPU
     memory) or ``"host"`` (through pinned host memory, for GPUs without peer access).
     ``COMPASS_FUSED_TRANSPORT`` = auto (default: host where NCCL is told not to use peer access,
-    as the cost model assumes), peer or host."""
+    as the cost model assumes), peer or host.  Read on every call (two dict lookups when the
+    settings are unchanged: the answer is kept per pair of raw values)."""
+    raw = (env_raw(b"COMPASS_FUSED_TRANSPORT"), env_raw(b"NCCL_P2P_DISABLE"))
+    got = _transports.get(raw)
+    if got is None:
+        got = _transports[raw] = _transport()
+    return got
+
+
+def _transport() -> str:
     wanted = env("COMPASS_FUSED_TRANSPORT", "auto").strip().lower()
     if wanted not in ("auto", "peer", "host"):
         raise ValueError(f"COMPASS_FUSED_TRANSPORT must be auto, peer or host, got {wanted!r}")
@@ -158,7 +173,15 @@ class _Workspace:
                       for phase in range(self.phases)]
         self.join_at = join_start(plan)
         self.replays = None if captured or not replay.enabled() else replay.Replays(index)
+        # what a replay graph is captured from: the same commands, the flag writes, the copies to and
+        # from host memory (and, opted in, the flag waits) as kernels (replay.node_kinds)
+        self.replay_steps = self.steps
+        if self.replays is not None and replay.kernel_nodes(index):
+            self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(plan.commands)]
+                                 for phase in range(self.phases)]
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
+        if self.replays is not None:
+            self.dog.prefill(self.watched, 16)  # a replayed call takes its watchdog event from a pool
 
     def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
                      device: torch.device) -> None:
@@ -236,7 +259,7 @@ class _Workspace:
         return address
 
     # -- one command -> one closure over what stays fixed -----------------------------------
-    def _compile(self, cmd, phase: int, index: int) -> Step:
+    def _compile(self, cmd, phase: int, index: int, for_replay: bool = False) -> Step:
         """One command as a closure over everything that stays fixed between calls of epochs
         ``phase`` mod ``self.phases``: addresses of the workspace's buffers (their parity), the
         flags' codes, the side streams' handles, the driver functions (the host issues every
@@ -253,6 +276,10 @@ class _Workspace:
             stream_of = lambda streams: streams[MAIN].cuda_stream  # noqa: E731
         if self.captured and isinstance(cmd, (WaitFlag, SetFlag, Copy)):
             step = self._compile_captured(cmd, parity, index, stream_of)
+            if step is not None:
+                return step
+        if for_replay and isinstance(cmd, (WaitFlag, SetFlag, Copy)):
+            step = self._compile_replay(cmd, phase, parity, stream_of)
             if step is not None:
                 return step
         if isinstance(cmd, WaitFlag):  # the flag holds a code (flag_codes): wait for either accepted bit
@@ -353,6 +380,64 @@ class _Workspace:
             launch(stream_of(streams))
         return copy
 
+    def _compile_replay(self, cmd, phase: int, parity: int, stream_of) -> Step | None:
+        """A command of an eager call as it is captured for a replay graph (:mod:`.replay`), where
+        a kernel node is cheaper to launch than the stream memory operation or host-memory copy it
+        replaces (``benchmarks/results/graph_node_probe``); None: captured as issued.
+
+        * A flag write: a one-thread kernel that stores the flag's code (the same value
+          ``cuStreamWriteValue32`` stores, after the stream's earlier work, fenced system-wide).
+        * A copy to or from host memory (the host-staged transport's publications and pulls), with
+          ``COMPASS_REPLAY_HOST_COPIES=kernel``: a copy kernel over the mapped host memory
+          (:func:`.graph_flags.copy_wide`; a copy whose size or addresses are not whole 16-byte
+          words stays on the copy engines).  Not the default: such a kernel does not overlap a
+          GEMM that fills the GPU (:func:`.replay.host_copies_as_kernels`).
+        * A flag wait stays a stream wait unless ``COMPASS_REPLAY_WAITS=kernel``.  A spinning wait
+          kernel would save ~3 us of launch per wait, but where ranks time-slice one GPU (several
+          processes without MPS: how this project tests on one GPU) a spinning kernel keeps its
+          process's time slice until the slice ends, milliseconds per wait
+          (``fused_graphs-h200``: ~4.4 ms per replayed call against 0.38 ms with stream waits),
+          while a stream wait lets the GPU switch at once.  The kernel is bounded like a stream
+          wait: the watchdog releases a late one by storing the awaited code into the flag."""
+        dev = self.device_index
+        if isinstance(cmd, SetFlag):
+            if not replay.flag_writes_as_kernels():
+                return None
+            launch = graph_flags.write_code(dev, self.flag_address + 4 * cmd.slot, flag_codes.code(phase))
+            return lambda tensors, epoch, streams: launch(stream_of(streams))
+        if isinstance(cmd, WaitFlag):
+            if replay.waits_as_kernels():
+                delta = cmd.delta
+                launch = graph_flags.wait_code(dev, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
+                                               flag_codes.mask(phase + delta))
+
+                def wait_kernel(tensors, epoch, streams):
+                    if epoch + delta >= 1:
+                        launch(stream_of(streams))
+                return wait_kernel
+            return None
+        in_host = self.transport == "host" and (cmd.src.buf in self.plan.symmetric_rows
+                                                or cmd.dst.buf in self.plan.symmetric_rows)
+        if not in_host or not replay.host_copies_as_kernels():
+            return None
+        memcpy = driver.raw("memcpy")
+        dst, src = self._address(cmd.dst, parity), self._address(cmd.src, parity)
+        rows = cmd.dst.rows
+        row_bytes = self._row_bytes(cmd)
+        kernels: dict[int, tuple] = {}  # bytes -> (launch, set_addresses)
+
+        def copy(tensors, epoch, streams):  # runs while a replay graph is captured
+            to, frm, nbytes = dst(tensors), src(tensors), rows * row_bytes(tensors)
+            if (to | frm | nbytes) % 16 or nbytes <= 0:
+                driver.check(memcpy(to, frm, nbytes, stream_of(streams)), "cuMemcpyAsync")
+                return
+            if nbytes not in kernels:
+                kernels[nbytes] = graph_flags.copy_wide(dev, nbytes)
+            launch, aim = kernels[nbytes]
+            aim(to, frm)
+            launch(stream_of(streams))
+        return copy
+
     def _row_bytes(self, cmd: Copy) -> Callable[[dict], int]:
         """Bytes per row of a copy: every buffer involved is contiguous with the same width."""
         for region in (cmd.src, cmd.dst):
@@ -383,7 +468,7 @@ class _Workspace:
             if graph is not None:
                 stream = _raw_stream(self.device_index)
                 graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
-                self._watch(None, stream)
+                self._watch_replay(stream)
                 return None
         main = torch.cuda.current_stream(self.device_index)  # an index: no device lookup (~30 us)
         if self.captured:
@@ -404,21 +489,35 @@ class _Workspace:
     def _issue(self, tensors: dict[str, list[torch.Tensor]], main: torch.cuda.Stream) -> None:
         """Every command of the running call, ``main`` standing for the caller's stream (a capture)."""
         streams = {MAIN: main}
-        for step in self.steps[self.epoch % self.phases]:
+        for step in self.replay_steps[self.epoch % self.phases]:
             step(tensors, self.epoch, streams)
 
     @staticmethod
     def _addresses(tensors: dict[str, list[torch.Tensor]]) -> tuple:
         """What a graph of a call bakes in besides the workspace: where the call's tensors lie (and
         the weights' strides, which pick cuBLAS's transposes; the rest is contiguous)."""
-        key = [t.data_ptr() for t in tensors["A"]]
-        for w in tensors["W"]:
-            key += (w.data_ptr(), w.stride())
-        key += [-1] + [t.data_ptr() for t in tensors["OUT"]]  # -1: the outputs' addresses follow
+        ws, outs = tensors["W"], tensors["OUT"]
         gathered = tensors.get("GATHERED")
-        if gathered:
-            key.append(gathered[0].data_ptr())
+        if len(ws) == 1 and len(outs) == 1:  # the common call, in one expression
+            w = ws[0]
+            return (tensors["A"][0].data_ptr(), w.data_ptr(), w.stride(), -1, outs[0].data_ptr(),
+                    gathered[0].data_ptr() if gathered else None)
+        key = [t.data_ptr() for t in tensors["A"]]
+        for w in ws:
+            key += (w.data_ptr(), w.stride())
+        key += [-1] + [t.data_ptr() for t in outs]  # -1: the outputs' addresses follow
+        key.append(gathered[0].data_ptr() if gathered else None)
         return tuple(key)
+
+    def _watch_replay(self, handle: int) -> None:
+        """:meth:`_watch` for a replay: a driver event from the watchdog's pool, recorded on the
+        caller's stream (``handle``) after the graph."""
+        dog = self.dog
+        done = dog.reusable(self.watched)
+        if done is None or not isinstance(done, driver.Event):
+            done = driver.Event()
+        done.record(handle)
+        dog.add(self.watched, self.epoch, done)
 
     def _watch(self, stream: torch.cuda.Stream | None, handle: int | None = None) -> None:
         """Let the watchdog bound the running call: an event after its last wait, on ``stream``,
@@ -531,14 +630,16 @@ def host_piece_bytes() -> int:
     return int(value * (1 << 20))
 
 
+_pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (shape, settings)
 _OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
 
 
 def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, cols: int,
                dtype: torch.dtype, device: torch.device) -> _Workspace:
     """The workspace of ``key`` for an eager call, or its twin while a CUDA graph is captured.
-    ``make_plan(fence)``: the plan, fenced for the twin's one set of buffers."""
-    captured = torch.cuda.is_current_stream_capturing()
+    ``make_plan(fence)``: the plan, fenced for the twin's one set of buffers.  (The operators look
+    their workspace up in ``_workspaces`` first and call this only when it is missing.)"""
+    captured = _capturing()
     ws = _workspaces.get((key, captured))
     if ws is not None:
         return ws
@@ -577,16 +678,21 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
         return a_shard.clone(), [a_shard @ b for b in bs]
     deferred = deferred and not bs
     host = transport() == "host"
-    cols = tuple(int(b.shape[1]) for b in bs)
-    key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.device, host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
-                                                  _rank(group_name, group_size), m, k, len(bs), a_shard.element_size(),
-                                                  host, host_piece_bytes(), detach=deferred,
-                                                  group_rows=_group_rows(cols, a_shard.device), fence=fence)[0],
-                    group_name, k, a_shard.dtype, a_shard.device)
+    cols = tuple([b.shape[1] for b in bs])
+    dtype = a_shard.dtype
+    # the device as its index: a torch.device object per call costs ~1 us
+    key = ("ag", schedule, group_name, group_size, m, k, cols, dtype, a_shard.get_device(), host, deferred)
+    ws = _workspaces.get((key, _capturing()))
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
+                                                      _rank(group_name, group_size), m, k, len(bs),
+                                                      a_shard.element_size(), host, host_piece_bytes(),
+                                                      detach=deferred, group_rows=_group_rows(cols, a_shard.device),
+                                                      fence=fence)[0],
+                        group_name, k, dtype, a_shard.device)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
-    outs = [a_shard.new_empty((rows, b.shape[1])) for b in bs]
+    outs = [a_shard.new_empty((rows, c)) for c in cols]
     join = ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]}, deferred)
     if join is not None:
         _register_join(gathered, join)
@@ -602,11 +708,13 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
         return a @ b
     host = transport() == "host"
     a = a.contiguous()
-    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
-                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(), host,
-                                                  host_piece_bytes(), detach=deferred, fence=fence)[0],
-                    group_name, n, a.dtype, a.device)
+    key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
+    ws = _workspaces.get((key, _capturing()))
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
+                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                        group_name, n, a.dtype, a.device)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
@@ -624,18 +732,22 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     if group_size == 1:
         return a @ b
     host = transport() == "host"
-    chunks = all_reduce_pull_chunks(schedule, group_size, rows, rows * n * a.element_size(), host,
-                                    host_piece_bytes())
+    chunk_key = (schedule, group_size, rows, rows * n * a.element_size(), host, env_raw(b"COMPASS_HOST_PIECE_MIB"))
+    chunks = _pull_chunks.get(chunk_key)
+    if chunks is None:  # asked per call otherwise (~5 us of Python)
+        chunks = _pull_chunks[chunk_key] = all_reduce_pull_chunks(*chunk_key[:5], host_piece_bytes())
     if not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size, deferred)
         return gathered
     a = a.contiguous()
-    key = ("ar", group_name, group_size, rows, n, a.dtype, a.device, host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
-                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(), host,
-                                                  host_piece_bytes(), detach=deferred, fence=fence)[0],
-                    group_name, n, a.dtype, a.device)
+    key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
+    ws = _workspaces.get((key, _capturing()))
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
+                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                        group_name, n, a.dtype, a.device)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:

@@ -35,16 +35,75 @@ from typing import Callable, Hashable
 import torch
 
 from ..flag_codes import PERIOD
-from . import driver, env
+from . import driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
 stats = {"replayed": 0, "captured": 0}  # calls of this process served from graphs, graphs captured
 
 
+_settings: dict = {}  # raw COMPASS_FUSED_REPLAY -> on (read on every call: one dict lookup when unchanged)
+
+
 def enabled() -> bool:
     """``COMPASS_FUSED_REPLAY`` (default 1): eager calls of the fused operators replay captured graphs."""
-    return not _disabled and env("COMPASS_FUSED_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+    if _disabled:
+        return False
+    raw = env_raw(b"COMPASS_FUSED_REPLAY")
+    on = _settings.get(raw)
+    if on is None:
+        on = _settings[raw] = env("COMPASS_FUSED_REPLAY", "1").strip().lower() not in ("0", "false", "no", "off")
+    return on
+
+
+def _switch(name: str, default: str, choices: tuple[str, str]) -> bool:
+    value = env(name, default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(choices)}, got {value!r}")
+    return value == choices[0]
+
+
+def waits_as_kernels() -> bool:
+    """``COMPASS_REPLAY_WAITS`` = ``stream`` (default) or ``kernel``: how a replay graph waits for a
+    flag (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream
+    waits are the default)."""
+    return _switch("COMPASS_REPLAY_WAITS", "stream", ("kernel", "stream"))
+
+
+def host_copies_as_kernels() -> bool:
+    """``COMPASS_REPLAY_HOST_COPIES`` = ``engine`` (default) or ``kernel``: how a replay graph copies
+    to and from host memory (read when a workspace is built).  A copy kernel saves ~3 us of launch
+    per copy but does not overlap a cuBLAS GEMM that fills the GPU: on one H200, 8 x 4 MiB to or
+    from host memory beside an 8192x4096x7168 GEMM (0.62 ms) took 1.24-1.41 ms as a kernel of 4-64
+    blocks against 0.66 ms on the copy engines (``graph_node_probe-h200-copy``), and overlapping
+    those copies with the GEMMs is what the fused operators are for."""
+    return _switch("COMPASS_REPLAY_HOST_COPIES", "engine", ("kernel", "engine"))
+
+
+def flag_writes_as_kernels() -> bool:
+    """``COMPASS_REPLAY_FLAG_WRITES`` = ``kernel`` (default) or ``stream``: how a replay graph sets
+    a flag (a one-thread kernel, or the stream memory operation an issued call uses)."""
+    return _switch("COMPASS_REPLAY_FLAG_WRITES", "kernel", ("kernel", "stream"))
+
+
+def kernel_nodes(device_index: int) -> bool:
+    """Whether replay graphs may hold our kernels (flag writes, host-memory copies): their module
+    compiles and loads on ``device_index`` (NVRTC through torch); else they hold the stream memory
+    operations and copy-engine copies an issued call makes, with a warning."""
+    from . import graph_flags
+
+    try:
+        graph_flags._functions(device_index)  # compiled now: never while a graph is captured
+    except Exception as e:  # noqa: BLE001 - the commands as issued are right, only slower to launch
+        if "kernels" not in _warned:
+            _warned.append("kernels")
+            warnings.warn(f"compass fused operators: replay graphs keep stream memory operations and copy-engine "
+                          f"copies (the flag and copy kernels did not load: {e})", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+_warned: list[str] = []
 
 
 def limit() -> int:
@@ -77,10 +136,11 @@ class Captured:
     random number generators' offsets (two fills on the GPU, ~15 us of host on the lent machine),
     which a graph without random numbers does not need."""
 
-    __slots__ = ("graph", "exec")
+    __slots__ = ("graph", "exec", "_launch")
 
     def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
         self.graph = graph  # owns the executable graph
+        self._launch = driver.raw("graph_launch")
         try:
             self.exec = graph.raw_cuda_graph_exec()
         except (AttributeError, RuntimeError):  # an older torch: replay() it is
@@ -89,7 +149,9 @@ class Captured:
     def launch(self, stream: int) -> None:
         """Run the call on ``stream`` (the caller's current stream's handle)."""
         if self.exec:
-            driver.check(driver.raw("graph_launch")(self.exec, stream), "cuGraphLaunch")
+            result = self._launch(self.exec, stream)
+            if result:
+                driver.check(result, "cuGraphLaunch")
         else:
             self.graph.replay()
 

@@ -38,7 +38,7 @@ def timeout_s() -> float:
     return value
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     epoch: int
     event: object  # anything with query() -> bool (a torch.cuda.Event)
@@ -72,15 +72,27 @@ class Watchdog:
             raise RuntimeError(self.failure)
 
     def reusable(self, w: Watched):
-        """An event of ``w``'s finished calls, or None: from the pool, else the oldest pending
-        call's if it has finished (so that back-to-back calls between two scans reuse events
-        instead of making new ones)."""
+        """An event of ``w``'s finished calls, or None: from the pool, else, the pool empty, the
+        events of every finished call at the head of the pending list go to the pool (so that
+        back-to-back calls between two scans reuse events instead of making new ones, and query
+        each finished call's event once)."""
         with self.lock:
             if w.pool:
                 return w.pool.pop()
-            if w.pending and w.pending[0].event.query():
-                return w.pending.pop(0).event
+            pending = w.pending
+            while pending and pending[0].event.query():
+                w.pool.append(pending.pop(0).event)
+            if w.pool:
+                return w.pool.pop()
         return None
+
+    def prefill(self, w: Watched, n: int) -> None:
+        """Put ``n`` new driver events in ``w``'s pool (replayed calls record driver events)."""
+        from . import driver
+
+        events = [driver.Event() for _ in range(n)]
+        with self.lock:
+            w.pool.extend(events)
 
     def add(self, w: Watched, epoch: int, event) -> None:
         with self.lock:

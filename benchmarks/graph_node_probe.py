@@ -1,0 +1,300 @@
+"""What an eager fused call's replay graph can be made of (issue 27), on one GPU:
+
+* ``launch``: host us of one ``cuGraphLaunch`` of 64 tiny kernels alone and with ONE node of a
+  slow kind added (stream wait, stream write, copy to host memory, memset): does one such node
+  make the whole launch slow, or only itself?  And graphs of 16 of the kernels that would replace
+  those nodes (flag write, flag wait on a set flag, copy to and from host memory).
+* ``copy``: device time of a 4 MiB copy to and from registered host memory on the copy engines
+  against a copy kernel of 4-64 blocks, alone and beside a large GEMM on another stream (what the
+  kernel takes from the GEMM).
+* ``memset``: which GEMMs captured in a graph bring a memset node, under which cuBLAS settings
+  (in subprocesses for the environment variables), and their device time.
+
+    python benchmarks/graph_node_probe.py --out X.json
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from host_cost_probe import _node_kinds, launch_us  # noqa: E402
+
+GEMMS = [(8192, 4096, 7168), (4096, 4096, 7168), (2048, 4096, 7168), (1024, 4096, 7168), (512, 4096, 7168),
+         (4096, 7168, 4096), (2048, 7168, 4096), (1024, 7168, 4096), (512, 7168, 4096), (256, 7168, 4096)]
+
+
+_kept: list = []  # registered host buffers live as long as the process (an address is registered once)
+
+
+def host_buffer(nbytes: int):
+    from compass_fx.kernels.cuda import driver
+
+    m = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    dev = driver.host_register(t.data_ptr(), nbytes)
+    _kept.append((m, t, dev))
+    return m, t, dev
+
+
+def graph_of(fn, cap):
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.stream(cap):
+        g.capture_begin(capture_error_mode="thread_local")
+        fn(cap.cuda_stream)
+        g.capture_end()
+    g.instantiate()
+    return g
+
+
+def launch_section() -> list[dict]:
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy, write, wait = driver.raw("memcpy"), driver.raw("write"), driver.raw("wait")
+    x = torch.zeros(16, device="cuda")
+    flags = torch.ones(4096, dtype=torch.int32, device="cuda")
+    src = torch.empty(64 << 20, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    keep = host_buffer(64 << 20)
+    host = keep[2]
+    big_a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    big_b = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
+    big_c = torch.empty(4096, 7168, device="cuda", dtype=torch.bfloat16)
+    cap = torch.cuda.Stream()
+    with torch.cuda.stream(cap):
+        torch.mm(big_a, big_b, out=big_c)
+    torch.cuda.synchronize()
+    wc = [graph_flags.write_code(dev, flags.data_ptr() + 4 * (100 + i), 1) for i in range(16)]
+    wt = [graph_flags.wait_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(16)]
+    cps = [graph_flags.copy_wide(dev, 4 << 20) for _ in range(16)]
+    for i, (_, aim) in enumerate(cps[:8]):
+        aim(host + i * (4 << 20), src.data_ptr())
+    for i, (_, aim) in enumerate(cps[8:]):
+        aim(dst.data_ptr() + i * (4 << 20), host + i * (4 << 20))
+
+    def k64(extra):
+        def fn(h):
+            for i in range(64):
+                x.add_(1)
+                if i == 32 and extra:
+                    extra(h)
+        return fn
+
+    cases = {
+        "kernels64": k64(None),
+        "kernels64+mem_wait": k64(lambda h: wait(h, flags.data_ptr(), 1, driver.WAIT_AND)),
+        "kernels64+mem_write": k64(lambda h: write(h, flags.data_ptr() + 400, 1, 0)),
+        "kernels64+copy_d2h_4m": k64(lambda h: memcpy(host, src.data_ptr(), 4 << 20, h)),
+        "kernels64+copy_d2d_4m": k64(lambda h: memcpy(dst.data_ptr(), src.data_ptr(), 4 << 20, h)),
+        "kernels64+gemm_large": k64(lambda h: torch.mm(big_a, big_b, out=big_c)),
+        "write_code16": lambda h: [f(h) for f in wc],
+        "wait_code16": lambda h: [f(h) for f in wt],
+        "copy_wide16_host": lambda h: [f(h) for f, _ in cps],
+        "mix16(wait,copy,write,kernel)": lambda h: [(wt[i](h), cps[i][0](h), wc[i](h), x.add_(1)) for i in range(16)],
+    }
+    rows = []
+    for name, fn in cases.items():
+        try:
+            g = graph_of(fn, cap)
+            exec_, stream = g.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
+            glaunch = driver.raw("graph_launch")
+
+            def go():
+                driver.check(glaunch(exec_, stream), "cuGraphLaunch")
+            go()
+            torch.cuda.synchronize()
+            rows.append({"case": name, "nodes": _node_kinds(g.raw_cuda_graph()), "idle_us": launch_us(go, False),
+                         "busy_x4_us": launch_us(go, True, per_round=4)})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def device_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def copy_section() -> list[dict]:
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy = driver.raw("memcpy")
+    n = 4 << 20
+    pieces = 8
+    src = torch.empty(pieces * n, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    keep = host_buffer(pieces * n)
+    host = keep[2]
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(8192, 7168, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    rows = []
+
+    def copies(kind, blocks):
+        def fn():
+            h = side.cuda_stream
+            for i in range(pieces):
+                d, s = ((host + i * n, src.data_ptr() + i * n) if kind == "d2h"
+                        else (dst.data_ptr() + i * n, host + i * n))
+                if blocks == 0:
+                    driver.check(memcpy(d, s, n, h), "memcpy")
+                else:
+                    launch, aim = kernels[(kind, blocks, i)]
+                    aim(d, s)
+                    launch(h)
+        return fn
+
+    kernels = {}
+    for kind in ("d2h", "h2d"):
+        for blocks in (4, 8, 16, 32, 64):
+            for i in range(pieces):
+                kernels[(kind, blocks, i)] = graph_flags.copy_wide(dev, n, blocks)
+    gemm_ms = device_ms(lambda: torch.mm(a, b, out=c))
+    for kind in ("d2h", "h2d"):
+        for blocks in (0, 4, 8, 16, 32, 64):
+            fn = copies(kind, blocks)
+
+            def alone():
+                side.wait_stream(main)
+                fn()
+                main.wait_stream(side)
+
+            def beside():
+                side.wait_stream(main)
+                torch.mm(a, b, out=c)
+                fn()
+                main.wait_stream(side)
+            try:
+                ok = None
+                if kind == "h2d":
+                    dst.zero_()
+                    keep[1].copy_(src.cpu())
+                    alone()
+                    torch.cuda.synchronize()
+                    ok = bool(torch.equal(dst, src))
+                t_alone = device_ms(alone)
+                t_beside = device_ms(beside)
+                rows.append({"kind": kind, "blocks": blocks, "MiB": pieces * n >> 20, "alone_ms": t_alone,
+                             "GBps": pieces * n / t_alone / 1e6, "with_gemm_ms": t_beside, "gemm_ms": gemm_ms,
+                             "correct": ok})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"kind": kind, "blocks": blocks, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+    flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+    writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(pieces)]
+    write = driver.raw("write")
+    for how in ("stream_write", "kernel_write"):  # a copy-engine copy to host memory, then its flag
+        def fn():
+            h = side.cuda_stream
+            for i in range(pieces):
+                driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, h), "memcpy")
+                if how == "stream_write":
+                    driver.check(write(h, flags.data_ptr() + 4 * i, 1, 0), "write")
+                else:
+                    writes[i](h)
+
+        def beside():
+            side.wait_stream(main)
+            torch.mm(a, b, out=c)
+            fn()
+            main.wait_stream(side)
+        rows.append({"kind": f"d2h+flag:{how}", "blocks": 0, "MiB": pieces * n >> 20, "with_gemm_ms": device_ms(beside),
+                     "gemm_ms": gemm_ms})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def memset_child(setting: str) -> list[dict]:
+    if setting == "cublaslt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    elif setting == "cublas":
+        torch.backends.cuda.preferred_blas_library("cublas")
+    elif setting == "no_reduced_precision":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    cap = torch.cuda.Stream()
+    rows = []
+    for m, k, n in GEMMS:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(cap):
+            torch.mm(a, b, out=c)
+        torch.cuda.synchronize()
+        try:
+            g = graph_of(lambda h: torch.mm(a, b, out=c), cap)
+            nodes = _node_kinds(g.raw_cuda_graph())
+        except Exception as e:  # noqa: BLE001
+            nodes = {"error": str(e)[:200]}
+        rows.append({"setting": setting, "m": m, "k": k, "n": n, "nodes": nodes,
+                     "ms": device_ms(lambda: torch.mm(a, b, out=c))})
+    return rows
+
+
+def memset_section() -> list[dict]:
+    rows = []
+    variants = [("default", {}), ("cublaslt", {}), ("cublas", {}), ("no_reduced_precision", {}),
+                ("ws_0", {"CUBLAS_WORKSPACE_CONFIG": ":0:0"}),
+                ("ws_4096x8", {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
+                ("lt_ws_0", {"CUBLASLT_WORKSPACE_SIZE": "0"})]
+    for setting, extra in variants:
+        env = dict(os.environ, **extra)
+        arg = setting if setting in ("cublaslt", "cublas", "no_reduced_precision") else "default"
+        r = subprocess.run([sys.executable, __file__, "--memset-child", arg], env=env, capture_output=True,
+                           text=True, timeout=120)
+        try:
+            got = json.loads(r.stdout.strip().splitlines()[-1])
+            for g in got:
+                g["setting"] = setting
+            rows += got
+        except Exception:  # noqa: BLE001
+            rows.append({"setting": setting, "error": (r.stderr or r.stdout)[-600:]})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> int:
+    if "--memset-child" in sys.argv:
+        print(json.dumps(memset_child(sys.argv[sys.argv.index("--memset-child") + 1])))
+        return 0
+    out = sys.argv[sys.argv.index("--out") + 1]
+    sections = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else [
+        "launch", "copy", "memset"]
+    res = {}
+    for name in sections:
+        t0 = time.time()
+        try:
+            res[name] = globals()[f"{name}_section"]()
+        except Exception:  # noqa: BLE001
+            res[name] = {"error": traceback.format_exc()[-2000:]}
+        res[f"{name}_s"] = time.time() - t0
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
