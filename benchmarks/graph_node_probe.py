@@ -276,13 +276,18 @@ def memset_section() -> list[dict]:
     return rows
 
 
-def main() -> int:
-    if "--memset-child" in sys.argv:
-        print(json.dumps(memset_child(sys.argv[sys.argv.index("--memset-child") + 1])))
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset")
+    p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
+    args = p.parse_args(argv)
+    if args.memset_child:
+        print(json.dumps(memset_child(args.memset_child)))
         return 0
-    out = sys.argv[sys.argv.index("--out") + 1]
-    sections = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else [
-        "launch", "copy", "memset"]
+    out, sections = args.out, args.sections.split(",")
     res = {}
     for name in sections:
         t0 = time.time()
