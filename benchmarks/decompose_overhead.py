@@ -16,7 +16,7 @@ host's issue of each part is gone, and what an extra part costs is the device's 
 
     python benchmarks/decompose_overhead.py                       # CUDA: one-rank NCCL group, bf16
     python benchmarks/decompose_overhead.py --compile-mode reduce-overhead   # the same under CUDA graphs
-    python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32
+    python benchmarks/decompose_overhead.py --dry-run             # CPU: one-rank gloo, tiny fp32, eager inner
     python benchmarks/decompose_overhead.py --render benchmarks/results/decompose_overhead/decompose_overhead-h200.json  # its .md
 """
 from __future__ import annotations
@@ -143,6 +143,8 @@ def run(args: argparse.Namespace) -> dict:
             base = None
             for parts in (None,) + part_counts:
                 options = {"strategy": "off"} if parts is None else {"chunks": parts}
+                if args.dry_run:  # the script's every step, without a C++ compile per graph on the CPU
+                    options["inner"] = "eager"
                 if args.compile_mode != "default":
                     options["mode"] = args.compile_mode
                 torch._dynamo.reset()
