@@ -12,9 +12,10 @@ of order until ``stable_toposort`` runs, once per graph after every rewrite.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -155,9 +156,11 @@ def meta_direct(fake_mode: Any, op: Any, args: tuple, kwargs: dict) -> Any:
     device = _common_fake_device(fake_mode, (*args, *kwargs.values()))
     if device is None:
         return NOT_DIRECT
-    with torch._C._AutoDispatchBelowAutograd(), torch._C._DisablePythonDispatcher(), \
-            in_kernel_invocation_manager(fake_mode):
-        out = op(*args, **kwargs)
+    shortcut = _LAYOUT_SHORTCUTS.get(op)
+    with _on_meta(fake_mode):  # also keeps the fake mode, active around the pass, off new tensors
+        out = shortcut(*args, **kwargs) if shortcut is not None else None
+        if out is None:
+            out = op(*args, **kwargs)
     if out is None or isinstance(out, torch.Tensor):
         return _wrap(fake_mode, out, device)
     if isinstance(out, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in out):
@@ -176,7 +179,8 @@ def meta_auto_functionalized(fake_mode: Any, op: Any, kwargs: dict) -> Any:
         x = kwargs.get(name)
         if not isinstance(x, FakeTensor) or x.fake_mode is not fake_mode or not _static(x):
             return NOT_DIRECT
-        fresh = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        with _on_meta(fake_mode):
+            fresh = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
         copies[name] = FakeTensor(fake_mode, fresh, x.fake_device)
     out = meta_direct(fake_mode, op, (), {**kwargs, **copies})
     if out is NOT_DIRECT:
@@ -185,6 +189,44 @@ def meta_auto_functionalized(fake_mode: Any, op: Any, kwargs: dict) -> Any:
 
 
 NOT_DIRECT = object()
+
+
+@contextlib.contextmanager
+def _on_meta(fake_mode: Any) -> Iterator[None]:
+    """Run ops as the fake mode runs their kernels: fake inputs seen as meta tensors, no torch
+    dispatch mode, no Python dispatcher, below autograd."""
+    with torch._C._AutoDispatchBelowAutograd(), torch._C._DisablePythonDispatcher(), \
+            in_kernel_invocation_manager(fake_mode):
+        yield
+
+
+def _cat_layout(tensors: list, dim: int = 0) -> Any:
+    """``cat``'s result where it is plain (one dtype, one rank below 4, so no channels-last format:
+    a new contiguous tensor); None otherwise.  Its meta kernel is Python, the costliest of the ops
+    the rewrites add."""
+    first = tensors[0] if tensors else None
+    if first is None or first.dim() == 0 or first.dim() > 3 or not all(_static(t) for t in tensors):
+        return None
+    dim = dim % first.dim()
+    shape = list(first.shape)
+    for t in tensors[1:]:
+        if t.dtype != first.dtype or t.dim() != first.dim() or any(
+                a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim):
+            return None
+        shape[dim] += t.shape[dim]
+    return torch.empty(shape, dtype=first.dtype, device="meta")
+
+
+def _add_layout(a: Any, b: Any, *, alpha: Any = 1) -> Any:
+    """``add``'s result for two contiguous tensors of one shape and dtype (a new contiguous tensor);
+    None otherwise (broadcasting and type promotion are the meta kernel's)."""
+    if (not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape or not _static(a)
+            or not a.is_contiguous() or not b.is_contiguous()):
+        return None
+    return torch.empty(a.shape, dtype=a.dtype, device="meta")
+
+
+_LAYOUT_SHORTCUTS = {aten.cat.default: _cat_layout, aten.add.Tensor: _add_layout}
 
 
 def _common_fake_device(fake_mode: Any, values: Iterable[Any]) -> Any:
