@@ -45,6 +45,20 @@ def ranks():
     pools.close()
 
 
+@pytest.fixture(scope="module")
+def fake_mesh(request):
+    """A fake process group of the module's ``WORLD`` ranks (4 if it sets none; it traces, computes
+    nothing) and its 1-D mesh, for the module's tests; destroyed after them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = getattr(request.module, "WORLD", 4)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    yield init_device_mesh("cpu", (world,))
+    dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """An Inductor compile on the CPU is slow by itself (its C++ kernels go through the system
     compiler): every ``inductor`` test is also ``slow``.  ``gpu`` tests skip without a GPU."""

@@ -13,10 +13,7 @@ import collections
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import compass_fx
 import compass_fx.backend as backend
@@ -26,14 +23,7 @@ WORLD = 4
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", (WORLD,))
-    dist.destroy_process_group()
-
-
-def walks_per_graph(mesh, monkeypatch, layers: int, **options) -> tuple[dict[str, int], int]:
+def walks_per_graph(fake_mesh, monkeypatch, layers: int, **options) -> tuple[dict[str, int], int]:
     """Whole-graph walks and graph copies inside the pass, per graph kind; and the pairs rewritten."""
     counts: collections.Counter = collections.Counter()
     inside: list[str] = []
@@ -63,7 +53,7 @@ def walks_per_graph(mesh, monkeypatch, layers: int, **options) -> tuple[dict[str
     monkeypatch.setattr(backend, "compass_pass", counted_pass)
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = parallelize(Transformer(ModelArgs(n_layers=layers)), mesh, sequence_parallel=True)
+    model = parallelize(Transformer(ModelArgs(n_layers=layers)), fake_mesh, sequence_parallel=True)
     report = compass_fx.explain(model, TOKENS, **options)
     monkeypatch.undo()
     return dict(counts), report.count(status="rewritten")
@@ -71,9 +61,9 @@ def walks_per_graph(mesh, monkeypatch, layers: int, **options) -> tuple[dict[str
 
 @pytest.mark.parametrize("options", [{"chunks": 2}, pytest.param({"strategy": "auto"}, marks=pytest.mark.slow),
                                      pytest.param({"strategy": "fuse", "schedule": "direct"}, marks=pytest.mark.slow)])
-def test_the_pass_walks_each_graph_a_fixed_number_of_times(mesh, monkeypatch, options):
-    small, rewritten_small = walks_per_graph(mesh, monkeypatch, 1, **options)
-    large, rewritten_large = walks_per_graph(mesh, monkeypatch, 3, **options)
+def test_the_pass_walks_each_graph_a_fixed_number_of_times(fake_mesh, monkeypatch, options):
+    small, rewritten_small = walks_per_graph(fake_mesh, monkeypatch, 1, **options)
+    large, rewritten_large = walks_per_graph(fake_mesh, monkeypatch, 3, **options)
     if options.get("strategy") != "auto":  # auto on CPU may keep pairs sequential: then only the count matters
         assert rewritten_large > rewritten_small > 0
     assert small == large, f"whole-graph walks grow with the pairs: 1 layer {small}, 3 layers {large}"

@@ -15,11 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_dense
-from torch.distributed.device_mesh import init_device_mesh
 from torch.fx.node import map_arg
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_leaves
 
 import compass_fx
@@ -28,13 +25,6 @@ from compass_fx.lowering import graph_edit
 
 WORLD = 4
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    yield init_device_mesh("cpu", (WORLD,))
-    dist.destroy_process_group()
 
 
 def describe(value: Any, inputs: list[torch.Tensor]) -> list:
@@ -58,7 +48,7 @@ def reference(fake_mode: Any, node: Any, args: tuple, kwargs: dict) -> Any:
 
 
 @pytest.mark.parametrize("sequence_parallel,chunks", [(True, 2), (True, 3), (False, 2)])
-def test_direct_metadata_equals_the_fake_modes(mesh, monkeypatch, sequence_parallel, chunks):
+def test_direct_metadata_equals_the_fake_modes(fake_mesh, monkeypatch, sequence_parallel, chunks):
     checked: collections.Counter = collections.Counter()
     mismatches: list[str] = []
     real_infer = graph_edit.NodeBuilder._infer_meta
@@ -79,7 +69,7 @@ def test_direct_metadata_equals_the_fake_modes(mesh, monkeypatch, sequence_paral
     monkeypatch.setattr(graph_edit.NodeBuilder, "_infer_meta", checked_infer)
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = parallelize(Transformer(ModelArgs(n_layers=1)), mesh, sequence_parallel=sequence_parallel)
+    model = parallelize(Transformer(ModelArgs(n_layers=1)), fake_mesh, sequence_parallel=sequence_parallel)
     report = compass_fx.explain(model, TOKENS, chunks=chunks)
     assert report.count(status="rewritten") > 0
     assert not mismatches, "\n".join(mismatches[:10])

@@ -699,6 +699,19 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     return gathered, outs
 
 
+def _reduction_workspace(op: str, key: tuple, schedule: str, group_name: str, group_size: int, a: torch.Tensor,
+                         n: int, host: bool, deferred: bool) -> "_Workspace":
+    """The workspace of a reduce-scatter or all-reduce call of ``key`` (its plans, buffers and replay
+    graphs), built at the key's first call."""
+    ws = _workspaces.get((key, _capturing()))
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans(op, schedule, group_size, _rank(group_name, group_size),
+                                                      a.shape[0], n, 1, a.element_size(), host, host_piece_bytes(),
+                                                      detach=deferred, fence=fence)[0],
+                        group_name, n, a.dtype, a.device)
+    return ws
+
+
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
                           group_size: int, deferred: bool = False) -> torch.Tensor:
     """See ``compass::matmul_reduce_scatter``; ``deferred``: ``compass::matmul_reduce_scatter_start``
@@ -709,12 +722,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     host = transport() == "host"
     a = a.contiguous()
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _workspaces.get((key, _capturing()))
-    if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
-                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
-                        group_name, n, a.dtype, a.device)
+    ws = _reduction_workspace("matmul_reduce_scatter", key, schedule, group_name, group_size, a, n, host, deferred)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
@@ -742,12 +750,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
         return gathered
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _workspaces.get((key, _capturing()))
-    if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
-                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
-                        group_name, n, a.dtype, a.device)
+    ws = _reduction_workspace("matmul_all_reduce", key, schedule, group_name, group_size, a, n, host, deferred)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
