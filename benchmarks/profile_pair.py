@@ -104,7 +104,11 @@ def variant(ctx, module_cls, k, n, rows, label, strategy):
     mod = module_cls(k, n, ctx.world, ctx.group_name).to(ctx.device, dtype)
     x = torch.randn(rows, k, device=ctx.device, dtype=dtype)
     options = None if strategy is None else {} if strategy == "auto" else pairs.lowered_options(strategy)
-    fn = torch.compile(mod, backend="inductor") if options is None else \
+    # on the CPU (a dry run: the profile means nothing) no C++ compile per variant: aot_eager, eager inner
+    plain = "inductor" if ctx.is_cuda else "aot_eager"
+    if options is not None and not ctx.is_cuda:
+        options = {**options, "inner": "eager"}
+    fn = torch.compile(mod, backend=plain) if options is None else \
         torch.compile(mod, backend="compass", options=options)
     before = len(compass_fx.backend.history)
     with torch.no_grad():
