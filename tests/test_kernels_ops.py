@@ -343,3 +343,32 @@ def test_with_graphs_enabled_inductor_may_capture_the_ops():
         env = dict(__import__("os").environ, COMPASS_FUSED_GRAPHS=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip().splitlines()[-1] == tagged, out.stderr[-2000:]
+
+
+@pytest.mark.slow  # a fresh interpreter: it makes and destroys the default process group
+def test_one_call_gather_follows_a_group_made_again_under_the_same_name(tmp_path):
+    """``compass::all_gather_mm_parts`` names its group; once the group is destroyed, a new group
+    gets the same name ("0" for the default one): the op must gather over the new group, not the
+    destroyed one it met before."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from compass_fx.lowering import gather_parts  # noqa: F401 - registers the op
+        x, w = torch.randn(4, 3), torch.randn(3, 2)
+        for attempt in range(2):
+            store = dist.FileStore({str(tmp_path / "store")!r} + str(attempt), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+            name = dist.group.WORLD.group_name
+            (out,) = torch.ops.compass.all_gather_mm_parts(x, [w], 2, 1, name)
+            torch.testing.assert_close(out, x @ w)
+            gather = gather_parts._gather_of(name)[0]  # the gather the op just ran
+            assert gather.__self__ is dist.group.WORLD, "a destroyed group's gather"
+            dist.destroy_process_group()
+        print("same name", name)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "same name 0" in proc.stdout

@@ -25,23 +25,23 @@ from torch import Tensor
 _LIB = torch.library.Library("compass", "FRAGMENT")
 _LIB.define("all_gather_mm_parts(Tensor shard, Tensor[] weights, int parts, int group_size, str group_name)"
             " -> Tensor[]")
-_groups: dict[str, tuple] = {}  # group name -> (process group, its gather, its options)
+_options: list = []  # c10d's gather options, asynchronous: made once
 
 
 def _gather_of(group_name: str) -> tuple:
     """The process group's asynchronous gather into one tensor (c10d's, called directly: the
-    Python wrapper ``dist.all_gather_into_tensor`` checks and builds options on every call)."""
-    got = _groups.get(group_name)
-    if got is None:
-        from torch.distributed.distributed_c10d import AllgatherOptions, _resolve_process_group
+    Python wrapper ``dist.all_gather_into_tensor`` checks and builds options on every call) and its
+    options.  The group is resolved on every call (~0.5 us): a name is given again to a new group
+    once its group is destroyed, so a group kept by name could be a destroyed one."""
+    from torch.distributed.distributed_c10d import AllgatherOptions, _resolve_process_group
 
-        pg = _resolve_process_group(group_name)
+    if not _options:
         opts = AllgatherOptions()
         if hasattr(opts, "asyncOp"):
             opts.asyncOp = True
-        gather = getattr(pg, "all_gather_single", None) or pg._allgather_base  # the newer name, where it exists
-        got = _groups[group_name] = (pg, gather, opts)
-    return got
+        _options.append(opts)
+    pg = _resolve_process_group(group_name)
+    return getattr(pg, "all_gather_single", None) or pg._allgather_base, _options[0]  # the newer name first
 
 
 def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group_size: int,
@@ -54,7 +54,7 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
     c, world = rows // parts, group_size
     shard = shard.contiguous()
     outs = [shard.new_empty((rows * world, w.shape[1])) for w in weights]
-    _, gather, opts = _gather_of(group_name)
+    gather, opts = _gather_of(group_name)
     # one call each for every part's views (a view per part costs the host a few us each)
     buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
     gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
