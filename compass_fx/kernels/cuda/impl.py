@@ -635,10 +635,11 @@ _OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "ma
 
 
 def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, cols: int,
-               dtype: torch.dtype, device: torch.device) -> _Workspace:
-    """The workspace of ``key`` for an eager call, or its twin while a CUDA graph is captured.
-    ``make_plan(fence)``: the plan, fenced for the twin's one set of buffers.  (The operators look
-    their workspace up in ``_workspaces`` first and call this only when it is missing.)"""
+               like: torch.Tensor) -> _Workspace:
+    """The workspace of ``key`` for an eager call, or its twin while a CUDA graph is captured: one
+    dict lookup once built.  ``make_plan(fence)``: the plan, fenced for the twin's one set of
+    buffers; ``like``: a tensor of the call's dtype and device (read only when building: a device
+    object per call costs ~1 us)."""
     captured = _capturing()
     ws = _workspaces.get((key, captured))
     if ws is not None:
@@ -649,6 +650,7 @@ def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, c
             "COMPASS_FUSED_GRAPHS=1 on every rank and run the same call (same shapes) once before the capture, "
             "as a graph's warm-up does (building a workspace allocates memory and meets the peers, which a "
             "capture forbids)")
+    dtype, device = like.dtype, like.device
     watchdog.for_device(_device_index(device)).check_failed()  # a collective rendezvous: not after a failure
     ws = _workspaces[(key, False)] = _Workspace(make_plan(False), group_name, cols, dtype, device)
     if graphs_enabled():
@@ -679,17 +681,14 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     deferred = deferred and not bs
     host = transport() == "host"
     cols = tuple([b.shape[1] for b in bs])
-    dtype = a_shard.dtype
     # the device as its index: a torch.device object per call costs ~1 us
-    key = ("ag", schedule, group_name, group_size, m, k, cols, dtype, a_shard.get_device(), host, deferred)
-    ws = _workspaces.get((key, _capturing()))
-    if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
-                                                      _rank(group_name, group_size), m, k, len(bs),
-                                                      a_shard.element_size(), host, host_piece_bytes(),
-                                                      detach=deferred, group_rows=_group_rows(cols, a_shard.device),
-                                                      fence=fence)[0],
-                        group_name, k, dtype, a_shard.device)
+    key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.get_device(), host, deferred)
+    ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
+                                                  _rank(group_name, group_size), m, k, len(bs),
+                                                  a_shard.element_size(), host, host_piece_bytes(),
+                                                  detach=deferred, group_rows=_group_rows(cols, a_shard.device),
+                                                  fence=fence)[0],
+                    group_name, k, a_shard)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
     outs = [a_shard.new_empty((rows, c)) for c in cols]
@@ -697,19 +696,6 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     if join is not None:
         _register_join(gathered, join)
     return gathered, outs
-
-
-def _reduction_workspace(op: str, key: tuple, schedule: str, group_name: str, group_size: int, a: torch.Tensor,
-                         n: int, host: bool, deferred: bool) -> "_Workspace":
-    """The workspace of a reduce-scatter or all-reduce call of ``key`` (its plans, buffers and replay
-    graphs), built at the key's first call."""
-    ws = _workspaces.get((key, _capturing()))
-    if ws is None:
-        ws = _workspace(key, lambda fence: call_plans(op, schedule, group_size, _rank(group_name, group_size),
-                                                      a.shape[0], n, 1, a.element_size(), host, host_piece_bytes(),
-                                                      detach=deferred, fence=fence)[0],
-                        group_name, n, a.dtype, a.device)
-    return ws
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str,
@@ -722,7 +708,10 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     host = transport() == "host"
     a = a.contiguous()
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _reduction_workspace("matmul_reduce_scatter", key, schedule, group_name, group_size, a, n, host, deferred)
+    ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
+                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                  host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                    group_name, n, a)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
@@ -750,7 +739,10 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
         return gathered
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _reduction_workspace("matmul_all_reduce", key, schedule, group_name, group_size, a, n, host, deferred)
+    ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
+                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                  host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                    group_name, n, a)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
