@@ -78,26 +78,49 @@ def python_frames(fn, calls: int = 20) -> list[dict]:
     return rows[:30]
 
 
+def paired_issue_us(fns: dict, calls: int = 20, rounds: int = 15, busy_s: float = 0.05) -> dict[object, list[float]]:
+    """Host microseconds per call of each function, every round timing each in turn (each behind a
+    GPU sleep, as :func:`host_us`).  The lent hosts' speed drifts by up to 2x within minutes (the same
+    extra part measured 36.9 us, then 121 us by this script and 4 us by calibrate on one machine,
+    each form timed in its own minute), so a difference between two forms is read per round."""
+    from compass_fx.tools.timing import issue_seconds
+
+    per_round: dict[object, list[float]] = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            per_round[key].append(issue_seconds(fn, calls, True, busy_s=busy_s, rounds=1) * 1e6)
+    return per_round
+
+
 def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: int = 4) -> dict:
-    """Calibrate's pair whole and in ``parts`` parts: issue time, per-op and per-frame host time."""
+    """Calibrate's pair whole and in ``parts`` parts: issue time (the two compiled forms taking turns
+    in every round; the extra part's cost is the median of the rounds' differences), per-op and
+    per-frame host time."""
     group = dist.group.WORLD
     shard = torch.randn(shard_rows, k, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
 
-    def pair(x, w):
+    def whole(x, w):  # two functions, so that the two compiled forms keep their own caches and coexist
         return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
 
-    res = {}
-    for p in (1, parts):
-        torch._dynamo.reset()
-        options = {"strategy": "off"} if p == 1 else {"chunks": p}
-        fn = torch.compile(pair, backend="compass", options=options)
-        with torch.no_grad():
+    def in_parts(x, w):
+        return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
+
+    torch._dynamo.reset()
+    calls = {}
+    with torch.no_grad():
+        for p, pair in ((1, whole), (parts, in_parts)):
+            options = {"strategy": "off"} if p == 1 else {"chunks": p}
+            fn = torch.compile(pair, backend="compass", options=options)
             for _ in range(3):
                 fn(shard, weight)
-            call = lambda: fn(shard, weight)  # noqa: E731
-            res[p] = {"issue_us": host_us(call), "ops": profile_ops(call), "frames": python_frames(call)}
-    res["extra_part_issue_us"] = (res[parts]["issue_us"] - res[1]["issue_us"]) / (parts - 1)
+            calls[p] = lambda fn=fn: fn(shard, weight)
+        rounds = paired_issue_us(calls)
+        res = {p: {"issue_us": statistics.median(rounds[p]), "issue_us_rounds": rounds[p],
+                   "ops": profile_ops(call), "frames": python_frames(call)} for p, call in calls.items()}
+    diffs = [(b - a) / (parts - 1) for a, b in zip(rounds[1], rounds[parts])]
+    res["extra_part_issue_us"] = statistics.median(diffs)
+    res["extra_part_issue_us_rounds"] = diffs
     res["parts"] = parts
     torch._dynamo.reset()
     return res
@@ -247,9 +270,13 @@ def markdown(payload: dict) -> str:
     part = payload.get("part", {})
     if "extra_part_issue_us" in part:
         p = part["parts"]
+        spread = sorted(part.get("extra_part_issue_us_rounds", []))
+        quartiles = (f"; rounds' quartiles {spread[len(spread) // 4]:.1f}-{spread[3 * len(spread) // 4]:.1f} us, "
+                     f"{len(spread)} rounds, the two forms taking turns" if len(spread) >= 4 else "")
         lines += [f"One extra InterDecom part as lowered (Inductor, one-rank NCCL): "
                   f"{part['extra_part_issue_us']:.1f} us of host issue "
-                  f"(whole {part[1]['issue_us']:.0f} us, {p} parts {part[p]['issue_us']:.0f} us per call).", "",
+                  f"(whole {part[1]['issue_us']:.0f} us, {p} parts {part[p]['issue_us']:.0f} us per call{quartiles}).",
+                  "",
                   "Host us per call by op (torch.profiler self time), whole vs parts:", ""]
         names = list(part[p]["ops"])[:20]
         rows = [{"op": nm, "whole": part[1]["ops"].get(nm, {}).get("self_us", 0.0),
