@@ -10,6 +10,8 @@ measurement with the code's constants and fits them with each family held out in
 
     python benchmarks/gemm_families.py --deadline 240     # one GPU: gemm_families-h200.json
     python benchmarks/gemm_families.py --analyse benchmarks/results/gemm_families/gemm_families-h200.json
+    python benchmarks/gemm_families.py --analyse benchmarks/results/gemm_families/gemm_families-h200.json \
+        --constants FIT.json --tag h200-devicetime-fit    # priced with a --fit-jointly result's constants
 """
 from __future__ import annotations
 
@@ -165,15 +167,19 @@ def _errors(rows: list[dict], spec) -> dict:
             "unsplit_median": q(times, 0.5), "n_ratios": len(ratio["rows"]) + len(ratio["contraction"])}
 
 
-def analyse(path: str, out_dir: str) -> int:
+def analyse(path: str, out_dir: str, constants: str | None = None, tag: str | None = None) -> int:
+    """Price every measurement with the code's H200 constants, or with those of ``constants`` (a
+    ``gemm_model_validation.py --fit-jointly`` JSON: constants proposed, not yet built in), and
+    fit them with each family held out in turn (each fit starts from those constants)."""
     from compass_fx.cost.gemm_fit import GemmMeasurement, fit_gpu_spec
-    from compass_fx.machine.gpus import GPUS
+    from compass_fx.machine.gpus import GPUS, GpuSpec
 
     payload = json.load(open(path))
     rows = payload["rows"]
-    builtin = GPUS["H200"]
-    result = {"source": os.path.basename(path), "measurements": len(rows), "builtin": _errors(rows, builtin),
-              "held_out": []}
+    builtin = GPUS["H200"] if constants is None else GpuSpec.from_dict(json.load(open(constants))["constants"])
+    which = "Built-in constants" if constants is None else f"Constants of {os.path.basename(constants)} (not built in)"
+    result = {"source": os.path.basename(path), "constants": constants and os.path.basename(constants),
+              "measurements": len(rows), "builtin": _errors(rows, builtin), "held_out": []}
     for family in sorted({r["family"] for r in rows}):
         train = [GemmMeasurement(r["gemm_m"], r["gemm_n"], r["gemm_k"], r["parts"], r["seconds"])
                  for r in rows if r["family"] != family and r["split"] == "rows"]
@@ -185,14 +191,14 @@ def analyse(path: str, out_dir: str) -> int:
     for k in keys:
         vals = [h[k] for h in result["held_out"] if h[k] is not None]
         result[f"held_out_median_of_{k}"] = statistics.median(vals) if vals else None
-    stem = os.path.join(out_dir, f"{NAME}-analysis-{payload['tag']}")
+    stem = os.path.join(out_dir, f"{NAME}-analysis-{tag or payload['tag']}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     lines = [f"# {NAME} analysis ({payload['tag']})", "",
              f"{len(rows)} device-time measurements ({'complete' if payload.get('complete') else 'cut by the deadline'}"
              "): each projection's GEMM split into 2-8 parts along its rows, its weight gradient along the "
              "contraction. Errors of the split/unsplit ratio and of the unsplit time.", "",
-             "Built-in constants, every family: " + ", ".join(f"{k} {v:.3f}" for k, v in result["builtin"].items()
+             f"{which}, every family: " + ", ".join(f"{k} {v:.3f}" for k, v in result["builtin"].items()
                                                                if isinstance(v, float)), "",
              "Each family held out of a fit of the constants to the others' row splits:", "",
              markdown_table(result["held_out"], ["family", "n_ratios", ("ratio_median", "ratio median"),
@@ -212,9 +218,14 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(RESULTS / NAME))
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--analyse", default=None, metavar="FILE")
+    p.add_argument("--constants", default=None, metavar="FIT_JSON",
+                   help="with --analyse: price with the constants of a gemm_model_validation.py --fit-jointly "
+                        "JSON instead of the built-in ones (the analysis is then named after --tag)")
     args = p.parse_args(argv)
     if args.analyse:
-        return analyse(args.analyse, args.out_dir)
+        if args.constants and args.tag == p.get_default("tag"):
+            p.error("--constants needs a --tag of its own (the built-in analysis is gemm_families-analysis-h200)")
+        return analyse(args.analyse, args.out_dir, args.constants, args.tag if args.constants else None)
     if args.dry_run:
         args.tag = "cpu"
     return run(args)

@@ -16,6 +16,10 @@ against the model's prediction.
                                                               # no GPU: the same measurements, the code's constants
     python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation/gemm_model_validation-h200.json,\
         benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
+    python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_families/gemm_families-h200.json,\
+        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json --held-out \
+        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json  # device time only (a families
+                                                              # file gives its row splits)
 
 Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute
 times and on split/unsplit ratios (the quantity InterDecom's choice of d depends on) for the
@@ -127,17 +131,32 @@ def _reprice(path: str) -> tuple[list, str, str, dict]:
     return meas, old["gpu_constants"], old["dtype"], info
 
 
-def fit_jointly(paths: list[str], gpu: str = "H200") -> dict:
+def _fit_measurements(path: str) -> list:
+    """A file's measurements for :func:`fit_jointly`: a result file of this script (every row), or
+    a ``gemm_families.py`` file (its row splits, the split the fit models; its contraction splits
+    are its analysis's out-of-sample check)."""
+    with open(path) as fh:
+        data = json.load(fh)
+    if data.get("benchmark") == "gemm_families":
+        return [GemmMeasurement(r["gemm_m"], r["gemm_n"], r["gemm_k"], r["parts"], r["seconds"])
+                for r in data["rows"] if r["split"] == "rows"]
+    return _reprice(path)[0]
+
+
+def fit_jointly(paths: list[str], gpu: str = "H200", held_out: list[str] | None = None) -> dict:
     """The code's constants for ``gpu`` refitted to the measurements of all ``paths`` together
-    (how the built-in H200 constants were derived), and an out-of-sample check per file: fitted
-    to the other files and one half of its shapes, the errors on the other half."""
-    sets = {path: _reprice(path)[0] for path in paths}
+    (how the built-in H200 constants were derived), and an out-of-sample check per file of
+    ``held_out`` (default every file): fitted to the other files and one half of its shapes, the
+    errors on the other half (each such check is a fit of its own, ~15 s on 1600 measurements)."""
+    sets = {path: _fit_measurements(path) for path in paths}
     every = [r for meas in sets.values() for r in meas]
     spec = gpu_spec(gpu)
     fitted = fit_gpu_spec(every, spec, rounds=2)
     out = {"constants": fitted.to_dict(), "in_sample": {}, "held_out_half": {}}
     for path, meas in sets.items():
         out["in_sample"][path] = _summary(model_errors(meas, fitted))
+        if held_out is not None and path not in held_out:
+            continue
         train, test = _halves(meas)
         others = [r for other, m in sets.items() if other != path for r in m]
         out["held_out_half"][path] = _summary(model_errors(test, fit_gpu_spec(others + train, spec, rounds=2)))
@@ -178,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit-jointly", default=None, metavar="FILES",
                    help="no GPU: refit the code's constants to these result files together (comma-separated) and "
                         "check each out of sample; prints JSON")
+    p.add_argument("--held-out", default=None, metavar="FILES",
+                   help="with --fit-jointly: the files (comma-separated) checked on a held-out half (default all)")
     p.add_argument("--gpu", default=None, help="GPU constants to compare with (default: from the device name)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, to check the script")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds of repetitions per measurement")
     args = p.parse_args(argv)
     tp8 = args.shapes == "tp8"
     if args.fit_jointly:
-        print(json.dumps(fit_jointly(args.fit_jointly.split(","), args.gpu or "H200"), indent=1))
+        held_out = args.held_out.split(",") if args.held_out else None
+        print(json.dumps(fit_jointly(args.fit_jointly.split(","), args.gpu or "H200", held_out), indent=1))
         return 0
     if args.reprice:
         meas, gpu, dtype, info = _reprice(args.reprice)
