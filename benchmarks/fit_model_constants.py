@@ -118,6 +118,21 @@ def _fused_call_rank(rows: list[dict]) -> tuple:
             -statistics.mean(r["pick_hit_rate"] for r in rows))
 
 
+@contextlib.contextmanager
+def _replay_priced(call_s: float, command_s: float, launch_s: dict[str, float]):
+    """The cost model with other replay constants (``cost.strategies.FUSED_REPLAY_*``, and the
+    launches alone on the host they were fitted on, which a calibration scales them by)."""
+    import compass_fx.cost.strategies as strategies
+
+    real = strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S, strategies._REPLAY_FITTED_LAUNCH_S
+    strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S = call_s, command_s
+    strategies._REPLAY_FITTED_LAUNCH_S = {**real[2], **launch_s}
+    try:
+        yield
+    finally:
+        strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S, strategies._REPLAY_FITTED_LAUNCH_S = real
+
+
 def strategies_replay_call_us() -> float:
     """The replayed fused call's fixed host work the code prices with (calibrated where a
     calibration is in force)."""
@@ -133,6 +148,9 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=str(output.RESULTS / "multigpu_operators"), help="where the grids are")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     p.add_argument("--tag", default="h200x2")
+    p.add_argument("--replay-constants", default=None, metavar="CALL_US,COMMAND_US,LAUNCH_JSON",
+                   help="also reprice with proposed replay constants: per call and per command (us), and the "
+                        "launches alone (JSON of seconds per kind) on the host they were fitted on")
     args = p.parse_args(argv)
     grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
@@ -142,9 +160,18 @@ def main(argv=None) -> int:
     # issued command by command, so where the host bound them the picks are judged against stale times
     replay_rows = [{"constant": "FUSED_REPLAY_CALL_S", "value_us": round(strategies_replay_call_us()), "grid": name,
                     **evaluate(grid)} for name, grid in grids.items()]
+    proposed_rows = []
+    if args.replay_constants:
+        call_us, command_us, launch = args.replay_constants.split(",", 2)
+        with _replay_priced(float(call_us) * 1e-6, float(command_us) * 1e-6, json.loads(launch)):
+            proposed_rows = [{"constant": "FUSED_REPLAY_CALL_S (proposed)", "value_us": round(strategies_replay_call_us()),
+                              "command_us": float(command_us), "grid": name, **evaluate(grid)}
+                             for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
                "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best,
                "rows": part_rows + call_rows, "repriced_replayed": replay_rows}
+    if proposed_rows:
+        payload["repriced_replayed_proposed"] = proposed_rows
     columns = ["grid", ("value_us", "us"), ("decompose_median_error", "decompose median err"),
                ("decompose_p90_error", "p90"), ("model_d_within_3pct", "model d ok"),
                ("pick_hit_rate", "pick hit rate"), ("worst_regression_vs_sequential", "worst regression"),
@@ -164,6 +191,10 @@ def main(argv=None) -> int:
              "below 8192 tokens), so a pick of a small fused call is judged here against a time the "
              "replayed call should beat; a new two-GPU grid is the test.", "",
              output.markdown_table(replay_rows, columns)]
+    if proposed_rows:
+        lines += ["", f"## Repriced with proposed replay constants ({args.replay_constants.split(',')[0]} us per call + "
+                  f"{args.replay_constants.split(',')[1]} us per command on their host; 'us' is the call's cost scaled "
+                  "to the calibration's launches)", "", output.markdown_table(proposed_rows, columns)]
     print("\n".join(lines))
     output.write_results(NAME, args.tag, payload, "\n".join(lines), args.out_dir)
     return 0
