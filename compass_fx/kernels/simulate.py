@@ -48,7 +48,7 @@ class RankState:
     rank: int
     flags: list[int]
     symmetric: dict[str, list[torch.Tensor]]
-    tags: dict[str, list[torch.Tensor]]
+    tags: dict[str, list[list[int]]]  # per buffer and parity, the epoch that wrote each row
     stage: list[torch.Tensor]
     queues: dict[str, list[tuple[_Call, object]]] = field(default_factory=lambda: {s: [] for s in STREAMS})
     events: dict[str, int] = field(default_factory=dict)
@@ -80,7 +80,7 @@ class Simulator:
         self.ranks = [RankState(
             r, [0] * p.n_flags,
             {b: [torch.zeros(n, cols, dtype=torch.float64) for _ in range(2)] for b, n in rows.items()},
-            {b: [torch.zeros(n, dtype=torch.long) for _ in range(2)] for b, n in rows.items()},
+            {b: [[0] * n for _ in range(2)] for b, n in rows.items()},
             [torch.zeros(p.stage_rows, cols, dtype=torch.float64) for _ in range(p.stage_slots)])
             for r in range(self.world)]
 
@@ -92,18 +92,33 @@ class Simulator:
         that could issue passes its turn with probability ``lateness`` while other work can run."""
         issued = [0] * self.world
         n = len(calls)
+        rng = self.rng
         while True:
             hosts = [st for st in self.ranks if issued[st.rank] < n]
             actions = [(s, st) for st in self.ranks for s in STREAMS if st.queues[s]]
-            actions += [("issue", st) for st in hosts if self.rng.random() > lateness]
-            self.rng.shuffle(actions)
-            if not any(self._step(what, st, issued, calls) for what, st in actions):
+            actions += [("issue", st) for st in hosts if rng.random() > lateness]
+            if not self._step_any(actions, issued, calls):
                 if hosts:
-                    self._step("issue", self.rng.choice(hosts), issued, calls)
+                    self._step("issue", rng.choice(hosts), issued, calls)
                 elif self._busy():
                     raise Deadlock(self._describe())
                 else:
                     return
+
+    def _step_any(self, actions: list, issued: list[int], calls) -> bool:
+        """Run the first action that can run, trying ``actions`` in a uniformly random order:
+        the action run is uniform among the runnable ones, as after a shuffle, but an order is
+        drawn only as far as it is tried (a shuffle of every action at every step was most of a
+        simulation's time)."""
+        rng, left = self.rng, len(actions)
+        while left:
+            i = int(rng.random() * left)
+            what, st = actions[i]
+            if self._step(what, st, issued, calls):
+                return True
+            left -= 1
+            actions[i] = actions[left]
+        return False
 
     def _step(self, what: str, st: RankState, issued: list[int], calls) -> bool:
         if what == "issue":
@@ -135,12 +150,13 @@ class Simulator:
             raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
         if region.buf in owner.symmetric:
             parity = self.parity(call.epoch)
-            tags = owner.tags[region.buf][parity][region.start:region.stop]
-            if reading and bool((tags != call.epoch).any()):
-                raise ProtocolViolation(
-                    f"rank {st.rank}, call {call.epoch}: {region} holds data of calls {sorted(set(tags.tolist()))}")
-            if not reading:
-                tags.fill_(call.epoch)
+            tags, start, stop = owner.tags[region.buf][parity], region.start, region.stop
+            if reading:
+                if tags[start:stop].count(call.epoch) != stop - start:
+                    raise ProtocolViolation(
+                        f"rank {st.rank}, call {call.epoch}: {region} holds data of calls {sorted(set(tags[start:stop]))}")
+            else:
+                tags[start:stop] = [call.epoch] * (stop - start)
             return owner.symmetric[region.buf][parity][region.start:region.stop]
         if region.buf == "STAGE":
             return st.stage[region.index][:region.rows]
