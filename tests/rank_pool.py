@@ -75,6 +75,7 @@ class RankPool:
     def __init__(self, world_size: int, timeout_s: float = 600.0) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self._stopping = False
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()
@@ -116,10 +117,16 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
-    def close(self, force: bool = False) -> None:
-        if not force:
+    def stop(self) -> None:
+        """Ask every rank to leave its group and exit (without waiting: pools stop side by side)."""
+        if not self._stopping:
+            self._stopping = True
             for q in self._tasks:
                 q.put(None)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            self.stop()
             for p in self._procs:
                 p.join(timeout=10)
         for p in self._procs:

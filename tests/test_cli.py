@@ -69,6 +69,7 @@ def test_explain_under_a_cuda_graph_mode_says_how_it_priced(capsys):
     assert status == 2 and "option 'mode' must be one of" in stderr
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_explain_bad_option_is_a_clear_error():
     out = run_cli("explain", "--strategy", "fastest")
     assert out.returncode == 2
@@ -166,6 +167,7 @@ def test_an_unexpected_error_says_how_to_see_the_traceback(capsys, monkeypatch):
     assert status == 1 and err.count("\n") == 1 and "KeyError" in err and "--debug" in err
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_bad_number_exit_status_of_the_console_script():
     out = run_cli("plan", "--tokens", "-5", "--no-png")
     assert out.returncode == 2 and out.stdout == ""
@@ -182,6 +184,7 @@ def test_plan_without_matplotlib_is_a_note(capsys, monkeypatch, tmp_path):
     assert len([line for line in lines if "matplotlib" in line]) == 1 and len(lines) == 2, err
 
 
+@pytest.mark.slow  # the console script in a fresh interpreter
 def test_commands_import_without_warnings():
     # -W error: an import-time warning (numpy's "Failed to initialize NumPy" from torch) fails it.
     out = subprocess.run([sys.executable, "-W", "error", "-c", "import compass_fx.cli"],

@@ -232,7 +232,7 @@ def _arena_case(rank):
     return True
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: a pool of its own
 def test_shared_host_arena_on_real_ranks(ranks, world):
     """The memory host-staged fused operators meet in: every rank's region visible to all."""
     assert ranks(world).run(_arena_case) == [True] * world
