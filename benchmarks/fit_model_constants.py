@@ -17,8 +17,13 @@ datasheet gives and that the grids (``multigpu_operators.py``, every candidate m
 For each constant the script re-prices every grid with each candidate value (the other constant
 as in the code) and reports the measures per grid; the best value is the one best on all grids
 together.  ``tests/test_bench_scripts.py`` checks that the code's constants are these values.
-Then the grids are repriced as the code prices now: eager fused calls replayed from captured CUDA
-graphs, their host constants measured on one H200 (``fused_host_time.py``).
+The replayed fused call's host constants (``FUSED_REPLAY_CALL_S``, ``FUSED_REPLAY_COMMAND_S`` and
+the launches alone they were fitted with, ``_REPLAY_FITTED_LAUNCH_S``) are fitted here too, to the
+``.graph`` host times of two ranks sharing one H200 in the committed ``fused_host_time.py`` runs
+(``--replay-runs``): each run's times scaled to the runs' median launches (the median ratio of its
+launches to those, as a calibration scales the constants), then a least-squares line in the
+plan's command count.  Then the grids are repriced as the code prices now: eager fused calls
+replayed from captured CUDA graphs at those constants.
 
     python benchmarks/fit_model_constants.py      # the committed h200x2 grids, both regimes
 """
@@ -41,6 +46,9 @@ from harness import output  # noqa: E402
 NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
+# today's default fused path (commit 25ebabb) timed on one H200, ten cases of 17-166 commands at world 2 each
+REPLAY_RUNS = ("fused_host_time-h200-default.json", "fused_host_time-h200-default-w2-run2.json",
+               "fused_host_time-h200-default-profile.json")
 
 
 @contextlib.contextmanager
@@ -133,6 +141,34 @@ def _replay_priced(call_s: float, command_s: float, launch_s: dict[str, float]):
         strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S, strategies._REPLAY_FITTED_LAUNCH_S = real
 
 
+def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
+    """The replayed fused call's host constants fitted to ``fused_host_time.py`` runs (name ->
+    payload): the ``.graph`` host time of each case at ``world`` ranks, scaled by its run's launch
+    speed (the median over command kinds of the run's launch alone / the runs' median launch of
+    that kind: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
+    fitted by least squares as per-call + per-command * commands.  Rounded as the code holds them:
+    the launches to 0.01 us, the call to 1 us, the command to 0.01 us."""
+    launches = {name: run["launch_us"][str(world)] for name, run in runs.items()}
+    kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
+    reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
+    points = []
+    for name, run in runs.items():
+        ratios = sorted(launches[name][k] / reference[k] for k in kinds)
+        speed = ratios[len(ratios) // 2]
+        points += [(sum(r["commands"].values()), r["host_us_graph"] / speed, name)
+                   for r in run["rows"] if r["world"] == world and r.get("host_us_graph")]
+    n = len(points)
+    mean_x = statistics.fmean(x for x, _, _ in points)
+    mean_y = statistics.fmean(y for _, y, _ in points)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y, _ in points)
+             / sum((x - mean_x) ** 2 for x, _, _ in points))
+    call_us, command_us = round(mean_y - slope * mean_x), round(slope, 2)
+    errors = sorted(abs((call_us + command_us * x) / y - 1) for x, y, _ in points)
+    return {"runs": list(runs), "world": world, "points": n, "call_us": call_us, "command_us": command_us,
+            "launch_us": reference, "median_error": statistics.median(errors),
+            "p90_error": errors[int(0.9 * (n - 1))]}
+
+
 def strategies_replay_call_us() -> float:
     """The replayed fused call's fixed host work the code prices with (calibrated where a
     calibration is in force)."""
@@ -148,11 +184,17 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=str(output.RESULTS / "multigpu_operators"), help="where the grids are")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     p.add_argument("--tag", default="h200x2")
+    p.add_argument("--replay-runs", default=",".join(REPLAY_RUNS),
+                   help="fused_host_time JSON files (under --host-results) the replay constants are fitted to")
+    p.add_argument("--host-results", default=str(output.RESULTS / "fused_host_time"),
+                   help="where the fused_host_time runs are")
     p.add_argument("--replay-constants", default=None, metavar="CALL_US,COMMAND_US,LAUNCH_JSON",
                    help="also reprice with proposed replay constants: per call and per command (us), and the "
                         "launches alone (JSON of seconds per kind) on the host they were fitted on")
     args = p.parse_args(argv)
     grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
+    replay_fit = fit_replay({name: json.loads((Path(args.host_results) / name).read_text())
+                             for name in args.replay_runs.split(",")})
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
     # the grids repriced as the code prices now: eager fused calls replayed from captured graphs
@@ -168,7 +210,7 @@ def main(argv=None) -> int:
                               "command_us": float(command_us), "grid": name, **evaluate(grid)}
                              for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
-               "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best,
+               "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best, "replay_fit": replay_fit,
                "rows": part_rows + call_rows, "repriced_replayed": replay_rows}
     if proposed_rows:
         payload["repriced_replayed_proposed"] = proposed_rows
@@ -184,6 +226,13 @@ def main(argv=None) -> int:
              f"## FUSED_HOST_CALL_REST_S: **{call_best} us** (the smallest worst regression against "
              "sequential, then the highest hit rate; calls issued command by command, as the grids measured "
              "them)", "", output.markdown_table(call_rows, columns), "",
+             f"## The replayed call's host constants: **{replay_fit['call_us']} us + {replay_fit['command_us']} us "
+             "per command** (least squares over the `.graph` host times of "
+             f"{replay_fit['points']} cases at {replay_fit['world']} ranks sharing one H200, each run scaled to the "
+             f"runs' median launches; median error {replay_fit['median_error']:.1%}, p90 "
+             f"{replay_fit['p90_error']:.1%})", "",
+             f"Runs: {', '.join(replay_fit['runs'])}.  Launches alone the constants hold for (us): "
+             + ", ".join(f"{k} {v}" for k, v in replay_fit["launch_us"].items()) + ".", "",
              "## Repriced as the code prices now (eager fused calls replayed from captured graphs: "
              f"FUSED_REPLAY_CALL_S {replay_rows[0]['value_us']} us + FUSED_REPLAY_COMMAND_S per command, "
              "fitted on one H200)", "",

@@ -14,12 +14,10 @@ against the model's prediction.
     python benchmarks/gemm_model_validation.py --dry-run      # a few small shapes on CPU
     python benchmarks/gemm_model_validation.py --reprice benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json
                                                               # no GPU: the same measurements, the code's constants
-    python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_model_validation/gemm_model_validation-h200.json,\
-        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json   # how the built-in H200 constants were fitted
     python benchmarks/gemm_model_validation.py --fit-jointly benchmarks/results/gemm_families/gemm_families-h200.json,\
         benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json --held-out \
-        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json  # device time only (a families
-                                                              # file gives its row splits)
+        benchmarks/results/gemm_model_validation/gemm_model_validation-h200-tp8.json  # how the built-in H200
+                                  # constants were fitted: device time only (a families file gives its row splits)
 
 Writes the JSON and a markdown file beside it.  Reports the median relative error on absolute
 times and on split/unsplit ratios (the quantity InterDecom's choice of d depends on) for the
@@ -127,6 +125,8 @@ def _reprice(path: str) -> tuple[list, str, str, dict]:
     meas = [GemmMeasurement(r["m"], r["n"], r["k"], r["parts"], r["measured_s"]) for r in old["rows"]]
     info = {k: v for k, v in old.items() if k not in ("builtin", "fitted_all", "fitted_holdout", "rows", "goal")}
     info.setdefault("shapes_set", "grid")
+    if info["shapes_set"] == "grid":  # as _measured says of it (files measured before it did)
+        info.setdefault("timing", "each call from an idle GPU (host launches included)")
     info["repriced_with_the_code_of"] = "this commit (measurements unchanged)"
     return meas, old["gpu_constants"], old["dtype"], info
 

@@ -15,8 +15,10 @@ from compass_fx.machine.gpus import with_overrides
 from compass_fx.cost.overlap import slowdown
 
 dims = st.integers(1, 20000)
-RESULTS = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gemm_model_validation"
-           / "gemm_model_validation-h200.json")
+BENCH_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+FAMILIES = BENCH_RESULTS / "gemm_families" / "gemm_families-h200.json"        # device time
+TP8 = BENCH_RESULTS / "gemm_model_validation" / "gemm_model_validation-h200-tp8.json"  # device time
+IDLE_GPU_GRID = BENCH_RESULTS / "gemm_model_validation" / "gemm_model_validation-h200.json"  # host launches included
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,15 +65,72 @@ def test_gpu_names_are_forgiving():
     assert gpu_spec("h100").name == "H100"
 
 
+def _quantile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
 def test_model_meets_the_goal_on_the_committed_h200_measurements():
-    """The built-in H200 constants against the measurements in benchmarks/results (not a timing
-    assertion: a fixed data set against the model)."""
-    data = json.loads(RESULTS.read_text())
+    """The built-in H200 constants against the committed device-time measurements of one H200
+    (not a timing assertion: fixed data sets against the model), held to issue 27's goals:
+    split/unsplit ratio error median <= 8%, p90 <= 20%, unsplit time median <= 8%.
+
+    The model predicts device time (what a GEMM costs the GPU once the host keeps ahead of it), so
+    its references are the files timed so: gemm_families-h200 (8 families, TP 2/4/8, 2048-16384
+    tokens; each GEMM split into 2-8 parts along its rows and, its weight gradient, along the
+    contraction, which the fit does not see) and issue 11's TP = 8 set (-tp8, queued calls).  The
+    sweep grid's gemm_model_validation-h200.json timed each call from an idle GPU, the host's launch
+    latency included (and the GPU starting from idle: on the 40 unsplit GEMMs it shares with the
+    device-time files it is 1.08-1.52x slower, 21-808 us, more than a launch), so it is not a
+    reference for a device-time model (see the next test)."""
+    spec = gpu_spec("H200")
+    rows = json.loads(FAMILIES.read_text())["rows"]
+    assert len(rows) == 3072 and {r["split"] for r in rows} == {"rows", "contraction"}
+    unsplit = {(r["split"], r["gemm_m"], r["gemm_n"], r["gemm_k"]): r["seconds"] for r in rows if r["parts"] == 1}
+    ratio = {"rows": [], "contraction": []}
+    whole_errors = []
+    for r in rows:
+        m, n, k, parts = r["gemm_m"], r["gemm_n"], r["gemm_k"], r["parts"]
+        whole = gemm_seconds(m, n, k, "bfloat16", spec)
+        if parts == 1:
+            if r["split"] == "rows":  # each forward GEMM once (a contraction split's unsplit is another GEMM)
+                whole_errors.append(abs(whole / r["seconds"] - 1))
+            continue
+        part = (gemm_seconds(m // parts, n, k, "bfloat16", spec) if r["split"] == "rows"
+                else gemm_seconds(m, n, k // parts, "bfloat16", spec))
+        measured_ratio = r["seconds"] / unsplit[(r["split"], m, n, k)]
+        ratio[r["split"]].append(abs(parts * part / whole / measured_ratio - 1))
+    both = ratio["rows"] + ratio["contraction"]
+    assert len(both) == 2304 and len(whole_errors) == 384
+    assert _quantile(both, 0.5) <= 0.08 and _quantile(both, 0.9) <= 0.20, (_quantile(both, 0.5), _quantile(both, 0.9))
+    assert _quantile(ratio["rows"], 0.5) <= 0.08 and _quantile(ratio["contraction"], 0.5) <= 0.08
+    assert _quantile(whole_errors, 0.5) <= 0.08, _quantile(whole_errors, 0.5)
+
+    data = json.loads(TP8.read_text())
+    assert data["timing"].startswith("device time")
     meas = [GemmMeasurement(r["m"], r["n"], r["k"], r["parts"], r["measured_s"]) for r in data["rows"]]
-    errors = model_errors(meas, gpu_spec("H200"))
+    assert len(meas) == 112
+    errors = model_errors(meas, spec)
+    whole_tp8 = [abs(r["abs_error"]) for r in errors["rows"] if r["parts"] == 1]
+    assert errors["median_ratio_error"] <= 0.08 and errors["p90_ratio_error"] <= 0.20, errors["p90_ratio_error"]
+    assert _quantile(whole_tp8, 0.5) <= 0.08, _quantile(whole_tp8, 0.5)
+
+
+def test_the_idle_gpu_timed_grid_splits_alike_but_is_not_device_time():
+    """gemm_model_validation-h200.json (the sweep grid's GEMMs split into 1-32 parts) timed each
+    call from an idle GPU, the host's launch latency included: its split/unsplit ratios still
+    follow the model (median error <= 10%, as this file was always held to), but its absolute
+    times are not device time, and the device-time model prices well below them (15.8% at the
+    median with the built-in constants; a refit that pulled the model up to them would price the
+    launch latency into every GEMM)."""
+    data = json.loads(IDLE_GPU_GRID.read_text())
+    assert "timing" not in data or data["timing"].startswith("each call from an idle GPU")
+    meas = [GemmMeasurement(r["m"], r["n"], r["k"], r["parts"], r["measured_s"]) for r in data["rows"]]
     assert len(meas) == 288
+    errors = model_errors(meas, gpu_spec("H200"))
     assert errors["median_ratio_error"] <= 0.10
-    assert errors["median_abs_error"] <= 0.10
+    signed = sorted(r["abs_error"] for r in errors["rows"])
+    assert signed[len(signed) // 2] <= -0.10, signed[len(signed) // 2]
 
 
 def test_fit_recovers_a_known_efficiency():

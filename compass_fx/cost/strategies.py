@@ -36,16 +36,20 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # The host's work per fused call.  An eager call replays a CUDA graph of its plan's commands once
 # its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
 # dispatch and the Python around the replay, plus the driver's launch of each captured command.
-# Fitted (least squares over the 10 configurations of 17-166 commands) to the ".graph" host times
-# of two ranks sharing one H200, benchmarks/results/fused_host_time/fused_host_time-h200-replay.json: 67 us +
-# 1.4 us per command (4 ranks sharing it: 120 + 1.6; 8: 166 + 1.5, the ranks' processes contending
-# for one host and one GPU's driver).  FUSED_CALLS_REPLAYED = False prices every call issued
-# command by command instead (the constants below; a deferred call, fused_async, is issued so).
+# Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares over 30 cases of 17-166
+# commands, each run scaled to the runs' median launches) to the ".graph" host times of two ranks
+# sharing one H200 in the three runs of today's default path, benchmarks/results/fused_host_time/
+# fused_host_time-h200-default{,-w2-run2,-profile}.json: 62 us + 0.82 us per command (median error
+# 19%, p90 37%: single readings drift with the host; 4 ranks sharing the GPU: 84 + 0.89, 8: 121 +
+# 1.13, the ranks' processes contending for one host and one GPU's driver).  tests/test_bench_scripts.py
+# checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
+# by command instead (the constants below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 67e-6
-FUSED_REPLAY_COMMAND_S = 1.4e-6
-_REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.9e-6, "Reduce": 7.2e-6, "Copy": 6.3e-6, "SetFlag": 2.4e-6, "WaitFlag": 2.4e-6,
-                           "Record": 0.8e-6, "WaitEvent": 0.85e-6}  # the launches alone on the host of that fit
+FUSED_REPLAY_CALL_S = 62e-6
+FUSED_REPLAY_COMMAND_S = 0.82e-6
+_REPLAY_FITTED_LAUNCH_S = {"Matmul": 11.04e-6, "Reduce": 6.02e-6, "Copy": 5.54e-6, "SetFlag": 1.97e-6,
+                           "WaitFlag": 1.98e-6, "Record": 0.75e-6,
+                           "WaitEvent": 0.77e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
