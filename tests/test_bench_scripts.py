@@ -1,8 +1,11 @@
 """The multi-GPU benchmark scripts run end to end on 2 gloo CPU ranks (``--dry-run``, restricted
 to a few configurations to stay fast) and write the JSON and markdown they promise.
 
-Each script runs as a subprocess exactly as a user would run it, so the launch path (spawn, gloo,
-rank 0 writing the files) is the one that runs on the GPUs with NCCL.
+The fused operators' dry run and the soak run as subprocesses exactly as a user runs them, so the
+launch path (spawn, gloo, rank 0 writing the files) is the one that runs on the GPUs with NCCL.
+The other scripts' ``main`` runs on the session's pool of 2 gloo ranks (``harness.launch`` runs a
+dry run on a group that exists): the same script, arguments and files, without starting three
+interpreters each (about 12 s of CPU a script).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow  # each runs a benchmark script in fresh processes
 
@@ -22,11 +26,28 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, str(BENCH / script), "--dry-run", "--out-dir", str(out), *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def _main_on_rank(rank: int, script: str, argv: list[str]) -> int:
+    """One pool rank's part of a dry run: the script's ``main(argv)``, as its command line runs it."""
+    import importlib
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    torch._dynamo.reset()  # the script compiles as a fresh process would
+    return importlib.import_module(script.removesuffix(".py")).main(argv)
+
+
+def _run(script: str, out: Path, *extra: str, ranks=None) -> dict:
+    """A script's dry run and the files it wrote: on ``ranks`` (the pool fixture: its 2 ranks) or,
+    without, in a subprocess."""
+    argv = ["--dry-run", "--out-dir", str(out), *extra]
+    if ranks is not None:
+        codes = ranks(2).run(_main_on_rank, script, argv)
+        assert codes == [0, 0], f"{script} exited with {codes}"
+    else:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, str(BENCH / script), *argv], check=False, cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     name = script.removesuffix(".py")
     jpath, mpath = out / f"{name}-cpu.json", out / f"{name}-cpu.md"
     assert jpath.is_file() and mpath.is_file(), sorted(p.name for p in out.iterdir())
@@ -52,9 +73,10 @@ def _source_digest() -> str:
                           timeout=120).stdout.strip()
 
 
-def test_correctness_dry_run(tmp_path):
+def test_correctness_dry_run(tmp_path, ranks):
     # the cost model's d only (forced d take the same code path); the compiled level without off/auto
-    data = _run("multigpu_correctness.py", tmp_path, "--forced-d", "", "--compiled-strategies", "decompose,fuse")
+    data = _run("multigpu_correctness.py", tmp_path, "--forced-d", "", "--compiled-strategies", "decompose,fuse",
+                ranks=ranks)
     rows = data["rows"]
     assert data["counts"]["FAIL"] == 0 and data["counts"]["error"] == 0
     assert data["topology"]["2"]["name"]
@@ -79,8 +101,9 @@ def test_correctness_dry_run(tmp_path):
                 assert r["err_grad_a"] <= r["tolerance"] and r["err_grad_b"] <= r["tolerance"]
 
 
-def test_operators_dry_run(tmp_path):
-    data = _run("multigpu_operators.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2")
+def test_operators_dry_run(tmp_path, ranks):
+    data = _run("multigpu_operators.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2",
+                ranks=ranks)
     rows = data["rows"]
     assert len(rows) == 3 and {r["kind"] for r in rows} == {"all_gather_matmul", "matmul_reduce_scatter",
                                                             "matmul_all_reduce"}
@@ -109,12 +132,12 @@ def test_operators_dry_run(tmp_path):
     assert s["worst_regression_vs_sequential"] is not None
 
 
-def test_end_to_end_dry_run(tmp_path):
+def test_end_to_end_dry_run(tmp_path, ranks):
     # eager instead of (aot_eager-substituted) Inductor keeps the test fast; the dry run of the
     # committed results runs the real Inductor
     data = _run("multigpu_end_to_end.py", tmp_path, "--fast", "--sp", "on", "--layers", "1", "--steps", "1",
                 "--warmup", "1", "--modes", "eager,async_tp,compass,megatron",
-                "--compass-options", '{"strategy": "decompose", "chunks": 2}')
+                "--compass-options", '{"strategy": "decompose", "chunks": 2}', ranks=ranks)
     rows = {r["mode"]: r for r in data["rows"]}
     assert set(rows) == {"eager", "async_tp", "compass", "megatron"}
     for mode in ("eager", "compass"):
@@ -139,8 +162,8 @@ def test_fused_ops_dry_run(tmp_path):
     assert all(r["sequential_compiler"] == ["inference: kept sequential(1): strategy='off'"] for r in data["speed"])
 
 
-def test_profile_pair_dry_run(tmp_path):
-    data = _run("profile_pair.py", tmp_path, "--skip-nccl", "--decompose-only")
+def test_profile_pair_dry_run(tmp_path, ranks):
+    data = _run("profile_pair.py", tmp_path, "--skip-nccl", "--decompose-only", ranks=ranks)
     decomposed = [r for r in data["pairs"] if r["variant"].startswith("decompose")]
     assert len(decomposed) == 6 and all(r["rewritten"] == [f"inference: rewritten decompose({r['variant'][-1]})"]
                                         and "not_applied" not in r for r in decomposed), decomposed
@@ -229,7 +252,7 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
     assert rows["median_ratio_error"] <= 0.08 and rows["p90_ratio_error"] <= 0.20, rows
 
 
-def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path):
+def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path, ranks):
     """``--cuda-graphs``: the model prices every candidate as a replay (each decomposition exactly
     as ``Workload.cuda_graphs`` prices it, cheaper than issued eagerly), the rows and the markdown
     say so.  (On CPU nothing is captured; on GPUs every candidate and baseline is timed from its
@@ -238,7 +261,7 @@ def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path):
     from compass_fx.cost.strategies import decomposition_models
 
     data = _run("multigpu_operators.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--decompose-ds", "2",
-                "--kinds", "all_gather_matmul", "--cuda-graphs")
+                "--kinds", "all_gather_matmul", "--cuda-graphs", ranks=ranks)
     row = data["rows"][0]
     assert row["cuda_graphs"] and all(c["measured_s"] and c["error"] is None for c in row["candidates"].values())
     topo = Topology.resolve(data["topology"]["2"]["name"])

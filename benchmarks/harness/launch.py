@@ -108,7 +108,11 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     """Run ``fn(ctx, args)`` on every rank of each world size; return [(world, rank 0's result)].
 
     Under torchrun this process is one rank: the result list holds this world only, and is
-    meaningful on rank 0 only (other ranks get their own return values)."""
+    meaningful on rank 0 only (other ranks get their own return values).  So it is in a process
+    that already belongs to a process group (a dry run called on ranks that exist, as the tests'
+    gloo pools do): the worker runs on that group, which is left as it was."""
+    if dist.is_initialized():
+        return [(_world_of_existing_group(args, worlds), _run_on_existing_group(fn, args))]
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         ctx = _init(rank, world, int(os.environ["LOCAL_RANK"]), args.dry_run, None)
@@ -142,6 +146,23 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     return out
 
 
+def _world_of_existing_group(args, worlds: Sequence[int]) -> int:
+    world = dist.get_world_size()
+    if not args.dry_run or dist.get_backend() != "gloo":
+        raise SystemExit("a benchmark runs on an existing process group only as a dry run on gloo")
+    if list(worlds) != [world]:
+        raise SystemExit(f"asked for worlds {list(worlds)} on an existing group of {world} ranks")
+    return world
+
+
+def _run_on_existing_group(fn: Callable[[Ctx, Any], Any], args) -> Any:
+    rank = dist.get_rank()
+    ctx = Ctx(rank, dist.get_world_size(), rank, torch.device("cpu"), "gloo", True)
+    result = fn(ctx, args)
+    barrier(ctx)
+    return result
+
+
 def launch(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> tuple[list[tuple[int, Any]], str, float] | None:
     """``run_worlds`` plus what every script's writer needs next: (results, device tag, start
     time); None in a process that does not write the files."""
@@ -158,7 +179,10 @@ def gathered(results: list[tuple[int, Any]], key: str = "rows") -> list:
 
 
 def is_writer() -> bool:
-    """The process that writes the files: rank 0 under torchrun, the parent otherwise."""
+    """The process that writes the files: rank 0 under torchrun or of a group that existed before
+    the run, the parent otherwise."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
     return not under_torchrun() or int(os.environ["RANK"]) == 0
 
 
