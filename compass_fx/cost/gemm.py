@@ -39,28 +39,50 @@ class GemmTime:
 
 
 def _check_dims(m: int, n: int, k: int) -> None:
+    if type(m) is int and type(n) is int and type(k) is int and m > 0 and n > 0 and k > 0:
+        return  # the common case, checked in one line (a fit prices millions of GEMMs)
     for name, value in (("m", m), ("n", n), ("k", k)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"gemm {name} must be a positive int, got {value!r}")
 
 
+_rates_of: dict[tuple[int, str], tuple] = {}  # (id(spec), dtype) -> (spec, element bytes, HBM B/s, flop/s per SM)
+
+
+def _rates(spec: GpuSpec, dtype: str) -> tuple[int, float, float]:
+    """What a GEMM's time needs of ``spec`` for ``dtype``, worked out once per spec object (the
+    spec is kept in the entry, so an id cannot be reused by another spec while it is cached)."""
+    key = (id(spec), dtype)
+    entry = _rates_of.get(key)
+    if entry is None or entry[0] is not spec:
+        if len(_rates_of) > 256:
+            _rates_of.clear()
+        hbm = spec.hbm_gbps * 1e9 * spec.memory_efficiency
+        entry = _rates_of[key] = (spec, dtype_bytes(dtype), hbm, spec.peak_flops(dtype) * spec.efficiency / spec.sms)
+    return entry[1], entry[2], entry[3]
+
+
 def gemm_time(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSpec" = "H200") -> GemmTime:
     """The model's breakdown for an (m x k) @ (k x n) GEMM."""
+    return GemmTime(*_gemm(m, n, k, dtype, gpu))
+
+
+def _gemm(m: int, n: int, k: int, dtype: str, gpu: "str | GpuSpec") -> tuple:
+    """:class:`GemmTime`'s fields (a tuple: :func:`gemm_seconds` needs no object)."""
     _check_dims(m, n, k)
     spec = gpu_spec(gpu)
-    elt = dtype_bytes(dtype)
-    hbm = spec.hbm_gbps * 1e9 * spec.memory_efficiency
-    rate_sm = spec.peak_flops(dtype) * spec.efficiency / spec.sms
+    elt, hbm, rate_sm = _rates(spec, dtype)
+    sms, wave_overhead, max_split = spec.sms, spec.wave_overhead_s, spec.max_split_k
     best: tuple[float, tuple[int, int], int, int] | None = None
     for tm, tn, rel in spec.tiles:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        tiles = -(-m // tm) * -(-n // tn)  # ceilings of exact integer division
         split = 1
-        while split <= spec.max_split_k:
+        while split <= max_split:
             # Split-K only to fill the machine (the choice depends on the tile count alone, which
             # keeps the model monotonic in k).
-            if split == 1 or tiles * split <= 2 * spec.sms:
-                waves = math.ceil(tiles * split / spec.sms)
-                per_wave = 2.0 * tm * tn * math.ceil(k / split) / (rate_sm * rel) + spec.wave_overhead_s
+            if split == 1 or tiles * split <= 2 * sms:
+                waves = -(-(tiles * split) // sms)
+                per_wave = 2.0 * tm * tn * -(-k // split) / (rate_sm * rel) + wave_overhead
                 t = waves * per_wave
                 if split > 1:
                     t += m * n * 4 * (split + 1) / hbm
@@ -69,12 +91,13 @@ def gemm_time(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSp
             split *= 2
     assert best is not None
     memory = (m * k + k * n + m * n) * elt / hbm
-    return GemmTime(best[0], memory, spec.kernel_overhead_s, best[1], best[2], best[3])
+    return best[0], memory, spec.kernel_overhead_s, best[1], best[2], best[3]
 
 
 def gemm_seconds(m: int, n: int, k: int, dtype: str = "bfloat16", gpu: "str | GpuSpec" = "H200") -> float:
     """Predicted seconds of one (m x k) @ (k x n) GEMM on ``gpu`` (a key of ``GPUS``)."""
-    return gemm_time(m, n, k, dtype, gpu).seconds
+    compute, memory, overhead = _gemm(m, n, k, dtype, gpu)[:3]
+    return max(compute, memory) + overhead
 
 
 def split_gemm_seconds(m: int, n: int, k: int, parts: int, dtype: str = "bfloat16",

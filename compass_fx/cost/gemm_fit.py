@@ -26,22 +26,39 @@ class GemmMeasurement:
 
 def model_errors(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str = "bfloat16") -> dict:
     """Relative errors of the model: on absolute times, and on split/unsplit ratios (parts > 1)."""
+    return _errors(measurements, spec, dtype, keep_rows=True)
+
+
+def _errors(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str, keep_rows: bool) -> dict:
+    """:func:`model_errors`; without ``keep_rows`` only the summary (what a fit's search needs, for
+    every candidate constant: each distinct GEMM is priced once, the rows are not built)."""
     unsplit = {(r.m, r.n, r.k): r.seconds for r in measurements if r.parts == 1}
+    priced: dict[tuple[int, int, int], float] = {}
+
+    def seconds(m: int, n: int, k: int) -> float:
+        t = priced.get((m, n, k))
+        if t is None:
+            t = priced[(m, n, k)] = gemm_seconds(m, n, k, dtype, spec)
+        return t
+
     abs_err, ratio_err, rows = [], [], []
     for r in measurements:
-        predicted = r.parts * gemm_seconds(r.m // r.parts, r.n, r.k, dtype, spec)
+        predicted = r.parts * seconds(r.m // r.parts, r.n, r.k)
         e = predicted / r.seconds - 1.0
         abs_err.append(abs(e))
-        row = {"m": r.m, "n": r.n, "k": r.k, "parts": r.parts, "measured_s": r.seconds,
-               "model_s": predicted, "abs_error": e}
         base = unsplit.get((r.m, r.n, r.k))
+        ratio = None
         if r.parts > 1 and base:
             measured_ratio = r.seconds / base
-            model_ratio = predicted / gemm_seconds(r.m, r.n, r.k, dtype, spec)
-            row.update(measured_ratio=measured_ratio, model_ratio=model_ratio,
-                       ratio_error=model_ratio / measured_ratio - 1.0)
-            ratio_err.append(abs(row["ratio_error"]))
-        rows.append(row)
+            model_ratio = predicted / seconds(r.m, r.n, r.k)
+            ratio = model_ratio / measured_ratio - 1.0
+            ratio_err.append(abs(ratio))
+        if keep_rows:
+            row = {"m": r.m, "n": r.n, "k": r.k, "parts": r.parts, "measured_s": r.seconds,
+                   "model_s": predicted, "abs_error": e}
+            if ratio is not None:
+                row.update(measured_ratio=measured_ratio, model_ratio=model_ratio, ratio_error=ratio)
+            rows.append(row)
     return {"median_abs_error": statistics.median(abs_err) if abs_err else None,
             "median_ratio_error": statistics.median(ratio_err) if ratio_err else None,
             "p90_ratio_error": _quantile(ratio_err, 0.9), "p90_abs_error": _quantile(abs_err, 0.9),
@@ -56,7 +73,7 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def _objective(measurements: Sequence[GemmMeasurement], spec: GpuSpec, dtype: str) -> float:
-    e = model_errors(measurements, spec, dtype)
+    e = _errors(measurements, spec, dtype, keep_rows=False)
     return (e["median_abs_error"] or 0) + (e["median_ratio_error"] or 0) + 0.5 * (e["p90_ratio_error"] or 0)
 
 
