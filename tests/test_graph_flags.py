@@ -12,7 +12,8 @@ import pytest
 
 from compass_fx.kernels.cuda import graph_flags
 
-KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy")
+KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy", "compass_write_code",
+           "compass_wait_code", "compass_copy_wide", "compass_count")
 
 
 def _nvrtc() -> ctypes.CDLL:

@@ -111,3 +111,84 @@ def test_a_finished_calls_event_is_reused_before_the_next_scan():
     assert dog.reusable(w) is None  # call 2 still runs: its event is not handed out
     w.pool.append(done)
     assert dog.reusable(w) is done and not w.pool
+
+
+def _progress(issued_epochs, finished):
+    """A :class:`watchdog.Progress` over a CPU word: replays of ``issued_epochs``, ``finished`` done."""
+    import torch
+
+    p = watchdog.Progress(torch.zeros(1, dtype=torch.int32))
+    for i, epoch in enumerate(issued_epochs):
+        p.epochs[i % p.RING] = epoch
+    p.issued = len(issued_epochs)
+    p.word[0] = finished
+    return p
+
+
+def test_a_replayed_call_without_progress_is_reported_by_its_epoch(monkeypatch, caplog):
+    """Replayed calls register no event: the graph's last node counts them in a host word, and the
+    oldest unfinished one (its epoch noted in a ring when issued) is late once the count has not
+    moved for the timeout."""
+    monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "0.05")
+    dog = watchdog.Watchdog(0)
+    released = []
+    w = watchdog.Watched(lambda epoch: (f"op waits in call {epoch} for rank 1", lambda: released.append(epoch)))
+    dog.watched.append(w)
+    w.progress = _progress([5, 6, 8], finished=1)
+    dog.scan()  # the count is seen for the first time: no verdict yet
+    dog.check_failed()
+    time.sleep(0.1)
+    dog.scan()
+    assert released == [6] and "op waits in call 6 for rank 1" in caplog.text
+    with pytest.raises(RuntimeError, match="call 6 for rank 1.*COMPASS_FUSED_TIMEOUT_S=0.05"):
+        dog.check_failed()
+
+
+def test_replayed_calls_that_progress_or_finished_are_left_alone(monkeypatch):
+    monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "0.05")
+    dog = watchdog.Watchdog(0)
+    w = watchdog.Watched(lambda epoch: pytest.fail("diagnosed a call that is not late"))
+    dog.watched.append(w)
+    w.progress = p = _progress([1, 2, 3, 4], finished=0)
+    for done in (1, 2, 3):  # slow, but moving: each scan sees a new count
+        dog.scan()
+        time.sleep(0.1)
+        p.word[0] = done
+    dog.scan()
+    p.word[0] = 4  # all finished: nothing outstanding however long it stays so
+    time.sleep(0.1)
+    dog.scan()
+    dog.scan()
+    dog.check_failed()
+
+
+def test_the_older_of_an_issued_and_a_replayed_late_call_is_diagnosed(monkeypatch):
+    monkeypatch.setenv("COMPASS_FUSED_TIMEOUT_S", "0.05")
+    dog = watchdog.Watchdog(0)
+    seen = []
+    w = watchdog.Watched(lambda epoch: seen.append(epoch) or (f"call {epoch}", None))
+    dog.watched.append(w)
+    w.pending.append(watchdog._Pending(9, _Never(), time.monotonic()))  # issued after the replays below
+    w.progress = _progress([7, 8], finished=0)
+    dog.scan()
+    time.sleep(0.1)
+    dog.scan()
+    assert seen == [7]
+
+
+def test_replays_stay_on_one_stream_and_within_the_ring():
+    """A plain increment on the GPU counts exactly only while a workspace's replays run one after
+    another: a replay on another stream waits (is issued instead) until the earlier ones finished;
+    and at most RING - 1 are outstanding, so the oldest one's epoch is still in the ring."""
+    p = _progress([], finished=0)
+    assert p.room(11) and p.stream == 11
+    p.issued = 2
+    assert p.room(11) and not p.room(12) and p.stream == 11
+    p.word[0] = 2
+    assert p.room(12) and p.stream == 12
+    p.issued = 2 + p.RING - 1
+    assert not p.room(12)
+    p.word[0] = 3
+    assert p.room(12)
+    p.issued, p.word[0] = 2 ** 32 + 5, 3  # the word wraps at 2**32 like the host's count modulo it
+    assert p.outstanding() == 2 and p.room(12)

@@ -78,6 +78,17 @@ extern "C" __global__ void compass_write_code(volatile int* flag, int code) {
   __threadfence_system();
 }
 
+// The last node of an eager call's replay graph: one more replayed call of its workspace has
+// finished.  ``word`` is pinned host memory that the watchdog reads with no GPU work (instead of an
+// event recorded and registered per call).  The replays of one workspace run one after another on
+// one stream (impl: a call on another stream is issued, not replayed, until the earlier replays have
+// finished: watchdog.Progress.room), so a plain increment from one thread is exact.
+extern "C" __global__ void compass_count(volatile unsigned int* word) {
+  __threadfence_system();
+  *word = *word + 1u;
+  __threadfence_system();
+}
+
 // Hold the stream until (*flag & bits) != 0 (cuStreamWaitValue32's CU_STREAM_WAIT_VALUE_AND).  One
 // thread: it never waits for a peer's grid to become resident.  Unbounded here: the watchdog bounds
 // it from the host, as it bounds a stream wait (it stores the awaited code into the flag itself).
@@ -138,7 +149,7 @@ def _functions(device_index: int) -> dict[str, int]:
         torch.cuda.current_stream().synchronize()  # the context exists before the driver loads into it
         out = {}
         for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy",
-                     "compass_write_code", "compass_wait_code", "compass_copy_wide"):
+                     "compass_write_code", "compass_wait_code", "compass_copy_wide", "compass_count"):
             ptx, mangled = _nvrtc_compile(SOURCE, name)
             out[name] = driver.load_function(ptx, mangled)
     return out
@@ -168,6 +179,12 @@ def write_code(device_index: int, flag_address: int, code: int):
     (a kernel node: what ``cuStreamWriteValue32`` does, for an eager call's replay graph)."""
     return driver.launcher(_functions(device_index)["compass_write_code"],
                            [ctypes.c_uint64(flag_address), ctypes.c_int(code)])
+
+
+def count(device_index: int, word_address: int):
+    """``launch(stream)``: add one to the uint32 at ``word_address`` (pinned host memory) once the
+    stream's earlier work is done (the last node of a replay graph: :class:`.watchdog.Progress`)."""
+    return driver.launcher(_functions(device_index)["compass_count"], [ctypes.c_uint64(word_address)])
 
 
 def wait_code(device_index: int, flag_address: int, bits: int):

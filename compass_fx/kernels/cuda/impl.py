@@ -176,12 +176,19 @@ class _Workspace:
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
         # from host memory (and, opted in, the flag waits) as kernels (replay.node_kinds)
         self.replay_steps = self.steps
+        self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
+        # a replay graph's last node counts the replays that finished (the watchdog reads the count
+        # from host memory); without our kernels, a replayed call records an event from a pool
+        self.progress: watchdog.Progress | None = None
+        self.count = None
         if self.replays is not None and replay.kernel_nodes(index):
             self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(plan.commands)]
                                  for phase in range(self.phases)]
-        self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
-        if self.replays is not None:
-            self.dog.prefill(self.watched, 16)  # a replayed call takes its watchdog event from a pool
+            self.progress = watchdog.Progress()
+            self.count = graph_flags.count(index, self.progress.address)
+            self.dog.watch_progress(self.watched, self.progress)
+        elif self.replays is not None:
+            self.dog.prefill(self.watched, 16)
 
     def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
                      device: torch.device) -> None:
@@ -464,12 +471,26 @@ class _Workspace:
         self.epoch += 1
         epoch = self.epoch
         if self.replays is not None and not deferred and not Join.outstanding and replay.enabled():
-            graph = self.replays.graph(self._addresses(tensors), epoch, lambda stream: self._issue(tensors, stream))
-            if graph is not None:
-                stream = _raw_stream(self.device_index)
-                graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
-                self._watch_replay(stream)
-                return None
+            stream = _raw_stream(self.device_index)
+            progress = self.progress
+            if progress is None:
+                graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
+                if graph is not None:
+                    graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
+                    self._watch_replay(stream)
+                    return None
+            elif progress.room(stream):
+                graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
+                if graph is not None:
+                    n = progress.issued  # counted issued before it can finish (the watchdog reads both)
+                    progress.epochs[n % progress.RING] = epoch
+                    progress.issued = n + 1
+                    try:
+                        graph.launch(stream)
+                    except BaseException:
+                        progress.issued = n
+                        raise
+                    return None
         main = torch.cuda.current_stream(self.device_index)  # an index: no device lookup (~30 us)
         if self.captured:
             self.bumps[epoch % self.copies](main.cuda_stream)  # before anything of the call
@@ -491,6 +512,8 @@ class _Workspace:
         streams = {MAIN: main}
         for step in self.replay_steps[self.epoch % self.phases]:
             step(tensors, self.epoch, streams)
+        if self.count is not None:  # the last node: after every command of the call (capture joins the streams)
+            self.count(main.cuda_stream)
 
     @staticmethod
     def _addresses(tensors: dict[str, list[torch.Tensor]]) -> tuple:
@@ -683,12 +706,14 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     cols = tuple([b.shape[1] for b in bs])
     # the device as its index: a torch.device object per call costs ~1 us
     key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.get_device(), host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
-                                                  _rank(group_name, group_size), m, k, len(bs),
-                                                  a_shard.element_size(), host, host_piece_bytes(),
-                                                  detach=deferred, group_rows=_group_rows(cols, a_shard.device),
-                                                  fence=fence)[0],
-                    group_name, k, a_shard)
+    ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
+                                                      _rank(group_name, group_size), m, k, len(bs),
+                                                      a_shard.element_size(), host, host_piece_bytes(),
+                                                      detach=deferred, group_rows=_group_rows(cols, a_shard.device),
+                                                      fence=fence)[0],
+                        group_name, k, a_shard)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
     outs = [a_shard.new_empty((rows, c)) for c in cols]
@@ -708,10 +733,12 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     host = transport() == "host"
     a = a.contiguous()
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
-                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                  host, host_piece_bytes(), detach=deferred, fence=fence)[0],
-                    group_name, n, a)
+    ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
+                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                        group_name, n, a)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
@@ -739,10 +766,12 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
         return gathered
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
-    ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
-                                                  _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                  host, host_piece_bytes(), detach=deferred, fence=fence)[0],
-                    group_name, n, a)
+    ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
+    if ws is None:
+        ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
+                                                      _rank(group_name, group_size), rows, n, 1, a.element_size(),
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                        group_name, n, a)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:

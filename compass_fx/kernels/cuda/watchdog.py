@@ -11,6 +11,11 @@ later call of a fused operator raises a ``RuntimeError`` with that message.  Rea
 releasing a flag in GPU memory take GPU work of their own, which a blocked hardware queue can hold
 up too; each gets ``DIAGNOSE_S`` seconds, after which the error is reported without the detail.
 
+An eager call replayed from a CUDA graph (:mod:`.replay`) registers no event either: the graph's
+last node adds one to a word of pinned host memory (:class:`Progress`) and the call only notes its
+epoch in a ring, so the thread sees which replayed call is the oldest unfinished one, and since
+when it has made no progress, without any GPU work (an event per call cost ~10-20 us of host).
+
 A call captured in a CUDA graph has no host work per replay to register: its waits bound
 themselves on the GPU (:mod:`.graph_flags`) and report into a host word, which the thread reads
 too (:meth:`Watchdog.watch_status`).  The thread may query events while the caller captures a
@@ -19,6 +24,7 @@ the capture).
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -45,6 +51,63 @@ class _Pending:
     since: float
 
 
+class Progress:
+    """The replayed calls of one workspace: ``issued`` of them so far, the epoch of replay ``i`` in
+    ``epochs[i % RING]``, and ``done``: the word (uint32, pinned host memory, read by the host with
+    no GPU work) that each replay graph's last node raises by one (:func:`.graph_flags.count`).
+    At most ``RING - 1`` replays are outstanding (:meth:`room`), so the oldest unfinished one's
+    epoch is always in the ring.  ``stream``: the stream the replays run on (a plain increment on
+    the GPU is exact only while they run one after another)."""
+
+    RING = 4096
+    __slots__ = ("word", "done", "address", "issued", "epochs", "stream", "seen", "since")
+
+    def __init__(self, word=None) -> None:
+        if word is None:
+            import torch
+
+            word = torch.zeros(1, dtype=torch.int32).pin_memory()
+        self.word = word  # keeps the memory alive
+        self.address = word.data_ptr()
+        self.done = ctypes.c_uint32.from_address(self.address)
+        self.issued = 0
+        self.epochs = [0] * self.RING
+        self.stream = None
+        self.seen = -1  # the done count the watchdog saw last, and when it first saw it
+        self.since = 0.0
+
+    def outstanding(self) -> int:
+        """Replays issued and not finished yet (modulo 2**32, as the word counts)."""
+        return (self.issued - self.done.value) & 0xFFFFFFFF
+
+    def room(self, stream: int) -> bool:
+        """Whether a replay may be issued now on ``stream`` (else the call is issued, not replayed):
+        the ring has room, and the stream is the replays' own, or every earlier replay has finished
+        (then ``stream`` becomes theirs)."""
+        if stream == self.stream:
+            return (self.issued - self.done.value) & 0xFFFFFFFF < self.RING - 1
+        if self.outstanding():
+            return False
+        self.stream = stream
+        return True
+
+    def oldest(self, now: float, timeout: float) -> "tuple[int, float] | None":
+        """(epoch, since) of the oldest unfinished replay when it has made no progress for longer
+        than ``timeout`` (seen by the watchdog's scans), else None."""
+        issued = self.issued  # read before the word: a replay is counted issued before it can finish
+        done = self.done.value
+        pending = (issued - done) & 0xFFFFFFFF
+        if not pending or pending >= self.RING:  # nothing outstanding (or a count read mid-update)
+            self.seen = -1
+            return None
+        if done != self.seen:
+            self.seen, self.since = done, now
+            return None
+        if now - self.since <= timeout:
+            return None
+        return self.epochs[done % self.RING], self.since
+
+
 @dataclass
 class Watched:
     """What the watchdog needs of one workspace: its pending calls, how to diagnose one, and the
@@ -55,6 +118,7 @@ class Watched:
     pool: list = field(default_factory=list)
     what: str = "a compass fused operator"  # named in the error when the diagnosis itself is stuck
     registered: bool = False  # in its watchdog's list (asked on every call: a flag, not a list search)
+    progress: Progress | None = None  # its replayed calls, counted on the GPU
 
 
 class Watchdog:
@@ -103,6 +167,15 @@ class Watchdog:
         if self.thread is None:
             self._start()
 
+    def watch_progress(self, w: Watched, progress: Progress) -> None:
+        """Bound ``w``'s replayed calls through ``progress`` (no per-call registration)."""
+        with self.lock:
+            w.progress = progress
+            if not w.registered:
+                w.registered = True
+                self.watched.append(w)
+        self._start()
+
     def watch_status(self, status, explain: Callable[[int], str]) -> None:
         """Watch a host int32 word (``status[0]``) that captured waits set to a nonzero code when
         they time out; ``explain(code)`` says which wait that was."""
@@ -140,16 +213,19 @@ class Watchdog:
             for w in self.watched:
                 while w.pending and w.pending[0].event.query():
                     w.pool.append(w.pending.pop(0).event)
-                late = [p for p in w.pending if now - p.since > self.timeout]
+                late = [(p.epoch, p.since) for p in w.pending if now - p.since > self.timeout][:1]
+                replayed = w.progress.oldest(now, self.timeout) if w.progress is not None else None
+                if replayed is not None:
+                    late = sorted(late + [replayed])  # the older of the two (calls finish in order)
                 if late:
-                    epoch = late[0].epoch
+                    epoch, since = late[0]
                     diagnosis = _within(DIAGNOSE_S, lambda: w.diagnose(epoch))
                     message, release = diagnosis if diagnosis is not None else (
                         f"{w.what}: call {epoch} waits for a peer that is late, has died, or calls the fused "
                         f"operators in another order (its flags could not be read within {DIAGNOSE_S:g} s: the "
                         f"GPU's queues are blocked). Every later call of a compass fused operator on this rank "
                         f"raises this error.", None)
-                    self.failure = (f"{message} (no progress for {now - late[0].since:.0f} s, "
+                    self.failure = (f"{message} (no progress for {now - since:.0f} s, "
                                     f"COMPASS_FUSED_TIMEOUT_S={self.timeout:g})")
                     log.error(self.failure)
                     if release is not None and _within(DIAGNOSE_S, lambda: release() or True) is None:
