@@ -111,9 +111,10 @@ def test_decomposed_gathers_are_one_call_on_nccl(fake_group, monkeypatch):
 
 def test_the_one_call_gathers_and_multiplies_every_part(ranks):
     """``compass::all_gather_mm_parts`` on gloo ranks equals the gathered tensor times each weight
-    (a strided weight too), for 1, 2 and 4 parts; the graph passes no rank."""
+    (a strided weight too), for 1, 2 and 4 parts, with two weights and with one; the graph passes
+    no rank."""
     for out in ranks(2).run(_one_call_errors, 2):
-        assert len(out) == 6 and max(out) < 1e-5, out
+        assert len(out) == 9 and max(out) < 1e-5, out
 
 
 def _one_call_errors(rank: int, world: int) -> list[float]:
@@ -130,6 +131,9 @@ def _one_call_errors(rank: int, world: int) -> list[float]:
     for parts in (1, 2, 4):
         outs = torch.ops.compass.all_gather_mm_parts(x, weights, parts, world, dist.group.WORLD.group_name)
         errors += [float((o - full @ w).abs().max()) for o, w in zip(outs, weights)]
+        (out,) = torch.ops.compass.all_gather_mm_parts.default(x, weights[1:], parts, world,
+                                                               dist.group.WORLD.group_name)
+        errors.append(float((out - full @ weights[1]).abs().max()))
     return errors
 
 

@@ -307,6 +307,25 @@ def _plain_cuda(a: Tensor, b: Tensor) -> bool:
             and not ((a.requires_grad or b.requires_grad) and _grad_on()))
 
 
+def _plain_cuda_list(a: Tensor, bs: list) -> bool:
+    """:func:`_plain_cuda` for a left operand and a list of weights."""
+    if not (type(a) is _plain and a.is_cuda and not _dispatch_modes() and not _function_modes()
+            and not _transforms()):
+        return False
+    grad = _grad_on() and a.requires_grad
+    for b in bs:
+        if type(b) is not _plain or b.requires_grad and _grad_on():
+            return False
+    return not grad
+
+
+def _direct_possible() -> bool:
+    """Whether this torch lets :func:`_direct` tell a plain call apart (and it is not turned off by
+    ``COMPASS_FUSED_DIRECT=0``)."""
+    return None not in (_dispatch_modes, _function_modes, _transforms) and os.environ.get("COMPASS_FUSED_DIRECT",
+                                                                                          "1") != "0"
+
+
 def _direct(overload, kernel, weights_listed: bool) -> None:
     """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above)."""
     through_dispatcher = overload._op
@@ -325,7 +344,7 @@ def _direct(overload, kernel, weights_listed: bool) -> None:
     overload._op = call  # what OpOverload.__call__ runs
 
 
-if None not in (_dispatch_modes, _function_modes, _transforms) and os.environ.get("COMPASS_FUSED_DIRECT", "1") != "0":
+if _direct_possible():
     _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True)
     _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False)
     _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False)

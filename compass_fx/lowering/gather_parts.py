@@ -25,7 +25,7 @@ from torch import Tensor
 _LIB = torch.library.Library("compass", "FRAGMENT")
 _LIB.define("all_gather_mm_parts(Tensor shard, Tensor[] weights, int parts, int group_size, str group_name)"
             " -> Tensor[]")
-_options: list = []  # c10d's gather options, asynchronous: made once
+_c10d: list = []  # (AllgatherOptions made asynchronous, _resolve_process_group): looked up once
 
 
 def _gather_of(group_name: str) -> tuple:
@@ -33,15 +33,16 @@ def _gather_of(group_name: str) -> tuple:
     Python wrapper ``dist.all_gather_into_tensor`` checks and builds options on every call) and its
     options.  The group is resolved on every call (~0.5 us): a name is given again to a new group
     once its group is destroyed, so a group kept by name could be a destroyed one."""
-    from torch.distributed.distributed_c10d import AllgatherOptions, _resolve_process_group
+    if not _c10d:
+        from torch.distributed.distributed_c10d import AllgatherOptions, _resolve_process_group
 
-    if not _options:
         opts = AllgatherOptions()
         if hasattr(opts, "asyncOp"):
             opts.asyncOp = True
-        _options.append(opts)
-    pg = _resolve_process_group(group_name)
-    return getattr(pg, "all_gather_single", None) or pg._allgather_base, _options[0]  # the newer name first
+        _c10d.append((opts, _resolve_process_group))
+    opts, resolve = _c10d[0]
+    pg = resolve(group_name)
+    return getattr(pg, "all_gather_single", None) or pg._allgather_base, opts  # the newer name first
 
 
 def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group_size: int,
@@ -58,7 +59,7 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
     # one call each for every part's views (a view per part costs the host a few us each)
     buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
     gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
-    blocking = shard.device.type == "cpu"
+    blocking = shard.is_cpu
     works = []
     for dst, src in zip(buffer.unbind(0), shard.view(parts, c, k).unbind(0)):
         work = gather(dst, src, opts)
@@ -66,20 +67,54 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
             work.wait()
         works.append(work)
     # part i's rows of a result: rows [i*c, (i+1)*c) of every rank's block, as [world, c, n] in place
+    bmm = torch.bmm
+    if len(weights) == 1:  # the common call: no list of targets per weight
+        target, w = outs[0].view(world, parts, c, weights[0].shape[1]).unbind(1), weights[0]
+        w = w.expand(world, k, w.shape[1])
+        for work, a, t in zip(works, gathered, target):
+            if not blocking:
+                work.wait()  # the caller's stream waits for part i's gather (the host does not)
+            bmm(a, w, out=t)
+        return outs
     targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
     broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
     for i, (work, a) in enumerate(zip(works, gathered)):
         if not blocking:
-            work.wait()  # the caller's stream waits for part i's gather (the host does not)
+            work.wait()
         for target, w in zip(targets, broadcast):
-            torch.bmm(a, w, out=target[i])
+            bmm(a, w, out=target[i])
     return outs
 
 
 _LIB.impl("all_gather_mm_parts", _all_gather_mm_parts, "CompositeExplicitAutograd")
 
 
+def _direct() -> None:
+    """Let ``compass::all_gather_mm_parts``'s calls on plain CUDA tensors (what Inductor's wrapper
+    makes: nothing requires grad, no mode, no transform) run the kernel above without the
+    dispatcher's boxing of the arguments into the Python kernel and back (as the fused operators'
+    ``.graph`` overloads do, :func:`..kernels.ops._direct`: this op has no kernel but the one
+    above, so the dispatcher could pick nothing else for such a call).  Anything else takes the
+    dispatcher as before."""
+    from ..kernels.ops import _direct_possible, _plain_cuda_list
+
+    if not _direct_possible():
+        return
+    overload = torch.ops.compass.all_gather_mm_parts.default
+    through_dispatcher = overload._op
+
+    def call(shard, weights, parts, group_size, group_name):
+        if type(weights) is list and _plain_cuda_list(shard, weights):
+            return _all_gather_mm_parts(shard, weights, parts, group_size, group_name)
+        return through_dispatcher(shard, weights, parts, group_size, group_name)
+    call.through_dispatcher = through_dispatcher
+    overload._op = call
+
+
 @torch.library.register_fake("compass::all_gather_mm_parts", lib=_LIB)
 def _(shard: Tensor, weights: list[Tensor], parts: int, group_size: int, group_name: str) -> list[Tensor]:
     rows = shard.shape[0] * group_size
     return [shard.new_empty((rows, w.shape[1])) for w in weights]
+
+
+_direct()
