@@ -109,8 +109,98 @@ def python_profile(fn, calls: int = 40) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])[:20]
 
 
+def _workspace_of(op: str, rows: int):
+    """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows use."""
+    from compass_fx.kernels.cuda import impl as cuda
+
+    short = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}[op]
+    at = 4 if short == "ag" or short == "rs" else 3  # where the rows sit in the key
+    found = [ws for (key, captured), ws in cuda._workspaces.items()
+             if not captured and key[0] == short and key[at] == rows and ws.replays is not None]
+    return found[-1] if len(found) == 1 else None
+
+
+def _graph_nodes(ws, a, b, outs: list, gathered) -> dict:
+    """Node kinds of the replay graph of one call (captured again and edited as a replay graph is,
+    kept, never launched)."""
+    from host_cost_probe import _node_kinds
+
+    from compass_fx.kernels.cuda import replay
+
+    tensors = {"A": [a], "W": [b], "OUT": outs}
+    if gathered is not None:
+        tensors["GATHERED"] = [gathered]
+    stream = replay._capture_stream(ws.device_index)
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.stream(stream):
+        g.capture_begin(capture_error_mode="thread_local")
+        ws._issue(tensors, stream)
+        g.capture_end()
+    memset = replay.memset_kernel(ws.device_index)
+    if memset:  # as the replay graph is launched (graph_edit)
+        replay.edit(g.raw_cuda_graph(), memset)
+    kinds = _node_kinds(g.raw_cuda_graph())
+    del g
+    return kinds
+
+
+def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a, b, rounds: int) -> dict:
+    """Where a replayed call's host microseconds go, without a profiler's overhead: forms timed in
+    turns (every rank runs the same sequence: launches are collective).  ``call``: the ``.graph``
+    call; ``alloc_launch``: the same outputs allocated, the epoch raised and the call's replay
+    graph launched, with the progress count the call keeps, and nothing else; ``alloc``: the
+    outputs' allocations alone.  So launch = alloc_launch - alloc, the rest of the call (checks,
+    the workspace's key and lookup, the replay's bookkeeping) = call - alloc_launch."""
+    from compass_fx.kernels.cuda import impl as cuda
+
+    ws = _workspace_of(op, rows)
+    if ws is None or ws.progress is None:
+        return {"error": "no single replaying workspace with a progress count"}
+    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, world)
+    graph_op = getattr(torch.ops.compass, op).graph
+    out_rows = {"all_gather_matmul": rows * world, "matmul_reduce_scatter": rows // world,
+                "matmul_all_reduce": rows}[op]
+
+    def alloc():
+        if op == "all_gather_matmul":
+            return a.new_empty((rows * world, k)), [a.new_empty((out_rows, n))]
+        return None, [a.new_empty((out_rows, n))]
+
+    missing = []
+
+    def alloc_launch():
+        gathered, outs = alloc()
+        tensors = {"A": [a], "W": [b], "OUT": outs}
+        if gathered is not None:
+            tensors["GATHERED"] = [gathered]
+        ws.epoch += 1
+        graphs = ws.replays.graphs.get(ws._addresses(tensors))
+        graph = graphs[ws.epoch % len(graphs)] if graphs else None
+        if graph is None:  # every rank then issues the call, as the op would
+            missing.append(ws.epoch)
+            ws.epoch -= 1
+            graph_op(a, *args)
+            return
+        p = ws.progress
+        p.epochs[p.issued % p.RING] = ws.epoch
+        p.issued += 1
+        graph.launch(cuda._raw_stream(ws.device_index))
+
+    gathered, outs = alloc()
+    res = {"nodes": _graph_nodes(ws, a, b, outs, gathered)}
+    del gathered, outs
+    dist.barrier()
+    times = host_us({"call": lambda: graph_op(a, *args), "alloc_launch": alloc_launch, "alloc": alloc},
+                    rounds=rounds)
+    res.update({f"{name}_us": v for name, v in times.items()})
+    res["launch_us"] = times["alloc_launch"] - times["alloc"]
+    res["rest_us"] = times["call"] - times["alloc_launch"]
+    res["not_replayed"] = len(missing)
+    return res
+
+
 def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_name: str, rounds: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, split: bool = False) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
@@ -164,6 +254,9 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
+    if split:  # the same, without a profiler: forms timed in turns
+        res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds)
+        dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
     res["captured_graphs"] = replay.stats["captured"] - before["captured"]
     dist.barrier()
@@ -180,7 +273,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     return res
 
 
-def worker(rank: int, world: int, init: str, out_path: str, profile: bool) -> None:
+def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False) -> None:
     os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the peers share one GPU: meet in host memory
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -189,7 +282,7 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool) -> No
     payload = {"launch_us": launch_costs(), "rows": []}
     for case in CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
-                      profile and case in (CASES[0], CASES[4]))
+                      profile and case in (CASES[0], CASES[4]), split)
         payload["rows"].append(row)
         if rank == 0:
             print(f"world {world} {row['op']} rows={row['rows']}: {row['host_us_graph']:.0f} us per call through "
@@ -222,6 +315,16 @@ def markdown(payload: dict) -> str:
          ("host_us_graph", "host us (.graph)"), ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
+    split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
+                  nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
+             for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
+    if split:
+        lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
+                  "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "
+                  "the call less that: checks, key, workspace lookup, replay bookkeeping):", "",
+                  output.markdown_table(split, ["world", "op", "rows", ("call_us", "call us"),
+                                                ("launch_us", "cuGraphLaunch us"), ("alloc_us", "outputs us"),
+                                                ("rest_us", "rest us"), ("nodes", "replay graph nodes")])]
     return "\n".join(lines)
 
 
@@ -231,6 +334,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2", help="ranks sharing the GPU, one run per world (e.g. 2,4,8)")
     p.add_argument("--profile", action="store_true", help="cProfile the replayed calls of two cases per world")
+    p.add_argument("--breakdown", action="store_true",
+                   help="time a replayed call's launch, allocations and the rest apart, in turns (every case)")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
@@ -241,7 +346,8 @@ def main(argv=None) -> int:
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile), nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown),
+                     nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
         payload["rows"] += got["rows"]

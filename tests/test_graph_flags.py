@@ -13,7 +13,7 @@ import pytest
 from compass_fx.kernels.cuda import graph_flags
 
 KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy", "compass_write_code",
-           "compass_wait_code", "compass_copy_wide", "compass_count")
+           "compass_wait_code", "compass_copy_wide", "compass_count", "compass_memset")
 
 
 def _nvrtc() -> ctypes.CDLL:

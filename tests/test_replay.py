@@ -88,3 +88,32 @@ def test_a_workspace_whose_sets_do_not_recur_in_time_stops_capturing():
         for key in "abcde":
             kept.graph(key, round_ * 5 + ord(key), None)
     assert not kept.thrashing() and len(kept.graphs) == 5
+
+
+def test_a_memset_kernel_stores_the_memsets_pattern_wide_only_where_aligned():
+    """graph_edit's arguments for compass_memset: the 32-bit pattern of 1-, 2- and 4-byte values,
+    16-byte stores only where the address, a row's bytes and the pitch are 16-byte multiples, and
+    enough blocks for the work (at most MOST_BLOCKS)."""
+    from compass_fx.kernels.cuda import graph_edit as ge
+
+    def args(**kw):
+        return ge.kernel_arguments(ge._MemsetParams(**kw))
+
+    a, blocks = args(dst=0x1000, pitch=0, value=0, elementSize=1, width=4096, height=1)
+    assert a[-1].value == 1 and blocks == 1 and (a[-2].x, a[-2].w) == (0, 0)
+    a, _ = args(dst=0x1003, pitch=0, value=0xA5, elementSize=1, width=4096, height=1)
+    assert a[-1].value == 0 and a[-2].x == 0xA5A5A5A5
+    a, _ = args(dst=0x1000, pitch=4100, value=0xBEEF, elementSize=2, width=64, height=3)
+    assert a[-1].value == 0 and a[-2].y == 0xBEEFBEEF  # the pitch is no 16-byte multiple
+    a, blocks = args(dst=0x1000, pitch=0, value=7, elementSize=4, width=1 << 26, height=1)
+    assert a[-1].value == 1 and a[-2].z == 7 and blocks == ge.MOST_BLOCKS
+
+
+def test_replay_graphs_keep_their_memsets_when_asked(monkeypatch):
+    monkeypatch.setenv("COMPASS_REPLAY_MEMSETS", "memset")
+    assert not replay.memsets_as_kernels() and replay.memset_kernel(0) == 0
+    monkeypatch.setenv("COMPASS_REPLAY_MEMSETS", "kernel")
+    assert replay.memsets_as_kernels()
+    monkeypatch.setenv("COMPASS_REPLAY_MEMSETS", "sometimes")
+    with pytest.raises(ValueError, match="COMPASS_REPLAY_MEMSETS"):
+        replay.memsets_as_kernels()

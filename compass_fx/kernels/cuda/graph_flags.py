@@ -89,6 +89,31 @@ extern "C" __global__ void compass_count(volatile unsigned int* word) {
   __threadfence_system();
 }
 
+// A memset node of a captured graph, as a kernel (graph_edit.py: in a graph, a memset node costs
+// the launch ~2 us of host, a kernel node next to nothing; cuBLAS clears its workspace with one
+// before many of its GEMMs).  ``value`` holds the byte, half or word to store (``size`` 1, 2 or 4
+// bytes) into ``height`` rows of ``width`` elements, ``pitch`` bytes apart; a 16-byte pattern
+// ``wide`` is stored where a row's bytes and the address are 16-byte multiples.
+extern "C" __global__ void compass_memset(unsigned char* dst, unsigned long long pitch, unsigned int value,
+                                          unsigned int size, unsigned long long width, unsigned long long height,
+                                          uint4 wide, int aligned) {
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long first = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  const unsigned long long row_bytes = width * size;
+  if (aligned) {
+    const unsigned long long n16 = row_bytes / 16;
+    for (unsigned long long i = first; i < n16 * height; i += stride)
+      *(uint4*)(dst + (i / n16) * pitch + (i % n16) * 16) = wide;
+    return;
+  }
+  for (unsigned long long i = first; i < width * height; i += stride) {
+    unsigned char* p = dst + (i / width) * pitch + (i % width) * size;
+    if (size == 1) *p = (unsigned char)value;
+    else if (size == 2) *(unsigned short*)p = (unsigned short)value;
+    else *(unsigned int*)p = value;
+  }
+}
+
 // Hold the stream until (*flag & bits) != 0 (cuStreamWaitValue32's CU_STREAM_WAIT_VALUE_AND).  One
 // thread: it never waits for a peer's grid to become resident.  Unbounded here: the watchdog bounds
 // it from the host, as it bounds a stream wait (it stores the awaited code into the flag itself).
@@ -149,7 +174,8 @@ def _functions(device_index: int) -> dict[str, int]:
         torch.cuda.current_stream().synchronize()  # the context exists before the driver loads into it
         out = {}
         for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy",
-                     "compass_write_code", "compass_wait_code", "compass_copy_wide", "compass_count"):
+                     "compass_write_code", "compass_wait_code", "compass_copy_wide", "compass_count",
+                     "compass_memset"):
             ptx, mangled = _nvrtc_compile(SOURCE, name)
             out[name] = driver.load_function(ptx, mangled)
     return out

@@ -14,20 +14,23 @@ epoch's parity, so the four graphs of a set replay every later call with those a
 caching allocator hands a training step's tensors the same addresses step after step, so the
 sets recur; a set is captured on its second sighting (a tensor seen once costs no capture), at
 most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default 64; the least recently used goes;
-a workspace whose sets are evicted before they pay back their captures stops capturing).  A graph
+a workspace whose sets are evicted before they pay back their captures stops capturing).  Before a graph is
+instantiated its memset nodes become kernel nodes (:mod:`.graph_edit`: cuBLAS's workspace clears
+cost the launch ~2 us each; ``COMPASS_REPLAY_MEMSETS=memset`` keeps them).  A graph
 keeps what its capture allocated: nothing, except the float32 sum of a reduction of more than two
 terms (a plan beyond two ranks), which stays reserved for the graph while it lives.
 
 Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
 buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
 differ: their addresses do) and every guarantee of the eager path holds: the same flag waits on
-the same streams (no kernel spins), the watchdog's bounded waits (an event after the replay), the
+the same streams (no kernel spins), the watchdog's bounded waits (the replay graph's last node counts it done: watchdog.Progress), the
 issue order (the graph's nodes are captured in it).  ``COMPASS_FUSED_REPLAY=0`` issues every call
 one command at a time, as before.  A capture that fails turns replays off for the process, with a
 warning, and the call is issued as before.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from typing import Callable, Hashable
@@ -39,7 +42,8 @@ from . import driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
-stats = {"replayed": 0, "captured": 0}  # calls of this process served from graphs, graphs captured
+# calls of this process served from graphs, graphs captured, memset nodes made kernels (graph_edit)
+stats = {"replayed": 0, "captured": 0, "memsets_replaced": 0}
 
 
 _settings: dict = {}  # raw COMPASS_FUSED_REPLAY -> on (read on every call: one dict lookup when unchanged)
@@ -84,6 +88,46 @@ def flag_writes_as_kernels() -> bool:
     """``COMPASS_REPLAY_FLAG_WRITES`` = ``kernel`` (default) or ``stream``: how a replay graph sets
     a flag (a one-thread kernel, or the stream memory operation an issued call uses)."""
     return _switch("COMPASS_REPLAY_FLAG_WRITES", "kernel", ("kernel", "stream"))
+
+
+def memsets_as_kernels() -> bool:
+    """``COMPASS_REPLAY_MEMSETS`` = ``kernel`` (default) or ``memset``: whether a replay graph's
+    memset nodes (cuBLAS clears its workspace with one before many GEMMs) become kernel nodes
+    (:mod:`.graph_edit`: ~2 us less host per memset at each launch)."""
+    return _switch("COMPASS_REPLAY_MEMSETS", "kernel", ("kernel", "memset"))
+
+
+def memset_kernel(device_index: int) -> int:
+    """The ``compass_memset`` kernel to put in place of a replay graph's memsets on
+    ``device_index``, or 0: keep them (asked for, or this torch cannot edit a graph before it is
+    instantiated, or our kernels did not load)."""
+    if not memsets_as_kernels() or not _editable():
+        return 0
+    from . import graph_flags
+
+    try:
+        return graph_flags._functions(device_index)["compass_memset"]
+    except Exception:  # noqa: BLE001 - kernel_nodes() warns about this already
+        return 0
+
+
+@functools.cache
+def _editable() -> bool:
+    """Whether ``torch.cuda.CUDAGraph`` keeps the graph it captured for editing (``keep_graph``,
+    ``raw_cuda_graph``, ``instantiate``)."""
+    try:
+        torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return False
+    return all(hasattr(torch.cuda.CUDAGraph, name) for name in ("raw_cuda_graph", "instantiate"))
+
+
+def edit(graph_handle: int, memset: int) -> int:
+    """What a replay graph becomes before it is instantiated: its memset nodes as launches of
+    ``memset`` (:func:`.graph_edit.memsets_as_kernels`); returns how many were replaced."""
+    from .graph_edit import memsets_as_kernels as replace
+
+    return replace(graph_handle, memset)
 
 
 def kernel_nodes(device_index: int) -> bool:
@@ -205,7 +249,8 @@ class Replays:
 
     def _capture(self, issue: Callable[[torch.cuda.Stream], None]):
         stream = _capture_stream(self.device_index)
-        graph = torch.cuda.CUDAGraph()
+        memset = memset_kernel(self.device_index)  # before the capture: it may compile
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if memset else torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -213,6 +258,9 @@ class Replays:
                     issue(stream)
                 finally:
                     graph.capture_end()
+            if memset:
+                stats["memsets_replaced"] += edit(graph.raw_cuda_graph(), memset)
+                graph.instantiate()
             captured = Captured(graph)
         except Exception as e:  # noqa: BLE001 - replays off, the call goes on eagerly
             _disabled.append(f"{type(e).__name__}: {e}")
