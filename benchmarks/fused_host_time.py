@@ -110,13 +110,14 @@ def python_profile(fn, calls: int = 40) -> list[dict]:
 
 
 def _workspace_of(op: str, rows: int):
-    """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows use."""
+    """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows use (not the
+    asynchronous form's: its key ends in ``deferred`` = True)."""
     from compass_fx.kernels.cuda import impl as cuda
 
     short = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}[op]
     at = 4 if short == "ag" or short == "rs" else 3  # where the rows sit in the key
     found = [ws for (key, captured), ws in cuda._workspaces.items()
-             if not captured and key[0] == short and key[at] == rows and ws.replays is not None]
+             if not captured and key[0] == short and key[at] == rows and not key[-1] and ws.replays is not None]
     return found[-1] if len(found) == 1 else None
 
 

@@ -107,13 +107,13 @@ def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: in
         return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
 
     torch._dynamo.reset()
-    calls = {}
+    calls, results = {}, {}
     with torch.no_grad():
         for p, pair in ((1, whole), (parts, in_parts)):
             options = {"strategy": "off"} if p == 1 else {"chunks": p}
             fn = torch.compile(pair, backend="compass", options=options)
             for _ in range(3):
-                fn(shard, weight)
+                results[p] = fn(shard, weight)
             calls[p] = lambda fn=fn: fn(shard, weight)
         rounds = paired_issue_us(calls)
         res = {p: {"issue_us": statistics.median(rounds[p]), "issue_us_rounds": rounds[p],
@@ -122,6 +122,9 @@ def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: in
     res["extra_part_issue_us"] = statistics.median(diffs)
     res["extra_part_issue_us_rounds"] = diffs
     res["parts"] = parts
+    # the parts' products against the whole's (bf16; cuBLAS may sum a batched GEMM in another order)
+    whole_out = results[1].float()
+    res["parts_rel_error_vs_whole"] = float((results[parts].float() - whole_out).abs().max() / whole_out.abs().max())
     torch._dynamo.reset()
     return res
 
@@ -275,7 +278,9 @@ def markdown(payload: dict) -> str:
                      f"{len(spread)} rounds, the two forms taking turns" if len(spread) >= 4 else "")
         lines += [f"One extra InterDecom part as lowered (Inductor, one-rank NCCL): "
                   f"{part['extra_part_issue_us']:.1f} us of host issue "
-                  f"(whole {part[1]['issue_us']:.0f} us, {p} parts {part[p]['issue_us']:.0f} us per call{quartiles}).",
+                  f"(whole {part[1]['issue_us']:.0f} us, {p} parts {part[p]['issue_us']:.0f} us per call{quartiles})"
+                  + (f"; parts against whole: max error {part['parts_rel_error_vs_whole']:.2g} of the largest entry."
+                     if "parts_rel_error_vs_whole" in part else "."),
                   "",
                   "Host us per call by op (torch.profiler self time), whole vs parts:", ""]
         names = list(part[p]["ops"])[:20]

@@ -364,8 +364,8 @@ def test_one_call_gather_follows_a_group_made_again_under_the_same_name(tmp_path
             name = dist.group.WORLD.group_name
             (out,) = torch.ops.compass.all_gather_mm_parts(x, [w], 2, 1, name)
             torch.testing.assert_close(out, x @ w)
-            gather = gather_parts._gather_of(name)[0]  # the gather the op just ran
-            assert gather.__self__ is dist.group.WORLD, "a destroyed group's gather"
+            gather = gather_parts._gather_of(name, x.device)[0]  # the gather the op just ran
+            assert gather.__self__ is dist.group.WORLD._get_backend(x.device), "a destroyed group's gather"
             dist.destroy_process_group()
         print("same name", name)
     """)
