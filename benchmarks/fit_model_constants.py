@@ -46,9 +46,9 @@ from harness import output  # noqa: E402
 NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
-# today's default fused path (commit 25ebabb) timed on one H200, ten cases of 17-166 commands at world 2 each
-REPLAY_RUNS = ("fused_host_time-h200-default.json", "fused_host_time-h200-default-w2-run2.json",
-               "fused_host_time-h200-default-profile.json")
+# today's default fused path (commits 9cc1423 and 2344292) timed on one H200, ten cases of 17-166 commands at world
+# 2 each
+REPLAY_RUNS = ("fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json")
 
 
 @contextlib.contextmanager

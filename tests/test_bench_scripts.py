@@ -217,9 +217,9 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
     replay = fit["replay_fit"]
-    assert replay["runs"] == ["fused_host_time-h200-default.json", "fused_host_time-h200-default-w2-run2.json",
-                              "fused_host_time-h200-default-profile.json"]  # the runs strategies.py names
-    assert replay["world"] == 2 and replay["points"] == 30
+    assert replay["runs"] == ["fused_host_time-h200-progress.json",
+                              "fused_host_time-h200-progress-run2.json"]  # the runs strategies.py names
+    assert replay["world"] == 2 and replay["points"] == 20
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["command_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_COMMAND_S)
     assert {k: v * 1e-6 for k, v in replay["launch_us"].items()} == pytest.approx(strategies._REPLAY_FITTED_LAUNCH_S)

@@ -209,7 +209,7 @@ def test_cuda_graph_replays_are_priced_without_host_issue():
     fused call its device time however small, and every other price stays as it was."""
     from dataclasses import replace
 
-    from compass_fx.cost.strategies import fused_breakdown, fused_seconds
+    from compass_fx.cost.strategies import fused_breakdown, fused_host_seconds, fused_seconds
     from compass_fx.machine.gpus import GPUS
 
     spec = GPUS["H200"]
@@ -221,7 +221,9 @@ def test_cuda_graph_replays_are_priced_without_host_issue():
         replayed = decomposition_models(graphs, nvlink)[parts]
         saved = model.seconds(parts) - replayed.seconds(parts)
         assert saved == pytest.approx((spec.part_overhead_s - spec.graph_part_overhead_s) * parts, rel=1e-6)
-    small = Workload("all_gather_matmul", 512, 7168, 4096, "bfloat16", 2)
+    # a host-bound fused call (66 us of host at the replayed call's constants against 42 on the device)
+    small = Workload("all_gather_matmul", 256, 4096, 4096, "bfloat16", 2)
+    assert fused_host_seconds(small, nvlink, "direct") > 1.3 * fused_breakdown(small, nvlink, "direct").seconds
     assert fused_seconds(replace(small, cuda_graphs=True), nvlink, "direct") == fused_breakdown(small, nvlink, "direct").seconds
     assert fused_seconds(small, nvlink, "direct") > fused_breakdown(small, nvlink, "direct").seconds
     assert select(graphs, nvlink).candidate("sequential").seconds == select(eager, nvlink).candidate("sequential").seconds

@@ -36,20 +36,22 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # The host's work per fused call.  An eager call replays a CUDA graph of its plan's commands once
 # its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
 # dispatch and the Python around the replay, plus the driver's launch of each captured command.
-# Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares over 30 cases of 17-166
+# Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares over 20 cases of 17-166
 # commands, each run scaled to the runs' median launches) to the ".graph" host times of two ranks
-# sharing one H200 in the three runs of today's default path, benchmarks/results/fused_host_time/
-# fused_host_time-h200-default{,-w2-run2,-profile}.json: 62 us + 0.82 us per command (median error
-# 19%, p90 37%: single readings drift with the host; 4 ranks sharing the GPU: 84 + 0.89, 8: 121 +
-# 1.13, the ranks' processes contending for one host and one GPU's driver).  tests/test_bench_scripts.py
-# checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
-# by command instead (the constants below; a deferred call, fused_async, is issued so).
+# sharing one H200 in the two runs of today's default path (a replay registers nothing with the
+# watchdog: its graph's last node counts it done), benchmarks/results/fused_host_time/
+# fused_host_time-h200-progress{,-run2}.json: 53 us + 0.99 us per command (median error 17%, p90
+# 29%: single readings drift with the host; 4 ranks sharing the GPU: 65 + 1.2, 8: 85 + 0.83, the
+# ranks' processes contending for one host and one GPU's driver; before, with a watchdog event per
+# replayed call: 62 + 0.82).  tests/test_bench_scripts.py checks that the fit gives these.
+# FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants
+# below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 62e-6
-FUSED_REPLAY_COMMAND_S = 0.82e-6
-_REPLAY_FITTED_LAUNCH_S = {"Matmul": 11.04e-6, "Reduce": 6.02e-6, "Copy": 5.54e-6, "SetFlag": 1.97e-6,
-                           "WaitFlag": 1.98e-6, "Record": 0.75e-6,
-                           "WaitEvent": 0.77e-6}  # the launches alone on the host of that fit (the runs' median)
+FUSED_REPLAY_CALL_S = 53e-6
+FUSED_REPLAY_COMMAND_S = 0.99e-6
+_REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.79e-6, "Reduce": 7.65e-6, "Copy": 6.55e-6, "SetFlag": 2.74e-6,
+                           "WaitFlag": 2.86e-6, "Record": 1.18e-6,
+                           "WaitEvent": 1.19e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
