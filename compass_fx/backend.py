@@ -94,7 +94,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
                   finish: Callable | None = None, in_history: bool = True) -> Callable:
     """AOTAutograd + compass pass + inner compiler (``finish`` overrides the inner compiler).
     ``in_history=False``: the reports go to collectors only (explain's traces)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    return aot_compile(gm, example_inputs, graph_compiler(opts, finish, in_history), opts.mode)
+
+
+def graph_compiler(opts: CompassOptions, finish: Callable | None = None, in_history: bool = True) -> Callable:
+    """The ``inner_compile`` hook of one compile: the compass pass on the graph AOTAutograd hands
+    it (forward, backward or inference), its report recorded, then ``finish`` (Inductor's
+    ``compile_fx_inner`` or the eager runner) on the rewritten graph."""
+    from torch._inductor.compile_fx import compile_fx_inner
 
     global _compile_count
     _compile_count += 1
@@ -123,9 +130,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Compa
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)
 
+    return inner_compile
+
+
+def aot_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], inner_compile: Callable,
+                mode: str | None = None) -> Callable:
+    """Inductor's ``compile_fx`` (AOTAutograd: decompositions, joint-graph passes, partitioner) with
+    ``inner_compile`` on each graph it produces, under ``mode``'s Inductor settings."""
+    from torch._inductor.compile_fx import compile_fx
+
     config_patches = {}
-    if opts.mode is not None:
-        config_patches.update(torch._inductor.list_mode_options(opts.mode))
+    if mode is not None:
+        config_patches.update(torch._inductor.list_mode_options(mode))
     # The AOTAutograd cache would serve a graph compiled without this pass (or with other
     # options) and skip inner_compile altogether; keep it out of the way.
     with torch._functorch.config.patch(enable_autograd_cache=False):

@@ -1,50 +1,81 @@
-"""Compiled with backend="compass" equals eager, forward and backward, on real gloo ranks."""
+"""Compiled with the compass backend equals eager, forward and backward, on real gloo ranks.
+
+Each model is traced once per world size and inner compiler, and every option set the tests check
+on it is compiled from that trace (:mod:`shared_trace`): Dynamo and AOTAutograd, the same for all
+of them, were most of each test's time.  A test reads its own set's result; the first test of a trace to
+run computes every set's, once per session (:mod:`session_cache`).  The end-to-end path,
+``torch.compile(model, backend="compass", options=...)``, is what test_backend, test_real_models
+and the wild tests compile."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-WORLDS = (2, pytest.param(4, marks=pytest.mark.slow))  # 4 ranks on 2 cores: twice the time
+def run_variants(rank: int, world: int, model_name: str, named_options: list[tuple[str, dict]]) -> dict:
+    """Eager forward and backward once, then the compiled model with each option set (one Dynamo
+    and AOTAutograd trace shared by all, :mod:`shared_trace`), each compared with eager; per set
+    what was rewritten, or the error that stopped it."""
+    import re
+    import traceback
+    from pathlib import Path
 
-
-def run_and_compare(rank: int, world: int, model_name: str, options: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import compass_fx.backend
     import tp_models
+    from shared_trace import Variants
 
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))
     x = tp_models.example_input(model_name, rank, world)
 
     eager = tp_models.build(model_name, mesh)
-    out_ref = eager(x)
-    loss_ref = tp_models.loss_of(out_ref)
+    loss_ref = tp_models.loss_of(eager(x))
     loss_ref.backward()
+    ref_grads = tp_models.local_grads(eager)
 
     model = tp_models.build(model_name, mesh)
-    before = len(compass_fx.backend.history)
-    compiled = torch.compile(model, backend="compass", options=options, fullgraph=True)
-    out = compiled(x)
-    loss = tp_models.loss_of(out)
-    loss.backward()
-    reports = list(compass_fx.backend.history)[before:]
-
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
-    ref_grads, grads = tp_models.local_grads(eager), tp_models.local_grads(model)
-    assert ref_grads.keys() == grads.keys()
-    for name in ref_grads:
-        assert grads[name] is not None, f"no gradient for {name}"
-        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    dist.barrier()
-    return {
-        "graphs": sorted(r.graph for r in reports),
-        "rewritten": sum(p.status == "rewritten" for r in reports for p in r.pairs),
-        "pairs": sum(len(r.pairs) for r in reports),
-        "parts": sorted({p.parts for r in reports for p in r.pairs if p.status == "rewritten"}),
-        "not_rewritten": [p.reason for r in reports for p in r.pairs if p.status != "rewritten"],
-    }
+    variants = Variants([options for _, options in named_options])
+    compiled = torch.compile(model, backend=variants, fullgraph=True)
+    results = {}
+    for i, (name, options) in enumerate(named_options):
+        variants.select(i)
+        for p in model.parameters():
+            p.grad = None
+        try:
+            loss = tp_models.loss_of(compiled(x))
+            loss.backward()
+            torch.testing.assert_close(loss, loss_ref, rtol=1e-4, atol=1e-5)
+            grads = tp_models.local_grads(model)
+            assert ref_grads.keys() == grads.keys()
+            for key in ref_grads:
+                assert grads[key] is not None, f"no gradient for {key}"
+                torch.testing.assert_close(grads[key], ref_grads[key], rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, key=key: f"{key}: {m}")
+        except Exception:  # noqa: BLE001 - reported by the set's own test
+            results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+            continue
+        reports = variants.reports[i]
+        rewritten = [p for r in reports for p in r.pairs if p.status == "rewritten"]
+        res = {
+            "graphs": sorted(r.graph for r in reports),
+            "rewritten": len(rewritten),
+            "pairs": sum(len(r.pairs) for r in reports),
+            "parts": sorted({p.parts for p in rewritten}),
+            "not_rewritten": [p.reason for r in reports for p in r.pairs if p.status != "rewritten"],
+            "async": [p.asynchronous for p in rewritten],
+        }
+        if options.get("dump_dir"):  # where each start, weight-gradient mm and wait sits in the backward
+            dumped = sorted(Path(options["dump_dir"]).glob(f"rank{rank}_*_backward_after.py"))
+            code = dumped[-1].read_text().splitlines()
+            res["lines"] = {what: [j for j, line in enumerate(code) if re.search(pattern, line)]
+                            for what, pattern in (("start", r"compass\.matmul_\w+_start"), ("wait", r"wait_tensor"),
+                                                  ("mm", r"aten\.mm\.default"))}
+        results[name] = res
+        dist.barrier()
+    assert variants.traces == 1, f"{variants.traces} graphs traced: the model broke its graph"
+    return results
 
 
 CASES = [
@@ -55,22 +86,68 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("model_name", [c[0] for c in CASES])
+ASYNC = {"strategy": "fuse", "schedule": "direct", "fused_async": True}
+ASYNC_CASES = {(2, "tp_mlp"), (2, "sp0_mlp"), (2, "sp1_llama"), (4, "tp_mlp"), (4, "sp1_llama")}
+
+
+def _option_sets(world: int, model_name: str, inner: str, dump_dir: str) -> list[tuple[str, dict]]:
+    """Every option set the tests below check on one model at one world size with one inner
+    compiler: they share a trace (:func:`run_variants`)."""
+    if model_name == "sp1_llama_b1":
+        return [("k2", {"inner": "eager", "chunks": 2}),
+                ("fuse-direct", {"inner": "eager", "strategy": "fuse", "schedule": "direct"})]
+    if inner == "inductor":
+        sets = [("k2", {"chunks": 2})]
+        if model_name == "sp1_llama":
+            sets += [("fuse-double_ring", {"strategy": "fuse", "schedule": "double_ring"}), ("async", dict(ASYNC))]
+        return sets
+    sets = [("off", {"strategy": "off"}), ("k2", {"chunks": 2}), ("auto", {})]
+    if world != 2:
+        sets.append(("kworld", {"strategy": "decompose"}))  # k = group size
+    sets += [(f"fuse-{s}", {"strategy": "fuse", "schedule": s})
+             for s in (("ring", "double_ring", "direct") if world != 2 else ("double_ring", "direct"))]
+    if (world, model_name) in ASYNC_CASES:
+        sets.append(("async", dict(ASYNC, dump_dir=dump_dir)))
+    return [(name, dict(options, inner="eager")) for name, options in sets]
+
+
+def _result(ranks, tmp_path_factory, world: int, model_name: str, inner: str, name: str) -> dict:
+    """Rank 0's result of option set ``name``; its trace's sets run once per session (whichever
+    worker asks first, :mod:`session_cache`), and every rank agrees on it."""
+    from session_cache import computed_once
+
+    def run_group() -> dict:
+        dump_dir = str(tmp_path_factory.mktemp(f"dump-{world}-{model_name}"))
+        try:
+            return {"ranks": ranks(world).run(run_variants, world, model_name,
+                                              _option_sets(world, model_name, inner, dump_dir))}
+        except Exception as e:  # noqa: BLE001 - every test of the trace reports it
+            return {"failed": f"{type(e).__name__}: {e}"}
+
+    group = computed_once(tmp_path_factory, f"numerics-{world}-{model_name}-{inner}", run_group)
+    assert "failed" not in group, group.get("failed")
+    results = [r[name] for r in group["ranks"]]
+    res = results[0]
+    assert "error" not in res, res["error"]
+    assert all(r == res for r in results), "ranks disagree on what was rewritten"
+    return res
+
+
+def _cases(worlds, models):
+    """``(world, model_name)`` parameters (4 ranks: slow)."""
+    return [pytest.param(w, m, marks=[pytest.mark.slow] if w != 2 else [], id=f"{m}-{w}")
+            for w in worlds for m in models]
+
+
+MODEL_NAMES = [c[0] for c in CASES]
+
+
+@pytest.mark.parametrize("world,model_name", _cases((2, 4), MODEL_NAMES))
 @pytest.mark.parametrize("strategy", ["off", "k2", "kworld", "auto"])
-def test_eager_inner_matches_eager(ranks, world, model_name, strategy):
+def test_eager_inner_matches_eager(ranks, tmp_path_factory, world, model_name, strategy):
     if strategy == "kworld" and world == 2:
         pytest.skip("the same graph as k2 at world 2 (d = group size = 2)")
-    options = {"inner": "eager"}
-    if strategy == "off":
-        options["strategy"] = "off"
-    elif strategy == "k2":
-        options["chunks"] = 2
-    elif strategy == "kworld":
-        options["strategy"] = "decompose"  # k = group size
-    results = ranks(world).run(run_and_compare, world, model_name, options)
-    res = results[0]
-    assert all(r == res for r in results), "ranks disagree on what was rewritten"
+    res = _result(ranks, tmp_path_factory, world, model_name, "eager", strategy)
     assert res["graphs"] == ["backward", "forward"]
     assert res["pairs"] > 0, "the matcher found no pair"
     if strategy == "off":
@@ -81,20 +158,18 @@ def test_eager_inner_matches_eager(ranks, world, model_name, strategy):
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("model_name", [c[0] for c in CASES])
-def test_inductor_inner_matches_eager(ranks, model_name):
-    results = ranks(2).run(run_and_compare, 2, model_name, {"chunks": 2})
-    assert results[0]["rewritten"] == results[0]["pairs"] > 0
+@pytest.mark.parametrize("world,model_name", _cases((2,), MODEL_NAMES))
+def test_inductor_inner_matches_eager(ranks, tmp_path_factory, world, model_name):
+    res = _result(ranks, tmp_path_factory, world, model_name, "inductor", "k2")
+    assert res["rewritten"] == res["pairs"] > 0
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("model_name", [c[0] for c in CASES])
+@pytest.mark.parametrize("world,model_name", _cases((2, 4), MODEL_NAMES))
 @pytest.mark.parametrize("schedule", ["ring", "double_ring", "direct"])
-def test_fused_operators_match_eager(ranks, world, model_name, schedule):
+def test_fused_operators_match_eager(ranks, tmp_path_factory, world, model_name, schedule):
     if schedule == "ring" and world == 2:
         pytest.skip("the same transfers as direct at world 2 (test_schedules checks it for every world)")
-    options = {"inner": "eager", "strategy": "fuse", "schedule": schedule}
-    res = ranks(world).run(run_and_compare, world, model_name, options)[0]
+    res = _result(ranks, tmp_path_factory, world, model_name, "eager", f"fuse-{schedule}")
     assert res["pairs"] > 0
     # Only a reduction with a bias inside it (different on every rank) stays unfused, with that reason.
     assert all("bias" in why for why in res["not_rewritten"]), res
@@ -102,43 +177,26 @@ def test_fused_operators_match_eager(ranks, world, model_name, schedule):
 
 
 @pytest.mark.inductor
-def test_fused_operators_under_inductor(ranks):
-    res = ranks(2).run(run_and_compare, 2, "sp1_llama", {"strategy": "fuse", "schedule": "double_ring"})[0]
+def test_fused_operators_under_inductor(ranks, tmp_path_factory):
+    res = _result(ranks, tmp_path_factory, 2, "sp1_llama", "inductor", "fuse-double_ring")
     assert res["rewritten"] == res["pairs"] > 0
 
 
-@pytest.mark.parametrize("options", [{"chunks": 2}, {"strategy": "fuse", "schedule": "direct"}])
-def test_batch_one_sequence_parallel_gathers_are_rewritten(ranks, options):
+@pytest.mark.parametrize("name", ["k2", "fuse-direct"])
+def test_batch_one_sequence_parallel_gathers_are_rewritten(ranks, tmp_path_factory, name):
     """Batch 1 (as in the end-to-end benchmark): the gather's dim before the sequence is size 1,
     which once made every gather pair 'infeasible' for InterDecom (extent 1) on the GPUs."""
-    res = ranks(2).run(run_and_compare, 2, "sp1_llama_b1", dict(options, inner="eager"))[0]
+    res = _result(ranks, tmp_path_factory, 2, "sp1_llama_b1", "eager", name)
     assert res["rewritten"] == res["pairs"] > 0, res["not_rewritten"]
 
 
-def _async_layout(rank: int, world: int, model_name: str, options: dict, dump_dir: str) -> dict:
-    """run_and_compare with the graphs dumped; where each start, weight-gradient mm and wait sits."""
-    import re
-    from pathlib import Path
-
-    res = run_and_compare(rank, world, model_name, dict(options, dump_dir=dump_dir))
-    res["async"] = [p.asynchronous for r in __import__("compass_fx").backend.history for p in r.pairs
-                    if p.status == "rewritten"][-res["rewritten"]:]
-    code = sorted(Path(dump_dir).glob(f"rank{rank}_*_backward_after.py"))[-1].read_text().splitlines()
-    res["lines"] = {what: [i for i, line in enumerate(code) if re.search(pattern, line)]
-                    for what, pattern in (("start", r"compass\.matmul_\w+_start"), ("wait", r"wait_tensor"),
-                                          ("mm", r"aten\.mm\.default"))}
-    return res
-
-
-@pytest.mark.parametrize("world,model_name", [(2, "tp_mlp"), (2, "sp0_mlp"), (2, "sp1_llama"),
-                                              pytest.param(4, "tp_mlp", marks=pytest.mark.slow),
-                                              pytest.param(4, "sp1_llama", marks=pytest.mark.slow)])
-def test_asynchronous_fused_reductions_match_eager(ranks, world, model_name, tmp_path):
+@pytest.mark.parametrize("world,model_name", [p for p in _cases((2, 4), MODEL_NAMES)
+                                              if tuple(p.values) in ASYNC_CASES])
+def test_asynchronous_fused_reductions_match_eager(ranks, tmp_path_factory, world, model_name):
     """fused_async: the reducing fused operators start as soon as their operands exist and are
     waited for just before the first use; forward and backward still equal eager, and in the
     backward graph a weight-gradient mm sits between a start and its wait (the overlap)."""
-    options = {"inner": "eager", "strategy": "fuse", "schedule": "direct", "fused_async": True}
-    res = ranks(world).run(_async_layout, world, model_name, options, str(tmp_path / "dump"))[0]
+    res = _result(ranks, tmp_path_factory, world, model_name, "eager", "async")
     assert res["rewritten"] > 0 and any(res["async"]), res
     lines = res["lines"]
     assert lines["start"], "no asynchronous start in the backward graph"
@@ -147,7 +205,41 @@ def test_asynchronous_fused_reductions_match_eager(ranks, world, model_name, tmp
 
 
 @pytest.mark.inductor
-def test_asynchronous_fused_reductions_under_inductor(ranks):
-    options = {"strategy": "fuse", "schedule": "direct", "fused_async": True}
-    res = ranks(2).run(run_and_compare, 2, "sp1_llama", options)[0]
+def test_asynchronous_fused_reductions_under_inductor(ranks, tmp_path_factory):
+    res = _result(ranks, tmp_path_factory, 2, "sp1_llama", "inductor", "async")
     assert res["rewritten"] == res["pairs"] > 0
+
+
+def _collectives_per_set(rank: int, world: int) -> list[dict]:
+    """tp_mlp compiled from one trace with the pass off and with k=2: the process group's collectives
+    each selected set runs, forward and backward (as the profiler records them)."""
+    from collections import Counter
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import ProfilerActivity, profile
+
+    import tp_models
+    from shared_trace import Variants
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    x = tp_models.example_input("tp_mlp", rank, world)
+    model = tp_models.build("tp_mlp", mesh)
+    variants = Variants([{"inner": "eager", "strategy": "off"}, {"inner": "eager", "chunks": 2}])
+    compiled = torch.compile(model, backend=variants, fullgraph=True)
+    tp_models.loss_of(compiled(x)).backward()  # compiles forward and backward (traces the ops too: not counted)
+    seen = []
+    for i in (0, 1, 0):
+        variants.select(i)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            tp_models.loss_of(compiled(x)).backward()
+        seen.append(dict(Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))))  # the group's calls
+    return seen
+
+
+def test_each_option_set_runs_its_own_graphs(ranks):
+    """The shared trace runs the selected set's graphs: k=2 issues twice the pass-off collectives,
+    and selecting the first set again brings its count back."""
+    off, k2, off_again = ranks(2).run(_collectives_per_set, 2)[0]
+    assert off and off == off_again, (off, off_again)
+    assert k2 == {name: 2 * n for name, n in off.items()}, (off, k2)

@@ -1,0 +1,40 @@
+"""Work done once per test session, whichever pytest-xdist worker asks for it first.
+
+Several tests read one computation's result (the option sets of one shared trace,
+:mod:`shared_trace`); xdist may hand them to different workers.  The first to ask computes it and
+writes it beside the session's temporary directories; the others wait for it on a file lock and
+read it.  (xdist's own ``--dist loadgroup`` would keep them on one worker, but it marks the tests
+through ``item._nodeid``, which pytest 9.2 no longer reads: the groups are silently ignored.)
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+_memo: dict[str, Any] = {}
+
+
+def computed_once(tmp_path_factory, key: str, compute: Callable[[], Any]) -> Any:
+    """``compute()``'s value (JSON: tuples come back as lists) for this session and ``key``."""
+    if key in _memo:
+        return _memo[key]
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' directories sit side by side in the session's
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)
+    path = root / f"once-{name}.json"
+    with open(root / f"once-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released with the file (or the process)
+        if path.exists():
+            value = json.loads(path.read_text())
+        else:
+            text = json.dumps(compute())
+            tmp = path.with_suffix(".part")
+            tmp.write_text(text)
+            tmp.replace(path)
+            value = json.loads(text)  # what the other workers read, here too
+    _memo[key] = value
+    return value
