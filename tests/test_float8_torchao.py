@@ -88,43 +88,88 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, compile_options: dict | None = None) -> dict[str, torch.Tensor]:
-    """One forward and backward (compiled with compass when options are given): the output, the
-    input gradient and the local weight gradients."""
-    run = model if compile_options is None else torch.compile(model, backend="compass", options=compile_options,
-                                                              fullgraph=True)
+def _step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.Tensor]:
+    """One forward and backward of ``model`` (through ``run``, its compiled form, when given): the
+    output, the input gradient and the local weight gradients."""
+    for p in model.parameters():
+        p.grad = None
     x = x.clone().requires_grad_(True)
-    out = _local(run(x))
+    out = _local((model if run is None else run)(x))
     (out.float() ** 2).sum().backward()
     grads = {name: _local(p.grad) for name, p in model.named_parameters()}
     return {"out": out.detach(), "x.grad": x.grad, **grads}
 
 
-def _run(rank: int, world: int, config: str, strategy: str, inner: str = "eager") -> dict:
+def _options(strategy: str, inner: str) -> dict:
+    return {"inner": inner, **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
+
+
+def _run(rank: int, world: int, config: str, strategies: list[str], inner: str = "eager") -> dict:
+    """Eager once, then the block compiled with each strategy (one shared trace, :mod:`shared_trace`),
+    each compared with eager: per strategy its pairs, skips and GEMM dtypes."""
+    import traceback
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import compass_fx.backend
     from float8_gloo import float8_gathers_on_gloo
+    from shared_trace import Variants
 
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(11)
     x = torch.randn(TOKENS, DIM, generator=g).to(torch.bfloat16).chunk(world)[rank].contiguous()
-    before = len(compass_fx.backend.history)
-    options = {"inner": inner, **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
+    variants = Variants([_options(s, inner) for s in strategies])
+    results = {}
     with float8_gathers_on_gloo():
         expected = _step(build(config, mesh), x)
-        got = _step(build(config, mesh), x, options)
-    for name, ref in expected.items():
-        scale = ref.float().abs().max().item()
-        torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,
-                                   msg=lambda m: f"{name} (largest magnitude {scale:.3g}): {m}")
-    dist.barrier()
-    reports = list(compass_fx.backend.history)[before:]
-    return {"pairs": [(p.graph, p.kind, p.status, p.parts, p.matmuls) for r in reports for p in r.pairs],
-            "skipped": [(s.graph, s.kind, s.reason) for r in reports for s in r.skipped],
-            "gemm_dtypes": sorted({p.gemm_dtype or p.dtype for r in reports for p in r.pairs})}
+        model = build(config, mesh)
+        compiled = torch.compile(model, backend=variants, fullgraph=True)
+        for i, strategy in enumerate(strategies):
+            variants.select(i)
+            try:
+                got = _step(model, x, compiled)
+                for name, ref in expected.items():
+                    scale = ref.float().abs().max().item()
+                    torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,
+                                               msg=lambda m: f"{name} (largest magnitude {scale:.3g}): {m}")
+            except Exception:  # noqa: BLE001 - reported by the strategy's own test
+                results[strategy] = {"error": traceback.format_exc()}
+                dist.barrier()
+                continue
+            dist.barrier()
+            reports = variants.reports[i]
+            results[strategy] = {
+                "pairs": [(p.graph, p.kind, p.status, p.parts, p.matmuls) for r in reports for p in r.pairs],
+                "skipped": [(s.graph, s.kind, s.reason) for r in reports for s in r.skipped],
+                "gemm_dtypes": sorted({p.gemm_dtype or p.dtype for r in reports for p in r.pairs})}
+    return results
+
+
+def _result(ranks, tmp_path_factory, world: int, config: str, strategy: str, inner: str = "eager") -> dict:
+    """Rank 0's result for ``strategy``; every strategy the tests check on this block, world size and
+    inner compiler shares one trace, run once per session (:mod:`session_cache`)."""
+    from session_cache import computed_once
+
+    strategies = STRATEGIES.get((world, config, inner), [strategy])
+    key = f"float8-{world}-{config}-{inner}-{'-'.join(strategies)}"
+    group = computed_once(tmp_path_factory, key, lambda: {"ranks": _run_or_say(ranks, world, config, strategies, inner)})
+    assert isinstance(group["ranks"], list), group["ranks"]  # else: why the ranks failed
+    res = group["ranks"][0][strategy]
+    assert "error" not in res, res["error"]
+    return res
+
+
+def _run_or_say(ranks, world, config, strategies, inner):
+    try:
+        return ranks(world).run(_run, world, config, strategies, inner)
+    except Exception as e:  # noqa: BLE001 - every test of the trace reports it
+        return f"{type(e).__name__}: {e}"
+
+
+# The strategies checked on each (world, config, inner): one trace for all of them.
+STRATEGIES = {**{(2, c, "eager"): ["off", "decompose", "auto"] for c in ("tensorwise", "rowwise", "rowwise_f8_styles")},
+              **{(4, c, "eager"): ["decompose", "auto"] for c in ("tensorwise", "rowwise")}}
 
 
 def _found(res: dict) -> list[tuple[str, str, int]]:
@@ -146,8 +191,8 @@ EXPECTED["rowwise_f8_styles"] = EXPECTED["tensorwise"]  # its styles gather floa
 
 @pytest.mark.parametrize("config", FOUND)
 @pytest.mark.parametrize("strategy", ["off", "decompose", "auto"])
-def test_torchao_float8_block_equals_eager_world2(ranks, config, strategy):
-    res = ranks(2).run(_run, 2, config, strategy)[0]
+def test_torchao_float8_block_equals_eager_world2(ranks, tmp_path_factory, config, strategy):
+    res = _result(ranks, tmp_path_factory, 2, config, strategy)
     assert sorted(_found(res)) == sorted(EXPECTED[config]), res
     status = {"off": {"kept"}, "decompose": {"rewritten"}}.get(strategy)
     if status is not None:
@@ -161,17 +206,17 @@ def test_torchao_float8_block_equals_eager_world2(ranks, config, strategy):
 
 @pytest.mark.parametrize("config", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("strategy", ["decompose", "auto"])
-def test_torchao_float8_block_equals_eager_world4(ranks, config, strategy):
-    res = ranks(4).run(_run, 4, config, strategy)[0]
+def test_torchao_float8_block_equals_eager_world4(ranks, tmp_path_factory, config, strategy):
+    res = _result(ranks, tmp_path_factory, 4, config, strategy)
     assert sorted(_found(res)) == sorted(EXPECTED[config]), res
     if strategy == "decompose":
         assert {(p[2], p[3]) for p in res["pairs"]} == {("rewritten", 2)}, res
 
 
-def test_tensorwise_scaling_of_gathered_bf16_is_left_alone_with_the_reason(ranks):
+def test_tensorwise_scaling_of_gathered_bf16_is_left_alone_with_the_reason(ranks, tmp_path_factory):
     """torchao's tensorwise recipe with the plain TP styles gathers bf16 and takes one amax over
     all the gathered rows: no part can be cast before every part has arrived."""
-    res = ranks(2).run(_run, 2, "tensorwise_plain", "decompose")[0]
+    res = _result(ranks, tmp_path_factory, 2, "tensorwise_plain", "decompose")
     assert [p[1] for p in res["pairs"]] == ["matmul_reduce_scatter"] * 2, res
     reasons = [s[2] for s in res["skipped"] if s[1] == "all_gather_matmul"]
     assert len(reasons) == 2 and all("mixes rows" in why for why in reasons), res
@@ -180,23 +225,23 @@ def test_tensorwise_scaling_of_gathered_bf16_is_left_alone_with_the_reason(ranks
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("config", ["tensorwise", "rowwise"])
-def test_torchao_float8_block_decomposed_under_inductor_equals_eager(ranks, config):
+def test_torchao_float8_block_decomposed_under_inductor_equals_eager(ranks, tmp_path_factory, config):
     """Inductor checks a float8 GEMM's strides (B column-major, row scales with last stride 1),
     and lays out a B shared by the parts, or a part's [rows, 1] scales, its own way unless told:
     the rewrite tells it.  (``rowwise_f8_styles`` is not here: Inductor's own compile of that
     graph, without any rewrite, already differs from eager by more than the tolerance, float8
     roundings of values its fused casts compute slightly differently.)"""
-    res = ranks(2).run(_run, 2, config, "decompose", "inductor")[0]
+    res = _result(ranks, tmp_path_factory, 2, config, "decompose", "inductor")
     assert sorted(_found(res)) == sorted(EXPECTED[config]), res
     assert {(p[2], p[3]) for p in res["pairs"]} == {("rewritten", 2)}, res
 
 
 @pytest.mark.parametrize("config", ["tensorwise", "rowwise"])
-def test_torchao_float8_block_with_activation_checkpointing_equals_eager(ranks, config):
+def test_torchao_float8_block_with_activation_checkpointing_equals_eager(ranks, tmp_path_factory, config):
     """The backward gathers the tokens again for the recomputed forward: that gather's row GEMM is
     decomposed, and w1's weight gradient, whose other operand is the recomputed forward's own
     gradient (it needs every part anyway), takes the whole gathered tensor."""
-    res = ranks(2).run(_run, 2, f"{config}_ac", "decompose")[0]
+    res = _result(ranks, tmp_path_factory, 2, f"{config}_ac", "decompose")
     recomputed = ("backward", "all_gather_matmul", 1)
     assert sorted(_found(res)) == sorted(EXPECTED[config] + [recomputed]), res
     assert {(p[2], p[3]) for p in res["pairs"]} == {("rewritten", 2)}, res
