@@ -18,9 +18,18 @@ _memo: dict[str, Any] = {}
 
 
 def computed_once(tmp_path_factory, key: str, compute: Callable[[], Any]) -> Any:
-    """``compute()``'s value (JSON: tuples come back as lists) for this session and ``key``."""
-    if key in _memo:
-        return _memo[key]
+    """``compute()``'s value (JSON: tuples come back as lists) for this session and ``key``; if it
+    raised, a ``RuntimeError`` with its message, here and for every later asker."""
+    if key not in _memo:
+        _memo[key] = _read_or_compute(tmp_path_factory, key, compute)
+    value = _memo[key]
+    if "failed" in value:
+        raise RuntimeError(f"{key} failed once this session: {value['failed']}")
+    return value["value"]
+
+
+def _read_or_compute(tmp_path_factory, key: str, compute: Callable[[], Any]) -> dict:
+    """``{"value": ...}`` or ``{"failed": why}``, from the session's file, or computed and written."""
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # the workers' directories sit side by side in the session's
@@ -31,10 +40,13 @@ def computed_once(tmp_path_factory, key: str, compute: Callable[[], Any]) -> Any
         if path.exists():
             value = json.loads(path.read_text())
         else:
-            text = json.dumps(compute())
+            try:
+                value = {"value": compute()}
+            except Exception as e:  # noqa: BLE001 - every asker reports it, none computes it again
+                value = {"failed": f"{type(e).__name__}: {e}"}
+            text = json.dumps(value)
             tmp = path.with_suffix(".part")
             tmp.write_text(text)
             tmp.replace(path)
             value = json.loads(text)  # what the other workers read, here too
-    _memo[key] = value
     return value
