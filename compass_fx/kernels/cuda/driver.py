@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from typing import Any
 
 WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, wrap-around safe
 WAIT_AND = 0x2  # CU_STREAM_WAIT_VALUE_AND: (*addr & value) != 0
@@ -22,16 +23,26 @@ class DriverError(RuntimeError):
 
 
 @lru_cache(maxsize=1)
-def _lib() -> dict:
-    lib = ctypes.CDLL("libcuda.so.1")
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
+
+def driver_function(names: tuple[str, ...], argtypes: list) -> tuple[str, Any]:
+    """The first of ``names`` (newest version first) that libcuda exports, typed with ``argtypes``
+    and returning a ``CUresult``, with the name found."""
+    lib = _libcuda()
+    for name in names:
+        f = getattr(lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = argtypes, ctypes.c_int
+            return name, f
+    raise DriverError(f"libcuda has none of {names}")
+
+
+@lru_cache(maxsize=1)
+def _lib() -> dict:
     def fn(names: tuple[str, ...], argtypes):
-        for name in names:
-            f = getattr(lib, name, None)
-            if f is not None:
-                f.argtypes, f.restype = argtypes, ctypes.c_int
-                return f
-        raise DriverError(f"libcuda has none of {names}")
+        return driver_function(names, argtypes)[1]
 
     return {
         "memcpy": fn(("cuMemcpyAsync",), [_u64, _u64, ctypes.c_size_t, _ptr]),

@@ -44,16 +44,7 @@ class _Uint4(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def _api() -> dict:
-    lib = ctypes.CDLL("libcuda.so.1")
-
-    def fn(names: tuple[str, ...], argtypes):
-        for name in names:
-            f = getattr(lib, name, None)
-            if f is not None:
-                f.argtypes, f.restype = argtypes, ctypes.c_int
-                return name, f
-        raise driver.DriverError(f"libcuda has none of {names}")
-
+    fn = driver.driver_function
     nodes = ctypes.POINTER(_ptr)
     return {
         "nodes": fn(("cuGraphGetNodes",), [_ptr, nodes, ctypes.POINTER(_size)])[1],
