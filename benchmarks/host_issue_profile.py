@@ -106,6 +106,17 @@ def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: in
     def in_parts(x, w):
         return torch.mm(funcol.all_gather_tensor(x, 0, group), w)
 
+    def issued(fn):  # the parts op's launches issued from Python (no graph replay), as before
+        def call():
+            os.environ["COMPASS_PARTS_REPLAY"] = "0"
+            try:
+                return fn(shard, weight)
+            finally:
+                os.environ["COMPASS_PARTS_REPLAY"] = "1"
+        return call
+
+    os.environ["COMPASS_PARTS_REPLAY"] = "1"  # the parts' gathers from one graph (opt in)
+
     torch._dynamo.reset()
     calls, results = {}, {}
     with torch.no_grad():
@@ -115,12 +126,25 @@ def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: in
             for _ in range(3):
                 results[p] = fn(shard, weight)
             calls[p] = lambda fn=fn: fn(shard, weight)
+        calls["issued"] = issued(fn)
+        # a replay computes what the issued launches compute, on new values at the same addresses
+        shard.copy_(torch.randn_like(shard))
+        replayed_out, issued_out = calls[parts]().clone(), calls["issued"]()
         rounds = paired_issue_us(calls)
         res = {p: {"issue_us": statistics.median(rounds[p]), "issue_us_rounds": rounds[p],
                    "ops": profile_ops(call), "frames": python_frames(call)} for p, call in calls.items()}
     diffs = [(b - a) / (parts - 1) for a, b in zip(rounds[1], rounds[parts])]
     res["extra_part_issue_us"] = statistics.median(diffs)
     res["extra_part_issue_us_rounds"] = diffs
+    issued_diffs = [(b - a) / (parts - 1) for a, b in zip(rounds[1], rounds["issued"])]
+    res["extra_part_issued_us"] = statistics.median(issued_diffs)
+    res["extra_part_issued_us_rounds"] = issued_diffs
+    res["replay_equals_issued"] = bool(torch.equal(replayed_out, issued_out))
+    os.environ.pop("COMPASS_PARTS_REPLAY")
+    from compass_fx.lowering import parts_replay
+
+    res["replay_stats"] = {str(key): {"calls": st.calls, "replays": st.progress.issued}
+                           for key, st in parts_replay._states.items() if st is not None}
     res["parts"] = parts
     # the parts' products against the whole's (bf16; cuBLAS may sum a batched GEMM in another order)
     whole_out = results[1].float()
@@ -281,8 +305,13 @@ def markdown(payload: dict) -> str:
                   f"(whole {part[1]['issue_us']:.0f} us, {p} parts {part[p]['issue_us']:.0f} us per call{quartiles})"
                   + (f"; parts against whole: max error {part['parts_rel_error_vs_whole']:.2g} of the largest entry."
                      if "parts_rel_error_vs_whole" in part else "."),
-                  "",
-                  "Host us per call by op (torch.profiler self time), whole vs parts:", ""]
+                  ""]
+        if "extra_part_issued_us" in part:
+            lines += [f"The parts' gathers replayed from one CUDA graph in the figures above "
+                      f"(`COMPASS_PARTS_REPLAY=1`); issued from Python instead (`=0`, timed in the same rounds): {part['extra_part_issued_us']:.1f} us "
+                      f"per extra part ({part['issued']['issue_us']:.0f} us per call); the replay's result equals the "
+                      f"issued one on new inputs: {part['replay_equals_issued']}; graphs {part['replay_stats']}.", ""]
+        lines += ["Host us per call by op (torch.profiler self time), whole vs parts:", ""]
         names = list(part[p]["ops"])[:20]
         rows = [{"op": nm, "whole": part[1]["ops"].get(nm, {}).get("self_us", 0.0),
                  "parts": part[p]["ops"][nm]["self_us"], "count": part[p]["ops"][nm]["count"]} for nm in names]

@@ -7,8 +7,9 @@ trip through the dispatcher and Inductor's wrapper.  This op issues the same pip
 call: every part's gather is issued first (c10d's own asynchronous gather, one work per part: on
 NCCL they run back to back on its stream), then, part by part, the caller's stream waits for that
 part's gather and multiplies it into its rows of each result (one GEMM per part and weight, written
-where the rows lie, as :mod:`.row_blocks` does).  An extra part costs the host one gather, one
-stream wait and one GEMM launch.
+where the rows lie, as :mod:`.row_blocks` does).  Issued, an extra part costs the host one gather,
+one stream wait and one GEMM launch; with ``COMPASS_PARTS_REPLAY=1`` on an NCCL group, a call's
+gathers are one CUDA graph launch instead (:mod:`.parts_replay`).
 
 The graph is the same on every rank (the group's name and size, never a rank).  On CPU tensors
 (gloo) each part's gather completes before the next is issued: gloo's gathers are not left in
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import parts_replay
 
 # Defined on the dispatcher directly (no custom_op wrapper: see row_blocks.py); graphs call it
 # with nothing requiring grad.
@@ -53,16 +56,36 @@ def _gather_of(group_name: str, device: torch.device) -> tuple:
 def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group_size: int,
                          group_name: str) -> list[Tensor]:
     """``[all_gather(shard, dim 0) @ w for w in weights]``, gathered and multiplied in ``parts``
-    parts (part i: rows ``[i*c, (i+1)*c)`` of every rank's shard)."""
+    parts (part i: rows ``[i*c, (i+1)*c)`` of every rank's shard).  On CUDA, an eager call whose
+    signature has been seen before may launch its gathers from one CUDA graph (:mod:`.parts_replay`)."""
     rows, k = shard.shape
     if parts < 1 or rows % parts:
         raise ValueError(f"all_gather_mm_parts: {rows} rows do not split into {parts} parts")
-    c, world = rows // parts, group_size
+    world = group_size
     shard = shard.contiguous()
     outs = [shard.new_empty((rows * world, w.shape[1])) for w in weights]
+    if not shard.is_cpu and parts_replay.replayed(shard, weights, outs, parts, world, group_name,
+                                                  lambda: _gather_into(group_name, shard.device)):
+        return outs
+    buffer = shard.new_empty((parts, world * (rows // parts), k))  # part i's gather: buffer[i], rank-major
+    _issue(shard, weights, outs, buffer, parts, world, group_name)
+    return outs
+
+
+def _gather_into(group_name: str, device: torch.device) -> "parts_replay.Gather":
+    """``(dst, src) -> work``: the asynchronous gather a parts replay captures."""
+    gather, opts = _gather_of(group_name, device)
+    return lambda dst, src: gather(dst, src, opts)
+
+
+def _issue(shard: Tensor, weights: list[Tensor], outs: list[Tensor], buffer: Tensor, parts: int, world: int,
+           group_name: str) -> None:
+    """Every launch of one call on the current stream: each part's gather into ``buffer[i]``, then
+    part by part the stream's wait for it and its GEMMs into ``outs``."""
+    rows, k = shard.shape
+    c = rows // parts
     gather, opts = _gather_of(group_name, shard.device)
     # one call each for every part's views (a view per part costs the host a few us each)
-    buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
     gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
     blocking = shard.is_cpu
     works = []
@@ -80,7 +103,7 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
             if not blocking:
                 work.wait()  # the caller's stream waits for part i's gather (the host does not)
             bmm(a, w, out=t)
-        return outs
+        return
     targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
     broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
     for i, (work, a) in enumerate(zip(works, gathered)):
@@ -88,7 +111,6 @@ def _all_gather_mm_parts(shard: Tensor, weights: list[Tensor], parts: int, group
             work.wait()
         for target, w in zip(targets, broadcast):
             bmm(a, w, out=target[i])
-    return outs
 
 
 _LIB.impl("all_gather_mm_parts", _all_gather_mm_parts, "CompositeExplicitAutograd")

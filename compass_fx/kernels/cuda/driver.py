@@ -59,6 +59,8 @@ def _lib() -> dict:
         "capture_mode": fn(("cuThreadExchangeStreamCaptureMode",), [ctypes.POINTER(ctypes.c_int)]),
         "graph_launch": fn(("cuGraphLaunch",), [_ptr, _ptr]),
         "event_record": fn(("cuEventRecord",), [_ptr, _ptr]),
+        "event_record_flags": fn(("cuEventRecordWithFlags",), [_ptr, _ptr, ctypes.c_uint]),
+        "stream_wait_event": fn(("cuStreamWaitEvent",), [_ptr, _ptr, ctypes.c_uint]),
         "event_create": fn(("cuEventCreate",), [ctypes.POINTER(_ptr), ctypes.c_uint]),
         "event_query": fn(("cuEventQuery",), [_ptr]),
     }
@@ -131,6 +133,7 @@ def launcher(function: int, args: list, blocks: int = 1, threads: int = 1):
 
 
 _EVENT_DISABLE_TIMING, _NOT_READY = 0x2, 600
+_EVENT_RECORD_EXTERNAL = 0x1
 
 
 class Event:
@@ -146,6 +149,15 @@ class Event:
 
     def record(self, stream: int) -> None:
         check(_lib()["event_record"](self.handle, stream), "cuEventRecord")
+
+    def record_external(self, stream: int) -> None:
+        """Record on ``stream``; captured in a CUDA graph, an event record node of its own: every
+        launch of the graph records this event, which streams outside the graph can wait for."""
+        check(_lib()["event_record_flags"](self.handle, stream, _EVENT_RECORD_EXTERNAL), "cuEventRecordWithFlags")
+
+    def wait_on(self, stream: int) -> None:
+        """Make ``stream``'s later work wait for this event's last record."""
+        check(_lib()["stream_wait_event"](stream, self.handle, 0), "cuStreamWaitEvent")
 
     def query(self) -> bool:
         result = _lib()["event_query"](self.handle)

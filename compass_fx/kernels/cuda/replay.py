@@ -203,8 +203,11 @@ class Captured:
 class Replays:
     """One workspace's graphs: ``graphs[addresses][epoch % PERIOD]``."""
 
-    def __init__(self, device_index: int) -> None:
+    def __init__(self, device_index: int, label: str = "compass fused operators",
+                 disabled: list[str] | None = None) -> None:
         self.device_index = device_index
+        self.label = label  # who warns when a capture fails
+        self.disabled = _disabled if disabled is None else disabled  # whose replays a failed capture turns off
         self.most = limit()
         self.graphs: OrderedDict[Hashable, list] = OrderedDict()
         self.seen: OrderedDict[Hashable, None] = OrderedDict()  # sets of addresses seen once
@@ -263,8 +266,8 @@ class Replays:
                 graph.instantiate()
             captured = Captured(graph)
         except Exception as e:  # noqa: BLE001 - replays off, the call goes on eagerly
-            _disabled.append(f"{type(e).__name__}: {e}")
-            warnings.warn(f"compass fused operators: capturing a call in a CUDA graph failed ({e}); eager calls "
+            self.disabled.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"{self.label}: capturing a call in a CUDA graph failed ({e}); eager calls "
                           "are issued one command at a time from now on", RuntimeWarning, stacklevel=3)
             self.graphs.clear()
             return None
