@@ -41,19 +41,12 @@ def host_buffer(nbytes: int) -> int:
 
 
 def device_ms(fn, rounds: int = 9, per_round: int = 5) -> float:
-    """Median device ms of ``fn`` (between events on the current stream), ``per_round`` calls a round."""
+    """Median device ms of ``fn`` (events around ``per_round`` calls, after one call to warm up)."""
+    from compass_fx.tools.timing import batch_seconds
+
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(per_round):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / per_round)
-    return statistics.median(times)
+    return statistics.median(batch_seconds(fn, per_round, True) for _ in range(rounds)) * 1e3
 
 
 def allocation_us(calls: int = 2000) -> dict[str, float]:

@@ -39,9 +39,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream)
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+from ..kernels.cuda.impl import _capturing, _raw_stream
+
 _states: dict[tuple, "_Staged | None"] = {}  # per call signature; None: its calls are issued
 _settings: dict[tuple, bool] = {}  # raw settings -> on
 Gather = Callable[[Tensor, Tensor], object]  # (dst, src) -> c10d work of an asynchronous gather
