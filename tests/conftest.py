@@ -14,6 +14,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # compass_fx hands to Inductor and the numbers they compute, not how Inductor vectorises C++ on a
 # CPU (the GPUs' code is Triton's); the kernels still compute in the tests' dtypes.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# One OpenMP thread per process (set before anything imports torch; ranks and scripts inherit it).
+# With two xdist workers, their rank pools and Inductor's kernels (``#pragma omp parallel``) all on
+# 2 cores, an idle OpenMP thread spins waiting for work that another process's turn holds up: the
+# full suite took 745 CPU-s in 6:21 with each worker at 2 threads, 522 CPU-s in 4:30 at 1
+# (same machine, same hour).  The tests' tensors are tiny; the checks do not depend on threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from rank_pool import RankPool  # noqa: E402
 
