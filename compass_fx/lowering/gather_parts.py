@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import parts_replay
+from .row_blocks import multiply_parts
 
 # Defined on the dispatcher directly (no custom_op wrapper: see row_blocks.py); graphs call it
 # with nothing requiring grad.
@@ -85,8 +86,6 @@ def _issue(shard: Tensor, weights: list[Tensor], outs: list[Tensor], buffer: Ten
     rows, k = shard.shape
     c = rows // parts
     gather, opts = _gather_of(group_name, shard.device)
-    # one call each for every part's views (a view per part costs the host a few us each)
-    gathered = buffer.view(parts, world, c, k).unbind(0)  # the same as [world, c, k]
     blocking = shard.is_cpu
     works = []
     for dst, src in zip(buffer.unbind(0), shard.view(parts, c, k).unbind(0)):
@@ -94,23 +93,11 @@ def _issue(shard: Tensor, weights: list[Tensor], outs: list[Tensor], buffer: Ten
         if blocking:
             work.wait()
         works.append(work)
-    # part i's rows of a result: rows [i*c, (i+1)*c) of every rank's block, as [world, c, n] in place
-    bmm = torch.bmm
-    if len(weights) == 1:  # the common call: no list of targets per weight
-        target, w = outs[0].view(world, parts, c, weights[0].shape[1]).unbind(1), weights[0]
-        w = w.expand(world, k, w.shape[1])
-        for work, a, t in zip(works, gathered, target):
-            if not blocking:
-                work.wait()  # the caller's stream waits for part i's gather (the host does not)
-            bmm(a, w, out=t)
-        return
-    targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
-    broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
-    for i, (work, a) in enumerate(zip(works, gathered)):
-        if not blocking:
-            work.wait()
-        for target, w in zip(targets, broadcast):
-            bmm(a, w, out=target[i])
+    # one call for every part's views (a view per part costs the host a few us each); part i's
+    # gather, [world * c, k] rank-major, is the same as [world, c, k]; the caller's stream waits for
+    # part i's gather (the host does not), unless it completed before the next was issued
+    multiply_parts(buffer.view(parts, world, c, k).unbind(0), weights, outs,
+                   None if blocking else [work.wait for work in works])
 
 
 _LIB.impl("all_gather_mm_parts", _all_gather_mm_parts, "CompositeExplicitAutograd")

@@ -34,12 +34,14 @@ can be tested.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from ..kernels.cuda.impl import _capturing, _raw_stream
+from .row_blocks import multiply_parts
 
 _states: dict[tuple, "_Staged | None"] = {}  # per call signature; None: its calls are issued
 _settings: dict[tuple, bool] = {}  # raw settings -> on
@@ -126,14 +128,7 @@ class _Staged:
         except BaseException:
             progress.issued = n
             raise
-        world, c = self.gathered[0].shape[0], self.gathered[0].shape[1]
-        bmm, parts = torch.bmm, self.parts
-        for out, w in zip(outs, weights):
-            targets = out.view(world, parts, c, w.shape[1]).unbind(1)
-            wide = w.expand(world, w.shape[0], w.shape[1])
-            for event, a, t in zip(self.arrived, self.gathered, targets):
-                event.wait_on(caller)
-                bmm(a, wide, out=t)
+        multiply_parts(self.gathered, weights, outs, [partial(event.wait_on, caller) for event in self.arrived])
 
 
 def _new_state(shard: Tensor, parts: int, world: int, group_name: str) -> "_Staged | None":

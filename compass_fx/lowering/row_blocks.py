@@ -20,6 +20,7 @@ kernel and no copy, in eager mode and under Inductor).
 from __future__ import annotations
 
 import operator
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -61,6 +62,37 @@ _LIB.impl("mm_into_row_blocks", _mm_into_row_blocks, "CompositeExplicitAutograd"
 @torch.library.register_fake("compass::mm_into_row_blocks", lib=_LIB)
 def _(out: Tensor, a: Tensor, b: Tensor, blocks: int, start: int, stop: int) -> None:
     return None
+
+
+def multiply_parts(gathered: Sequence[Tensor], weights: list[Tensor], outs: list[Tensor],
+                   waits: Sequence[Callable[[], object]] | None) -> None:
+    """Part by part, every result's rows of part ``i`` become ``gathered[i] @ w`` (one batched GEMM
+    per part and weight, written where the rows lie).  ``gathered[i]``: part ``i``'s rows as
+    ``[world, c, k]``, rank-major, as an all-gather of the part leaves them; ``outs``: the whole
+    ``[world * parts * c, n]`` results; ``waits[i]()``, when given, makes the current stream wait
+    for part ``i`` before its GEMMs (once per part, however many weights).  Shared by the issued and
+    the replayed decomposed gather (:mod:`.gather_parts`, :mod:`.parts_replay`)."""
+    world, c, k = gathered[0].shape
+    parts, bmm = len(gathered), torch.bmm
+    if len(weights) == 1:  # the common call: no list of targets per weight
+        w = weights[0]
+        targets = outs[0].view(world, parts, c, w.shape[1]).unbind(1)
+        w = w.expand(world, k, w.shape[1])
+        if waits is None:
+            for a, t in zip(gathered, targets):
+                bmm(a, w, out=t)
+        else:
+            for wait, a, t in zip(waits, gathered, targets):
+                wait()
+                bmm(a, w, out=t)
+        return
+    targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
+    broadcast = [w.expand(world, k, w.shape[1]) for w in weights]
+    for i, a in enumerate(gathered):
+        if waits is not None:
+            waits[i]()
+        for target, w in zip(targets, broadcast):
+            bmm(a, w, out=target[i])
 
 
 def part_row_blocks(b: NodeBuilder, x2d: fx.Node, layout: RowLayout, parts: int, i: int) -> fx.Node:
