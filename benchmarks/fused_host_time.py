@@ -260,6 +260,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
     res["captured_graphs"] = replay.stats["captured"] - before["captured"]
+    res["device_launched_graphs"] = replay.stats.get("device_launched", 0) - before.get("device_launched", 0)
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=True)
@@ -307,6 +308,11 @@ def markdown(payload: dict) -> str:
              "recur); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed).", ""]
+    settings = payload.get("settings")
+    if settings:
+        lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(settings.items())) + "; replay graphs "
+                  f"launched by the GPU: {sum(r.get('device_launched_graphs', 0) for r in payload['rows'])} of "
+                  f"{sum(r.get('captured_graphs', 0) for r in payload['rows'])} captured (rank 0).", ""]
     for world, launch in payload["launch_us"].items():
         lines += [f"Launch alone, world {world} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()), ""]
     lines.append(output.markdown_table(
@@ -342,7 +348,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
-    payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag}
+    payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag,
+               "settings": {k: v for k, v in os.environ.items() if k.startswith("COMPASS_")}}
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:

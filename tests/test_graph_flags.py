@@ -27,13 +27,14 @@ def _nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(found[0])
 
 
-def _compile(source: str, arch: str = "compute_90") -> tuple[int, str, str]:
+def _compile(source: str, arch: str = "compute_90", *extra: str) -> tuple[int, str, str]:
     """(NVRTC's result code, its log, the PTX) for ``source``."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"graph_flags.cu", 0, None, None) == 0
-    options = (ctypes.c_char_p * 1)(f"--gpu-architecture={arch}".encode())
-    result = lib.nvrtcCompileProgram(prog, 1, options)
+    flags = [f"--gpu-architecture={arch}", *extra]
+    options = (ctypes.c_char_p * len(flags))(*[f.encode() for f in flags])
+    result = lib.nvrtcCompileProgram(prog, len(flags), options)
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -59,3 +60,15 @@ def test_the_captured_calls_kernels_compile_for_hopper():
 def test_a_slip_in_the_source_fails_the_check():
     result, log, _ = _compile(graph_flags.SOURCE + '\nextern "C" __global__ void slip(int* p) { *p = q; }\n')
     assert result != 0 and "undefined" in log
+
+
+def test_the_device_launcher_compiles_as_relocatable_code_calling_the_device_runtime():
+    """``device_launch``'s kernel: relocatable (the driver links it with libcudadevrt.a), its one
+    call the device runtime's graph launch into the tail-launch stream, a refusal trapping."""
+    from compass_fx.kernels.cuda import device_launch
+
+    result, log, ptx = _compile(device_launch.LAUNCH_SOURCE, "compute_90", "-rdc=true")
+    assert result == 0, log
+    assert ".entry compass_tail_launch(" in ptx and ".extern .func" in ptx and "cudaGraphLaunch" in ptx
+    assert "72057594037927936" in ptx  # cudaStreamGraphTailLaunch: the launcher's graph finishes first
+    assert "trap" in ptx

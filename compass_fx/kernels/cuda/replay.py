@@ -43,7 +43,7 @@ from . import driver, env, env_raw
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
 # calls of this process served from graphs, graphs captured, memset nodes made kernels (graph_edit)
-stats = {"replayed": 0, "captured": 0, "memsets_replaced": 0}
+stats = {"replayed": 0, "captured": 0, "memsets_replaced": 0, "device_launched": 0}
 
 
 _settings: dict = {}  # raw COMPASS_FUSED_REPLAY -> on (read on every call: one dict lookup when unchanged)
@@ -68,10 +68,13 @@ def _switch(name: str, default: str, choices: tuple[str, str]) -> bool:
 
 
 def waits_as_kernels() -> bool:
-    """``COMPASS_REPLAY_WAITS`` = ``stream`` (default) or ``kernel``: how a replay graph waits for a
-    flag (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream
-    waits are the default)."""
-    return _switch("COMPASS_REPLAY_WAITS", "stream", ("kernel", "stream"))
+    """``COMPASS_REPLAY_WAITS`` = ``stream`` or ``kernel``: how a replay graph waits for a flag
+    (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream waits
+    are the default).  The default is ``kernel`` where replay graphs are launched by the GPU
+    (:mod:`.device_launch`: a device graph cannot hold a stream wait), else ``stream``."""
+    from . import device_launch
+
+    return _switch("COMPASS_REPLAY_WAITS", "kernel" if device_launch.wanted() else "stream", ("kernel", "stream"))
 
 
 def host_copies_as_kernels() -> bool:
@@ -251,9 +254,13 @@ class Replays:
         return graphs[phase]
 
     def _capture(self, issue: Callable[[torch.cuda.Stream], None]):
+        from . import device_launch
+
         stream = _capture_stream(self.device_index)
         memset = memset_kernel(self.device_index)  # before the capture: it may compile
-        graph = torch.cuda.CUDAGraph(keep_graph=True) if memset else torch.cuda.CUDAGraph()
+        by_device = device_launch.wanted() and device_launch.available(self.device_index)  # may compile too
+        keep = bool(memset) or by_device
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(capture_error_mode="thread_local")
@@ -263,8 +270,16 @@ class Replays:
                     graph.capture_end()
             if memset:
                 stats["memsets_replaced"] += edit(graph.raw_cuda_graph(), memset)
-                graph.instantiate()
-            captured = Captured(graph)
+            captured = None
+            if by_device:  # the GPU launches it: one node of host launch whatever the plan
+                captured = device_launch.instantiate(graph.raw_cuda_graph(), self.device_index, stream)
+                if captured is not None:
+                    captured.graph = graph  # the captured graph lives as long as its executable
+                    stats["device_launched"] += 1
+            if captured is None:
+                if keep:
+                    graph.instantiate()
+                captured = Captured(graph)
         except Exception as e:  # noqa: BLE001 - replays off, the call goes on eagerly
             self.disabled.append(f"{type(e).__name__}: {e}")
             warnings.warn(f"{self.label}: capturing a call in a CUDA graph failed ({e}); eager calls "

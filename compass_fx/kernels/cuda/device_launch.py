@@ -1,0 +1,225 @@
+"""Replay graphs launched by the GPU itself: a fused call's host cost that does not grow with its plan
+(issue 27; opt in: ``COMPASS_REPLAY_LAUNCH=device``).
+
+Why: ``cuGraphLaunch`` of a host-launched graph costs the host about 1 us per node (copies to and
+from host memory and stream waits ~1.8 us): 21-242 us for the replay graphs of
+``fused_host_time``, the bulk of a replayed call.  A graph instantiated for device launch
+(``CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH``) can be launched from a kernel; so each replay
+graph gets a one-node host graph whose kernel (``compass_tail_launch``) tail-launches it.  The host
+then launches one node whatever the plan.  Measured on one H200 (``benchmarks/device_graph_launch.py``):
+a graph of 2-32 pieces (6-96 nodes: copies to and from pinned host memory on one branch, kernels
+waiting for them on the other) costs the host 5.9 / 20.7 / 109 us launched from the host and
+2.9-3.9 us tail-launched; the work after the launcher on the caller's stream waits for the tail
+graph (checked with a graph held 20 ms behind a sleep), as the caller's later work must.
+
+What a device graph may hold: kernel, memcpy and memset nodes (copies only between device memory
+and device-mapped pinned host memory, which the host-staged arena is).  A stream wait
+(``cuStreamWaitValue32``) node is refused, so with device launch a replay graph's flag waits are
+kernels (:func:`.replay.waits_as_kernels`); a spinning kernel is fine where each rank has its GPU
+(or under MPS) and slow where ranks time-slice one GPU without MPS (``impl._compile_replay`` says
+why).  A graph the driver will not instantiate for device launch is launched from the host as
+before, with a warning, and device launch stays off for the process.
+
+Not the default yet: under MPS on one H200, 500 back-to-back calls with a late rank passed every
+case at world 2 and at world 4 with 60 calls, but at world 4 with 500 calls a
+``matmul_reduce_scatter`` case stalled twice (early, call 8 and call 11) on a rank "waiting for its
+own streams" with every awaited flag set; the watchdog ended it with its error after 10 s
+(``benchmarks/results/fused_host_stress/``).  Until that is explained, the first device-launched
+graph of a process warns.
+
+The launcher calls the device runtime (``cudaGraphLaunch`` in device code), which lives in CUDA's
+static ``libcudadevrt.a``: the kernel is compiled by NVRTC as relocatable code and linked with that
+library by the driver's linker.  The library is looked for in ``COMPASS_CUDADEVRT``, then
+``CUDA_HOME`` / ``CUDA_PATH`` and ``/usr/local/cuda*``, then NVIDIA's Python wheels; without it the
+graphs are launched from the host, with a warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import warnings
+from functools import lru_cache
+
+from . import driver, env
+
+LAUNCH_SOURCE = r"""
+// NVRTC declares the device runtime's API (cudaGraphLaunch and its types) itself.
+// Launch `graph` (instantiated for device launch) once this kernel's graph has finished; the work
+// after this kernel's graph on its stream waits for it.  A launch the device runtime refuses traps:
+// the context reports the error at the caller's next synchronisation, rather than the call's work
+// silently not running.
+extern "C" __global__ void compass_tail_launch(cudaGraphExec_t graph) {
+  if (cudaGraphLaunch(graph, (cudaStream_t)0x0100000000000000ull) != cudaSuccess) __trap();  // cudaStreamGraphTailLaunch
+}
+"""
+
+_INSTANTIATE_DEVICE_LAUNCH = 4  # CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH
+_JIT_INPUT_PTX, _JIT_INPUT_LIBRARY = 1, 4
+_off: list[str] = []  # why device launch was turned off in this process
+_warned: list[bool] = []  # the experimental warning was given
+_u64, _ptr = ctypes.c_uint64, ctypes.c_void_p
+
+
+def wanted() -> bool:
+    """``COMPASS_REPLAY_LAUNCH`` = ``host`` (default) or ``device``: who launches a replay graph."""
+    value = env("COMPASS_REPLAY_LAUNCH", "host").strip().lower()
+    if value not in ("host", "device"):
+        raise ValueError(f"COMPASS_REPLAY_LAUNCH must be host or device, got {value!r}")
+    return value == "device" and not _off
+
+
+def cudadevrt_candidates() -> list[str]:
+    """Where ``libcudadevrt.a`` may be, in the order looked at."""
+    paths = []
+    given = os.environ.get("COMPASS_CUDADEVRT")
+    if given:
+        paths.append(given)
+    roots = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")] + ["/usr/local/cuda"]
+    roots += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in filter(None, roots):
+        paths += [os.path.join(root, sub, "libcudadevrt.a") for sub in ("lib64", "lib", "targets/x86_64-linux/lib")]
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            paths += sorted(glob.glob(os.path.join(base, "*", "lib", "libcudadevrt.a")))
+    except ImportError:
+        pass
+    return paths
+
+
+def find_cudadevrt() -> str | None:
+    """The first ``libcudadevrt.a`` that exists, or None."""
+    return next((p for p in cudadevrt_candidates() if os.path.isfile(p)), None)
+
+
+@lru_cache(maxsize=1)
+def _linker() -> dict:
+    def fn(names, argtypes):
+        return driver.driver_function(names, argtypes)[1]
+
+    return {
+        "create": fn(("cuLinkCreate_v2", "cuLinkCreate"), [ctypes.c_uint, _ptr, _ptr, ctypes.POINTER(_ptr)]),
+        "add_data": fn(("cuLinkAddData_v2", "cuLinkAddData"), [_ptr, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+                                                                ctypes.c_char_p, ctypes.c_uint, _ptr, _ptr]),
+        "add_file": fn(("cuLinkAddFile_v2", "cuLinkAddFile"), [_ptr, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint,
+                                                                _ptr, _ptr]),
+        "complete": fn(("cuLinkComplete",), [_ptr, ctypes.POINTER(_ptr), ctypes.POINTER(ctypes.c_size_t)]),
+        "destroy": fn(("cuLinkDestroy",), [_ptr]),
+        "instantiate": fn(("cuGraphInstantiateWithFlags",), [ctypes.POINTER(_ptr), _ptr, ctypes.c_ulonglong]),
+        "upload": fn(("cuGraphUpload",), [_ptr, _ptr]),
+        "exec_destroy": fn(("cuGraphExecDestroy",), [_ptr]),
+    }
+
+
+@lru_cache(maxsize=None)
+def _launch_function(device_index: int) -> int:
+    """``compass_tail_launch`` compiled (NVRTC, relocatable), linked with the device runtime and
+    loaded into ``device_index``'s context; raises if any step cannot be done here."""
+    import torch
+    from torch.cuda._utils import _nvrtc_compile
+
+    library = find_cudadevrt()
+    if library is None:
+        raise RuntimeError("libcudadevrt.a (CUDA's device runtime) not found; looked at "
+                           + ", ".join(cudadevrt_candidates()[:6]) + " ... (set COMPASS_CUDADEVRT to its path)")
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream().synchronize()  # the context exists before the driver links into it
+        ptx, name = _nvrtc_compile(LAUNCH_SOURCE, "compass_tail_launch", nvcc_options=["-rdc=true"])
+        lk = _linker()
+        state = _ptr()
+        driver.check(lk["create"](0, None, None, ctypes.byref(state)), "cuLinkCreate")
+        try:
+            driver.check(lk["add_data"](state, _JIT_INPUT_PTX, ptx, len(ptx), b"compass_tail_launch.ptx", 0, None,
+                                        None), "cuLinkAddData")
+            driver.check(lk["add_file"](state, _JIT_INPUT_LIBRARY, library.encode(), 0, None, None), "cuLinkAddFile")
+            cubin, size = _ptr(), ctypes.c_size_t()
+            driver.check(lk["complete"](state, ctypes.byref(cubin), ctypes.byref(size)), "cuLinkComplete")
+            image = ctypes.string_at(cubin, size.value)  # the linker owns its output until destroyed
+        finally:
+            lk["destroy"](state)
+        return driver.load_function(image, name)
+
+
+def available(device_index: int) -> bool:
+    """Whether replay graphs on ``device_index`` can be device-launched (the launcher links and
+    loads); warns once and turns device launch off for the process where not."""
+    try:
+        _launch_function(device_index)
+    except Exception as e:  # noqa: BLE001 - launched from the host instead, as before
+        turn_off(f"the launcher kernel could not be built ({e})")
+        return False
+    return True
+
+
+def turn_off(why: str) -> None:
+    if not _off:
+        _off.append(why)
+        warnings.warn(f"compass fused operators: replay graphs are launched from the host: {why}",
+                      RuntimeWarning, stacklevel=3)
+
+
+class DeviceLaunched:
+    """A replay graph instantiated for device launch, and the one-node host graph that launches it:
+    ``launch(stream)`` costs the host one node (what :class:`.replay.Captured` offers)."""
+
+    __slots__ = ("work", "launcher", "graph", "exec", "_launch", "_destroy", "__weakref__")
+
+    def __init__(self, work: int, launcher) -> None:
+        self.work = work  # the CUgraphExec the launcher's kernel tail-launches
+        self.graph = None  # the captured graph it was made from (kept by the caller)
+        self.launcher = launcher  # a torch CUDAGraph holding one launch of compass_tail_launch
+        self.exec = launcher.raw_cuda_graph_exec()  # valid while the launcher lives
+        self._launch = driver.raw("graph_launch")
+        self._destroy = _linker()["exec_destroy"]
+
+    def launch(self, stream: int) -> None:
+        result = self._launch(self.exec, stream)
+        if result:
+            driver.check(result, "cuGraphLaunch")
+
+    def __del__(self) -> None:
+        if self.work:
+            self._destroy(_ptr(self.work))
+            self.work = 0
+
+
+def instantiate(graph_handle: int, device_index: int, capture_stream) -> DeviceLaunched | None:
+    """``graph_handle`` (a captured ``cudaGraph_t``) instantiated for device launch, uploaded, with
+    its launcher captured on ``capture_stream``; None where the driver refuses the graph (device
+    launch is then turned off for the process, with a warning naming the refusal)."""
+    import torch
+
+    if not available(device_index):
+        return None
+    if not _warned:
+        _warned.append(True)
+        warnings.warn("compass fused operators: COMPASS_REPLAY_LAUNCH=device is experimental: a world-4 "
+                      "matmul_reduce_scatter stalled under it on one GPU (the watchdog raises after "
+                      "COMPASS_FUSED_TIMEOUT_S); see compass_fx/kernels/cuda/device_launch.py", RuntimeWarning,
+                      stacklevel=3)
+    lk = _linker()
+    work = _ptr()
+    result = lk["instantiate"](ctypes.byref(work), _ptr(graph_handle), _INSTANTIATE_DEVICE_LAUNCH)
+    if result:
+        name = ctypes.c_char_p()
+        driver._lib()["error_name"](result, ctypes.byref(name))
+        turn_off(f"the driver would not instantiate a replay graph for device launch "
+                 f"({(name.value or b'?').decode()}: a node kind a device graph cannot hold, such as a stream "
+                 "wait; COMPASS_REPLAY_WAITS=kernel makes the flag waits kernels)")
+        return None
+    try:
+        driver.check(lk["upload"](work, capture_stream.cuda_stream), "cuGraphUpload")
+        kick = driver.launcher(_launch_function(device_index), [_u64(work.value)])
+        launcher = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(capture_stream):
+            launcher.capture_begin(capture_error_mode="thread_local")
+            try:
+                kick(capture_stream.cuda_stream)
+            finally:
+                launcher.capture_end()
+    except BaseException:
+        lk["exec_destroy"](work)
+        raise
+    return DeviceLaunched(work.value, launcher)
