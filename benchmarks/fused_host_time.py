@@ -260,7 +260,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
     res["captured_graphs"] = replay.stats["captured"] - before["captured"]
-    res["device_launched_graphs"] = replay.stats.get("device_launched", 0) - before.get("device_launched", 0)
+    res["device_launched_graphs"] = replay.stats["device_launched"] - before["device_launched"]
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=True)

@@ -69,7 +69,7 @@ class _Staged:
         self.index = shard.get_device()
         rows, k = shard.shape
         c = rows // parts
-        self.parts, self.what, self.nbytes = parts, what, shard.numel() * shard.element_size()
+        self.what, self.nbytes = what, shard.numel() * shard.element_size()
         self.staging = torch.empty_like(shard, memory_format=torch.contiguous_format)
         self.buffer = shard.new_empty((parts, world * c, k))  # part i's gather: buffer[i], rank-major
         self.sources = self.staging.view(parts, c, k).unbind(0)

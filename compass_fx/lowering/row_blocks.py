@@ -78,13 +78,10 @@ def multiply_parts(gathered: Sequence[Tensor], weights: list[Tensor], outs: list
         w = weights[0]
         targets = outs[0].view(world, parts, c, w.shape[1]).unbind(1)
         w = w.expand(world, k, w.shape[1])
-        if waits is None:
-            for a, t in zip(gathered, targets):
-                bmm(a, w, out=t)
-        else:
-            for wait, a, t in zip(waits, gathered, targets):
-                wait()
-                bmm(a, w, out=t)
+        for i, (a, t) in enumerate(zip(gathered, targets)):
+            if waits is not None:
+                waits[i]()
+            bmm(a, w, out=t)
         return
     targets = [out.view(world, parts, c, out.shape[1]).unbind(1) for out in outs]
     broadcast = [w.expand(world, k, w.shape[1]) for w in weights]

@@ -160,24 +160,18 @@ def turn_off(why: str) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-class DeviceLaunched:
-    """A replay graph instantiated for device launch, and the one-node host graph that launches it:
-    ``launch(stream)`` costs the host one node (what :class:`.replay.Captured` offers)."""
+class DeviceGraph:
+    """A replay graph instantiated for device launch (``work``), the captured graph it was made
+    from, and ``launcher``: the one-node host graph whose kernel tail-launches it, which
+    :class:`.replay.Captured` launches like any replay graph (one node of host launch)."""
 
-    __slots__ = ("work", "launcher", "graph", "exec", "_launch", "_destroy", "__weakref__")
+    __slots__ = ("work", "captured", "launcher", "_destroy")
 
-    def __init__(self, work: int, launcher) -> None:
+    def __init__(self, work: int, captured, launcher) -> None:
         self.work = work  # the CUgraphExec the launcher's kernel tail-launches
-        self.graph = None  # the captured graph it was made from (kept by the caller)
+        self.captured = captured  # a torch CUDAGraph (keep_graph=True), never instantiated by torch
         self.launcher = launcher  # a torch CUDAGraph holding one launch of compass_tail_launch
-        self.exec = launcher.raw_cuda_graph_exec()  # valid while the launcher lives
-        self._launch = driver.raw("graph_launch")
         self._destroy = _linker()["exec_destroy"]
-
-    def launch(self, stream: int) -> None:
-        result = self._launch(self.exec, stream)
-        if result:
-            driver.check(result, "cuGraphLaunch")
 
     def __del__(self) -> None:
         if self.work:
@@ -185,10 +179,10 @@ class DeviceLaunched:
             self.work = 0
 
 
-def instantiate(graph_handle: int, device_index: int, capture_stream) -> DeviceLaunched | None:
-    """``graph_handle`` (a captured ``cudaGraph_t``) instantiated for device launch, uploaded, with
-    its launcher captured on ``capture_stream``; None where the driver refuses the graph (device
-    launch is then turned off for the process, with a warning naming the refusal)."""
+def instantiate(captured, device_index: int, capture_stream) -> DeviceGraph | None:
+    """``captured`` (a torch CUDAGraph captured with ``keep_graph=True``) instantiated for device
+    launch, uploaded, with its launcher captured on ``capture_stream``; None where the driver refuses
+    the graph (device launch is then turned off for the process, with a warning naming the refusal)."""
     import torch
 
     if not available(device_index):
@@ -201,13 +195,12 @@ def instantiate(graph_handle: int, device_index: int, capture_stream) -> DeviceL
                       stacklevel=3)
     lk = _linker()
     work = _ptr()
-    result = lk["instantiate"](ctypes.byref(work), _ptr(graph_handle), _INSTANTIATE_DEVICE_LAUNCH)
-    if result:
-        name = ctypes.c_char_p()
-        driver._lib()["error_name"](result, ctypes.byref(name))
-        turn_off(f"the driver would not instantiate a replay graph for device launch "
-                 f"({(name.value or b'?').decode()}: a node kind a device graph cannot hold, such as a stream "
-                 "wait; COMPASS_REPLAY_WAITS=kernel makes the flag waits kernels)")
+    try:
+        driver.check(lk["instantiate"](ctypes.byref(work), _ptr(captured.raw_cuda_graph()), _INSTANTIATE_DEVICE_LAUNCH),
+                     "cuGraphInstantiateWithFlags")
+    except driver.DriverError as e:
+        turn_off(f"the driver would not instantiate a replay graph for device launch ({e}: a node kind a device "
+                 "graph cannot hold, such as a stream wait; COMPASS_REPLAY_WAITS=kernel makes the flag waits kernels)")
         return None
     try:
         driver.check(lk["upload"](work, capture_stream.cuda_stream), "cuGraphUpload")
@@ -222,4 +215,4 @@ def instantiate(graph_handle: int, device_index: int, capture_stream) -> DeviceL
     except BaseException:
         lk["exec_destroy"](work)
         raise
-    return DeviceLaunched(work.value, launcher)
+    return DeviceGraph(work.value, captured, launcher)

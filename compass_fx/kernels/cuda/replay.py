@@ -38,7 +38,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..flag_codes import PERIOD
-from . import driver, env, env_raw
+from . import device_launch, driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
@@ -72,8 +72,6 @@ def waits_as_kernels() -> bool:
     (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream waits
     are the default).  The default is ``kernel`` where replay graphs are launched by the GPU
     (:mod:`.device_launch`: a device graph cannot hold a stream wait), else ``stream``."""
-    from . import device_launch
-
     return _switch("COMPASS_REPLAY_WAITS", "kernel" if device_launch.wanted() else "stream", ("kernel", "stream"))
 
 
@@ -183,10 +181,11 @@ class Captured:
     random number generators' offsets (two fills on the GPU, ~15 us of host on the lent machine),
     which a graph without random numbers does not need."""
 
-    __slots__ = ("graph", "exec", "_launch")
+    __slots__ = ("graph", "exec", "_launch", "keep")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, keep: object = None) -> None:
         self.graph = graph  # owns the executable graph
+        self.keep = keep  # what the graph's launch needs alive (a device-launched graph: its DeviceGraph)
         self._launch = driver.raw("graph_launch")
         try:
             self.exec = graph.raw_cuda_graph_exec()
@@ -254,8 +253,6 @@ class Replays:
         return graphs[phase]
 
     def _capture(self, issue: Callable[[torch.cuda.Stream], None]):
-        from . import device_launch
-
         stream = _capture_stream(self.device_index)
         memset = memset_kernel(self.device_index)  # before the capture: it may compile
         by_device = device_launch.wanted() and device_launch.available(self.device_index)  # may compile too
@@ -270,13 +267,11 @@ class Replays:
                     graph.capture_end()
             if memset:
                 stats["memsets_replaced"] += edit(graph.raw_cuda_graph(), memset)
-            captured = None
-            if by_device:  # the GPU launches it: one node of host launch whatever the plan
-                captured = device_launch.instantiate(graph.raw_cuda_graph(), self.device_index, stream)
-                if captured is not None:
-                    captured.graph = graph  # the captured graph lives as long as its executable
-                    stats["device_launched"] += 1
-            if captured is None:
+            on_device = device_launch.instantiate(graph, self.device_index, stream) if by_device else None
+            if on_device is not None:  # the GPU launches it: one node of host launch whatever the plan
+                stats["device_launched"] += 1
+                captured = Captured(on_device.launcher, keep=on_device)
+            else:
                 if keep:
                     graph.instantiate()
                 captured = Captured(graph)
