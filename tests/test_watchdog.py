@@ -96,7 +96,43 @@ def test_a_captured_wait_that_timed_out_is_reported(caplog):
     status[0] = 3
     dog.scan()
     assert "captured wait 3 on rank 0 for rank 1's rows" in caplog.text
-    with pytest.raises(RuntimeError, match="captured wait 3 .*captured in a CUDA graph"):
+    with pytest.raises(RuntimeError, match="^captured wait 3 on rank 0 for rank 1's rows$"):
+        dog.check_failed()
+
+
+def test_a_captured_waits_code_names_the_wait_the_peer_and_the_timeout():
+    """What a workspace says of its captured wait that stored ``code`` (the command's position + 1):
+    the waiting rank, the peer and what it waited for, and that the GPU stopped at the timeout."""
+    from types import SimpleNamespace
+
+    from compass_fx.kernels.cuda.impl import _Workspace
+    from compass_fx.kernels.protocol import WaitFlag, reduce_scatter_plan
+
+    plan = reduce_scatter_plan("direct", 4, 2, 64)
+    code = next(i for i, c in enumerate(plan.commands) if isinstance(c, WaitFlag)) + 1
+    wait = plan.commands[code - 1]
+    workspace = SimpleNamespace(plan=plan, rank=2, dog=SimpleNamespace(timeout=7.0))
+    message = _Workspace._explain_timeout(workspace, code)
+    assert message.startswith("compass::matmul_reduce_scatter on rank 2, captured in a CUDA graph, waited for rank "
+                              f"{wait.peer}'s {plan.slot_names[wait.slot]} (flag {wait.slot})")
+    assert "COMPASS_FUSED_TIMEOUT_S=7 s and stopped the GPU's work" in message
+
+
+def test_a_refused_device_launch_is_reported_with_its_cuda_error():
+    """A replay graph's launcher that the device runtime refuses stores the CUDA error in a watched
+    host word before it traps; the watchdog makes that the process's error."""
+    import torch
+
+    from compass_fx.kernels.cuda import device_launch
+
+    dog = watchdog.Watchdog(0)
+    word = torch.zeros(1, dtype=torch.int32)
+    dog.statuses.append((word, device_launch.explain_refusal))
+    dog.scan()
+    dog.check_failed()
+    word[0] = 201
+    dog.scan()
+    with pytest.raises(RuntimeError, match="refused to launch a replay graph .*CUDA error 201.*COMPASS_REPLAY_LAUNCH"):
         dog.check_failed()
 
 

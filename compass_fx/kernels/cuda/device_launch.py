@@ -46,11 +46,17 @@ from . import driver, env
 LAUNCH_SOURCE = r"""
 // NVRTC declares the device runtime's API (cudaGraphLaunch and its types) itself.
 // Launch `graph` (instantiated for device launch) once this kernel's graph has finished; the work
-// after this kernel's graph on its stream waits for it.  A launch the device runtime refuses traps:
-// the context reports the error at the caller's next synchronisation, rather than the call's work
-// silently not running.
-extern "C" __global__ void compass_tail_launch(cudaGraphExec_t graph) {
-  if (cudaGraphLaunch(graph, (cudaStream_t)0x0100000000000000ull) != cudaSuccess) __trap();  // cudaStreamGraphTailLaunch
+// after this kernel's graph on its stream waits for it.  A launch the device runtime refuses
+// stores its error in `refused` (pinned host memory: the watchdog reads it and names it) and traps,
+// so that the context reports an error at the caller's next synchronisation rather than the call's
+// work silently not running.
+extern "C" __global__ void compass_tail_launch(cudaGraphExec_t graph, volatile int* refused) {
+  cudaError_t result = cudaGraphLaunch(graph, (cudaStream_t)0x0100000000000000ull);  // cudaStreamGraphTailLaunch
+  if (result != cudaSuccess) {
+    *refused = (int)result;
+    __threadfence_system();
+    __trap();
+  }
 }
 """
 
@@ -153,6 +159,30 @@ def available(device_index: int) -> bool:
     return True
 
 
+_refusals: dict = {}  # device index -> the pinned int32 word its launchers report a refused launch in
+
+
+def refusal_word(device_index: int) -> int:
+    """The address of ``device_index``'s word (pinned host memory, watched by its watchdog) where a
+    launcher stores the device runtime's error when a tail launch is refused."""
+    if device_index not in _refusals:
+        import torch
+
+        from . import watchdog
+
+        word = torch.zeros(1, dtype=torch.int32).pin_memory()
+        watchdog.for_device(device_index).watch_status(word, explain_refusal)
+        _refusals[device_index] = word
+    return _refusals[device_index].data_ptr()
+
+
+def explain_refusal(code: int) -> str:
+    """The error of a process whose GPU refused to launch a replay graph with CUDA error ``code``."""
+    return (f"compass fused operators: the GPU refused to launch a replay graph (device-side cudaGraphLaunch "
+            f"returned CUDA error {code}); the launcher trapped, so this process's CUDA context is lost. "
+            "COMPASS_REPLAY_LAUNCH=host (the default) launches replay graphs from the host")
+
+
 def turn_off(why: str) -> None:
     if not _off:
         _off.append(why)
@@ -204,7 +234,10 @@ def instantiate(captured, device_index: int, capture_stream) -> DeviceGraph | No
         return None
     try:
         driver.check(lk["upload"](work, capture_stream.cuda_stream), "cuGraphUpload")
-        kick = driver.launcher(_launch_function(device_index), [_u64(work.value)])
+        # the upload runs on the capture stream, the first launch on the caller's: a graph the GPU
+        # launches before its upload has finished is not run (nor refused), so wait for it here
+        capture_stream.synchronize()
+        kick = driver.launcher(_launch_function(device_index), [_u64(work.value), _u64(refusal_word(device_index))])
         launcher = torch.cuda.CUDAGraph()
         with torch.cuda.stream(capture_stream):
             launcher.capture_begin(capture_error_mode="thread_local")

@@ -560,7 +560,8 @@ class _Workspace:
         cmd = self.plan.commands[code - 1]
         return (f"compass::{self.plan.op} on rank {self.rank}, captured in a CUDA graph, waited for rank "
                 f"{cmd.peer}'s {self.plan.slot_names[cmd.slot]} (flag {cmd.slot}); that rank is late, has died, "
-                f"or replays its graphs in another order")
+                f"or replays its graphs in another order (the wait lasted longer than COMPASS_FUSED_TIMEOUT_S="
+                f"{self.dog.timeout:g} s and stopped the GPU's work)")
 
     def _diagnose(self, epoch: int) -> tuple[str, Callable[[], None]]:
         """Which flag the call of ``epoch`` still waits for, and a way to release it."""

@@ -177,8 +177,9 @@ class Watchdog:
         self._start()
 
     def watch_status(self, status, explain: Callable[[int], str]) -> None:
-        """Watch a host int32 word (``status[0]``) that captured waits set to a nonzero code when
-        they time out; ``explain(code)`` says which wait that was."""
+        """Watch a host int32 word (``status[0]``) that the GPU sets to a nonzero code when it stops
+        a call's work (a captured wait timed out, a replay graph's launch was refused);
+        ``explain(code)`` is the error every later call raises."""
         with self.lock:
             self.statuses.append((status, explain))
         self._start()
@@ -206,8 +207,7 @@ class Watchdog:
             for status, explain in self.statuses:
                 code = int(status[0])
                 if code:
-                    self.failure = (f"{explain(code)} (a call captured in a CUDA graph waited longer than "
-                                    f"COMPASS_FUSED_TIMEOUT_S={self.timeout:g} s and stopped the GPU's work)")
+                    self.failure = explain(code)
                     log.error(self.failure)
                     return
             for w in self.watched:
