@@ -115,7 +115,7 @@ def part_profile(shard_rows: int = 2048, k: int = 4096, n: int = 3584, parts: in
                 os.environ["COMPASS_PARTS_REPLAY"] = "1"
         return call
 
-    os.environ["COMPASS_PARTS_REPLAY"] = "1"  # the parts' gathers from one graph (opt in)
+    os.environ["COMPASS_PARTS_REPLAY"] = "1"  # the parts' gathers from one graph (the default)
 
     torch._dynamo.reset()
     calls, results = {}, {}

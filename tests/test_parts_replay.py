@@ -13,7 +13,7 @@ from compass_fx.lowering import gather_parts, parts_replay
 def test_replays_follow_both_settings(monkeypatch):
     monkeypatch.delenv("COMPASS_PARTS_REPLAY", raising=False)
     monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
-    assert not parts_replay.enabled()  # opt in until checked on several GPUs
+    assert parts_replay.enabled()  # on by default (checked with 2 and 4 NCCL ranks: parts_replay_ranks)
     monkeypatch.setenv("COMPASS_PARTS_REPLAY", "1")
     assert parts_replay.enabled()
     monkeypatch.setenv("NCCL_GRAPH_MIXING_SUPPORT", "0")  # captured and eager NCCL calls may not mix
@@ -33,6 +33,57 @@ def test_a_cpu_call_is_issued_never_replayed(monkeypatch):
     shard, w = torch.randn(8, 4), torch.randn(4, 3)
     gather_parts._all_gather_mm_parts(shard, [w], 2, 1, "unused")
     assert issued and not asked
+
+
+def _fake_state(dog, group_name: str):
+    """What release() reads of a signature's state: its side stream, watchdog entry and graph."""
+    from types import SimpleNamespace
+
+    from compass_fx.kernels.cuda import watchdog
+
+    synced = []
+    watched = watchdog.Watched(lambda epoch: ("", None), registered=True)
+    dog.watched.append(watched)
+    state = SimpleNamespace(side=SimpleNamespace(synchronize=lambda: synced.append(True)), dog=dog,
+                            watched=watched, graph=object(), synced=synced)
+    return (0, group_name, 4, (512, 64), torch.bfloat16), state
+
+
+def test_release_drops_a_groups_graphs_after_their_replays_and_stops_watching_them(monkeypatch):
+    from compass_fx.kernels.cuda import watchdog
+
+    dog = watchdog.Watchdog(0)
+    tp, tp_state = _fake_state(dog, "tp")
+    dp, dp_state = _fake_state(dog, "dp")
+    monkeypatch.setattr(parts_replay, "_states", {tp: tp_state, dp: dp_state, (0, "tp", 2, (8, 8), None): None})
+    assert parts_replay.release("tp") == 1
+    assert tp_state.synced and tp_state.graph is None and tp_state.watched not in dog.watched
+    assert list(parts_replay._states) == [dp] and dp_state.graph is not None and dp_state.watched in dog.watched
+    assert parts_replay.release() == 1 and not parts_replay._states and not dog.watched
+
+
+def test_destroying_a_process_group_releases_its_graphs_first(monkeypatch):
+    """NCCL's communicator destruction waits forever for a live graph holding its collectives, so
+    once a graph exists destroy_process_group releases the destroyed group's graphs (every group's
+    when it destroys them all) before torch destroys the group."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    order = []
+    monkeypatch.setattr(parts_replay, "release", lambda name=None: order.append(("release", name)) or 0)
+    monkeypatch.setattr(c10d, "destroy_process_group", lambda group=None: order.append(("destroy", group)))
+    monkeypatch.setattr(dist, "destroy_process_group", c10d.destroy_process_group)
+    monkeypatch.setattr(parts_replay, "_guarded", [])
+    monkeypatch.setattr("atexit.register", lambda fn: order.append(("at exit", fn)))
+    parts_replay._release_before_destroy()
+    parts_replay._release_before_destroy()  # once only
+    assert order == [("at exit", parts_replay.release)]
+    dist.destroy_process_group()
+    tp = SimpleNamespace(group_name="tp")
+    c10d.destroy_process_group(tp)
+    assert order[1:] == [("release", None), ("destroy", None), ("release", "tp"), ("destroy", tp)]
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,11 @@
-"""The gathers of ``compass::all_gather_mm_parts`` replayed from one CUDA graph (issue 27; opt in:
-``COMPASS_PARTS_REPLAY=1``).
+"""The gathers of ``compass::all_gather_mm_parts`` replayed from one CUDA graph (issue 27; on by
+default, ``COMPASS_PARTS_REPLAY=0`` turns it off).
 
 Why: issued from Python, every extra part of a decomposed gather costs the host one c10d gather
-(its work object, events and bookkeeping), one stream wait and one batched GEMM launch, ~43 us on
-the lent H200 host (``benchmarks/results/host_issue_profile/``), for ~2 us of device work.  Here a
-call's gathers are one graph launch, and a part costs the host one event wait and its GEMM.
+(its work object, events and bookkeeping), one stream wait and one batched GEMM launch, 43-77 us on
+the lent H200 hosts (``benchmarks/results/host_issue_profile/``, ``parts_replay_ranks/``), for ~2 us
+of device work.  Here a call's gathers are one graph launch, and a part costs the host one event
+wait and its GEMM (24-29 us on the same host as the 73-77 issued, with 2 and 4 NCCL ranks).
 
 What NCCL requires, and how it is met.  Whether a collective is captured must be the same on every
 rank, and every rank launches the graph of the same capture (NCCL's "Using NCCL with CUDA Graphs").
@@ -20,6 +21,13 @@ same later ones; the setting is agreed across the group when a signature is firs
 capture that fails raises (falling back on one rank only would leave the ranks' collectives
 mismatched).  The buffers are reused call after call: the side stream waits for the caller's
 stream (after the previous call's GEMMs read the gather buffer) before the graph writes it again.
+Checked with 2 and 4 NCCL ranks sharing one H200 (``benchmarks/parts_replay_ranks.py``: each rank
+its own NCCL host id, NCCL's socket transport): every replay bitwise equal to the call issued.
+
+Teardown.  NCCL does not destroy a communicator while a graph holding its collectives lives (its
+destruction waits for them forever: pytorch/pytorch#115388), so the graphs are released first:
+:func:`release`, which ``torch.distributed.destroy_process_group`` calls once a graph exists (it is
+wrapped then, see :func:`_release_before_destroy`) and which runs at interpreter exit too.
 
 Bounded: c10d's watchdog does not see collectives replayed from a graph, so the graph's last node
 counts the replays that finished (:class:`..kernels.cuda.watchdog.Progress`) and the fused
@@ -27,9 +35,7 @@ operators' watchdog reports one that makes no progress for ``COMPASS_FUSED_TIMEO
 kernel cannot be released: the error says which op waits and why; every later call raises it).
 
 Costs: the staging copy (the shard's bytes once more, on the device) and the two buffers per
-signature for the life of the process (``(world + 1)`` shards).  Off by default until a run on
-several GPUs has checked the replays against issued calls: on one GPU only a one-rank NCCL group
-can be tested.
+signature until released (``(world + 1)`` shards).
 """
 from __future__ import annotations
 
@@ -49,13 +55,13 @@ Gather = Callable[[Tensor, Tensor], object]  # (dst, src) -> c10d work of an asy
 
 
 def enabled() -> bool:
-    """``COMPASS_PARTS_REPLAY`` (default 0) on, and NCCL's graph mixing (captured and eager calls
+    """``COMPASS_PARTS_REPLAY`` (default 1) on, and NCCL's graph mixing (captured and eager calls
     of one communicator outstanding together) not turned off."""
     raw = (os.environ.get("COMPASS_PARTS_REPLAY"), os.environ.get("NCCL_GRAPH_MIXING_SUPPORT"))
     on = _settings.get(raw)
     if on is None:
-        off = ("", "0", "false", "no", "off")
-        on = _settings[raw] = ((raw[0] or "0").strip().lower() not in off
+        off = ("0", "false", "no", "off")
+        on = _settings[raw] = ((raw[0] or "1").strip().lower() not in off
                                and (raw[1] or "1").strip().lower() not in off)
     return on
 
@@ -131,6 +137,55 @@ class _Staged:
         multiply_parts(self.gathered, weights, outs, [partial(event.wait_on, caller) for event in self.arrived])
 
 
+def release(group_name: str | None = None) -> int:
+    """Drop the graphs and buffers of ``group_name``'s signatures (every group's when None), once
+    their replays have finished; the watchdog stops watching them, and a later call of such a
+    signature starts over (issued, then captured).  Returns how many graphs were dropped.  NCCL
+    does not destroy a communicator while a graph holding its collectives lives, so this runs
+    before a process group is destroyed."""
+    dropped = 0
+    for signature in [s for s in _states if group_name is None or s[1] == group_name]:
+        state = _states.pop(signature)
+        if state is None:
+            continue
+        state.side.synchronize()  # the graph's gathers write the buffers freed with it
+        with state.dog.lock:
+            if state.watched in state.dog.watched:
+                state.dog.watched.remove(state.watched)
+            state.watched.registered = False
+        dropped += state.graph is not None
+        state.graph = None
+    return dropped
+
+
+_guarded: list[bool] = []  # destroy_process_group wrapped, the exit hook registered
+
+
+def _release_before_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` release the destroyed group's graphs first
+    (every group's when it destroys them all), and release them all at interpreter exit (before
+    c10d's own teardown: exit hooks run last registered first).  Done once, when the first graph
+    is captured: without it a training script's last line would hang in NCCL's destruction."""
+    if _guarded:
+        return
+    _guarded.append(True)
+    import atexit
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group=None):
+        release(None if group is None or group is c10d.GroupMember.WORLD else group.group_name)
+        return original(group)
+
+    c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+    atexit.register(release)
+
+
 def _new_state(shard: Tensor, parts: int, world: int, group_name: str) -> "_Staged | None":
     """The state of a new call signature, or None: its calls are issued (the group's backend for
     the device is not NCCL's, whose collectives a graph can hold; our count kernel did not load, so
@@ -173,6 +228,7 @@ def replayed(shard: Tensor, weights: list[Tensor], outs: list[Tensor], parts: in
         if state.calls == 1:  # the communicator may not exist yet: a capture cannot create it
             return False
         try:
+            _release_before_destroy()
             state.capture(gather())
         except Exception as e:
             raise RuntimeError(f"{state.what}: capturing its gathers in a CUDA graph failed ({e}); the other "

@@ -20,12 +20,14 @@ kernels (:func:`.replay.waits_as_kernels`); a spinning kernel is fine where each
 why).  A graph the driver will not instantiate for device launch is launched from the host as
 before, with a warning, and device launch stays off for the process.
 
-Not the default yet: under MPS on one H200, 500 back-to-back calls with a late rank passed every
-case at world 2 and at world 4 with 60 calls, but at world 4 with 500 calls a
-``matmul_reduce_scatter`` case stalled twice (early, call 8 and call 11) on a rank "waiting for its
-own streams" with every awaited flag set; the watchdog ended it with its error after 10 s
-(``benchmarks/results/fused_host_stress/``).  Until that is explained, the first device-launched
-graph of a process warns.
+A graph is uploaded before its first launch, and the host waits for that upload (it runs on the
+capture stream, the first launch on the caller's): without the wait, two world-4 runs of 500 calls
+under MPS stalled early (calls 8 and 11, during the captures) on a rank "waiting for its own streams"
+with every awaited flag set, a graph that never ran; with it, 500 calls passed every case at worlds
+2, 4 (three runs, one mixing issued and replayed calls) and 8 (``benchmarks/results/fused_host_stress/``,
+``-device-launch-upload-``).  A tail launch the device runtime refuses stores its error where the
+watchdog reads it, then traps (:func:`explain_refusal`).  Still opt in: it has run only with ranks
+sharing one GPU, and its flag waits spin on the device where the default's stream waits do not.
 
 The launcher calls the device runtime (``cudaGraphLaunch`` in device code), which lives in CUDA's
 static ``libcudadevrt.a``: the kernel is compiled by NVRTC as relocatable code and linked with that
@@ -219,9 +221,8 @@ def instantiate(captured, device_index: int, capture_stream) -> DeviceGraph | No
         return None
     if not _warned:
         _warned.append(True)
-        warnings.warn("compass fused operators: COMPASS_REPLAY_LAUNCH=device is experimental: a world-4 "
-                      "matmul_reduce_scatter stalled under it on one GPU (the watchdog raises after "
-                      "COMPASS_FUSED_TIMEOUT_S); see compass_fx/kernels/cuda/device_launch.py", RuntimeWarning,
+        warnings.warn("compass fused operators: COMPASS_REPLAY_LAUNCH=device is experimental: checked only with "
+                      "ranks sharing one GPU; see compass_fx/kernels/cuda/device_launch.py", RuntimeWarning,
                       stacklevel=3)
     lk = _linker()
     work = _ptr()
