@@ -203,6 +203,30 @@ def test_at_two_ranks_a_tie_goes_to_direct_not_the_double_ring():
         assert d.label == "fuse(direct)", d.reason
 
 
+def test_a_gather_whose_parts_replay_is_priced_with_the_replayed_part_cost():
+    """An eager decomposed gather whose parts' gathers replay from one CUDA graph (the default on
+    NCCL) pays ``replayed_part_overhead_s`` per extra part instead of the issued part's cost; the
+    decision says how its parts were priced when it decomposes, and nothing else moves."""
+    from dataclasses import replace
+
+    from compass_fx.machine.gpus import GPUS
+
+    spec = GPUS["H200"]
+    assert spec.graph_part_overhead_s < spec.replayed_part_overhead_s < spec.part_overhead_s
+    nvlink = Topology.preset("h200-nvswitch-8")
+    # Llama-3 8B's gate + up gather at TP = 8 and 32768 tokens: sequential issued, 4 parts replayed
+    issued = Workload("all_gather_matmul", m=32768, n=7168, k=4096, group_size=8)
+    replayed = replace(issued, parts_replayed=True)
+    for parts, model in decomposition_models(issued, nvlink).items():
+        saved = model.seconds(parts) - decomposition_models(replayed, nvlink)[parts].seconds(parts)
+        assert saved == pytest.approx((spec.part_overhead_s - spec.replayed_part_overhead_s) * parts, rel=1e-6)
+    before, after = select(issued, nvlink), select(replayed, nvlink)
+    assert after.candidate("sequential").seconds == before.candidate("sequential").seconds
+    assert (before.label, after.label) == ("sequential", "decompose(d=4)")
+    assert after.reason.endswith("(its parts' gathers priced as replayed from one CUDA graph)")
+    assert "replayed" not in before.reason
+
+
 def test_cuda_graph_replays_are_priced_without_host_issue():
     """Replayed as CUDA graphs the host issues nothing: an extra InterDecom part costs the device's
     overhead alone (``graph_part_overhead_s``, measured under "reduce-overhead" on one H200), a

@@ -41,6 +41,13 @@ def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
     return f"{winner.label} {_ratio(seq.seconds, winner.seconds)} faster than sequential"
 
 
+def _priced_as(workload: Workload) -> str:
+    """How the decomposition's parts were priced, where not as issued one by one."""
+    if workload.cuda_graphs:
+        return ""  # the CUDA-graph mode is said by the report already
+    return " (its parts' gathers priced as replayed from one CUDA graph)" if workload.parts_replayed else ""
+
+
 def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) -> float:
     """What breaks a tie of predicted times: a fused call's host seconds (0 for the others).
 
@@ -99,7 +106,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
         model = models[min(decomposed, key=lambda c: c.seconds).parts]
         coefficients, d_star = (model.A, model.B, model.C), model.d_star()
     return Decision(winner.strategy, winner.parts, winner.schedule, winner.seconds, tuple(candidates),
-                    _reason(winner, candidates), coefficients, d_star, topo.name)
+                    _reason(winner, candidates) + (_priced_as(workload) if winner.strategy == "decompose" else ""),
+                    coefficients, d_star, topo.name)
 
 
 def plan(workload: Workload, topology: "Topology | str | None" = None, *,

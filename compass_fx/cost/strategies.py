@@ -152,8 +152,10 @@ def decomposition_models(w: Workload, topo: Topology, allowed: tuple[int, ...] |
 
     def build(parts: int) -> DecompositionModel:
         beta = max((g(parts) - gm) / (parts - 1), spec.kernel_overhead_s)
-        # software cost per part, on the critical path either way (under CUDA graphs the device's alone)
-        ov = spec.graph_part_overhead_s if w.cuda_graphs else spec.part_overhead_s
+        # software cost per part, on the critical path either way (under CUDA graphs the device's
+        # alone; with the parts' gathers replayed, the host's GEMM launch and event wait)
+        ov = (spec.graph_part_overhead_s if w.cuda_graphs else
+              spec.replayed_part_overhead_s if w.parts_replayed else spec.part_overhead_s)
         comm_bound = DecompositionModel(alpha + ov, cm + beta, gm, "comm-bound")
         compute_bound = DecompositionModel(beta + ov, gm + alpha, cm, "compute-bound")
         # The pipeline takes the longer of the two forms (c + g + (d-1)*max(c, g)).

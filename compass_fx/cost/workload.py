@@ -24,7 +24,9 @@ class Workload:
     the GEMMs are priced at its rate (float8: about twice bf16's on Hopper).
     ``cuda_graphs`` says that the step runs as CUDA graph replays (Inductor's "reduce-overhead"):
     the host then issues nothing per pair, so an extra InterDecom part costs only what it costs the
-    device, and a fused call has no host floor.
+    device, and a fused call has no host floor.  ``parts_replayed`` says that an eager step gathers
+    a decomposed gather's parts from one CUDA graph (``lowering.parts_replay``, the default on
+    NCCL): an extra part then costs the host its GEMM and an event wait, not a collective's issue.
     """
 
     kind: str
@@ -38,6 +40,7 @@ class Workload:
     extra_n: tuple[int, ...] = field(default=())
     gemm_dtype: str | None = None
     cuda_graphs: bool = False
+    parts_replayed: bool = False
 
     @property
     def matmul_dtype(self) -> str:

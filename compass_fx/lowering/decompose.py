@@ -134,7 +134,7 @@ def _rows_as(b: NodeBuilder, cache: dict[tuple, fx.Node], casts: tuple) -> fx.No
 
 def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
     """all_gather -> matmul in ``parts`` parts: part i+1's gather is issued before part i's matmuls."""
-    if _one_call(pair):
+    if gathers_in_one_call(pair):
         _all_gather_one_call(b, pair, parts)
         return
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
@@ -218,7 +218,7 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         b.replace(pair.logical, full)
 
 
-def _one_call(pair: GatherPair) -> bool:
+def gathers_in_one_call(pair: GatherPair) -> bool:
     """Whether the pair's parts can be one ``compass::all_gather_mm_parts`` call (what costs the
     host least per part, :mod:`.gather_parts`): a 2-D shard gathered on dim 0 whose gathered rows
     feed only plain matmuls (mm, or bmm by one broadcast matrix, no casts), on NCCL (gloo's gathers

@@ -58,6 +58,9 @@ class GpuSpec:
     # The same when the step replays as CUDA graphs: no host issue, only the device's cost of one
     # more collective and GEMM launch in the stream.
     graph_part_overhead_s: float = 5e-6
+    # The same in an eager step whose decomposed gather replays its parts' gathers from one CUDA
+    # graph (lowering.parts_replay): the host issues one GEMM and one event wait per extra part.
+    replayed_part_overhead_s: float = 5e-6
     source: str = "datasheet"
 
     def peak_flops(self, dtype: str) -> float:
@@ -96,9 +99,13 @@ class GpuSpec:
 # host's issue of each part's launches, which an eager step pays while the host keeps ahead of the
 # GPU.  Under CUDA graphs (Inductor's "reduce-overhead") that issue is gone: graph_part_overhead_s
 # is the median device cost per extra part measured by benchmarks/decompose_overhead.py in that mode.
+# replayed_part_overhead_s prices a part whose gather is replayed from one CUDA graph (the default on
+# NCCL) in that eager step: part_overhead_s scaled by what replaying saves of an extra part's host
+# issue in one run, the larger ratio of two (parts_replay_ranks-h200-mps, 2 NCCL ranks: 26.9 us
+# replayed / 93.4 issued = 0.29; the run before it 29.0 / 72.7 = 0.40), so 50 us x 0.4 = 20 us.
 _HOPPER = dict(sms=132, peak_tflops={"16bit": 989.0, "fp32": 67.0, "fp8": 1979.0}, pcie_gen=5,
                efficiency=0.84, kernel_overhead_s=3.0e-6, wave_overhead_s=0.6e-6, max_split_k=1,
-               part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6,
+               part_overhead_s=50e-6, graph_part_overhead_s=4.4e-6, replayed_part_overhead_s=20e-6,
                tiles=((128, 256, 1.0), (256, 128, 1.0), (192, 128, 1.0), (128, 128, 0.95), (128, 64, 0.95),
                       (64, 128, 0.55), (64, 64, 1.0)), source="fitted on an H200")
 

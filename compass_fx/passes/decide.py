@@ -63,7 +63,20 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
         workload = dataclasses.replace(workload, cuda_graphs=True)
         if not _fused_calls_captured():
             fused = ()  # each fused call would split the CUDA graphs, and run with its host floor
+    elif parts_replayed(pair):
+        workload = dataclasses.replace(workload, parts_replayed=True)
     return select(workload, topology, fused_schedules=fused)  # "direct" only, host-staged
+
+
+def parts_replayed(pair: Pair) -> bool:
+    """Whether an eager step gathers this pair's parts, once decomposed, from one CUDA graph: a
+    gather the lowering makes one ``compass::all_gather_mm_parts`` call (on NCCL), with the parts
+    replay on (``lowering.parts_replay``).  Read on every rank; the decisions are agreed after."""
+    if pair.kind != "all_gather_matmul":
+        return False
+    from ..lowering import decompose, parts_replay
+
+    return parts_replay.enabled() and decompose.gathers_in_one_call(pair)
 
 
 def _fused_calls_captured() -> bool:
