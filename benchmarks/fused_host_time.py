@@ -49,15 +49,25 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
          ("matmul_all_reduce", 8192, 7168, 4096)]
 
 
-def host_us(fns: dict, calls: int = 4, rounds: int = 15) -> dict[str, float]:
+BUSY_S = 2e-3  # the GPU's sleep before a "GPU busy" form's calls: longer than their issue
+
+
+def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset()) -> dict[str, float]:
     """Median over rounds of the host microseconds per call of ``calls`` calls of each function,
-    issued after the device went idle (few enough that no launch queue fills).  The functions
-    take turns within every round, so a host that speeds up or slows down during the run (the
-    lent machines' hosts differ by up to 2x between runs) moves them alike."""
+    issued after the device went idle (few enough that no launch queue fills); the forms named in
+    ``busy`` are issued while the GPU sleeps ``BUSY_S`` first instead, so the host issues them with
+    the device busy behind it, as a step whose host runs ahead does (the first calls after a wait
+    for the GPU pay for a host gone cold: on the lent H200 host up to 1.5-2x after a 10 ms wait).
+    The functions take turns within every round, so a host that speeds up or slows down during
+    the run (the lent machines' hosts differ by up to 2x between runs) moves them alike."""
+    from compass_fx.tools.timing import H200_CLOCK_HZ
+
     per_round: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             torch.cuda.synchronize()
+            if name in busy:
+                torch.cuda._sleep(int(BUSY_S * H200_CLOCK_HZ))
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -236,6 +246,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
            "replayed_relative_error": checked(f"{op}.graph replayed", graph_op),
            "issued_relative_error": checked(f"{op}.graph issued", issued)}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
+             "host_us_graph_busy": lambda: graph_op(a, *args),
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
@@ -251,7 +262,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
             raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
         timed["host_us_async"] = started
     dist.barrier()
-    res.update(host_us(timed, rounds=rounds))  # every rank runs the same sequence of calls: they are collective
+    # every rank runs the same sequence of calls: they are collective
+    res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"})))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
@@ -307,7 +319,8 @@ def markdown(payload: dict) -> str:
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
              "recur); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
-             "(never replayed).", ""]
+             "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
+             "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one).", ""]
     settings = payload.get("settings")
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(settings.items())) + "; replay graphs "
@@ -319,7 +332,8 @@ def markdown(payload: dict) -> str:
         [dict(r, n_commands=sum(r["commands"].values()), model_over_graph=r["model_us"] / r["host_us_graph"])
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
-         ("host_us_graph", "host us (.graph)"), ("host_us_issued", "host us (issued)"),
+         ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
+         ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],

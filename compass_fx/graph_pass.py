@@ -137,9 +137,10 @@ class _Plan:
 
 
 def _plan(pair: Pair, options: CompassOptions, topology: object | None) -> _Plan:
-    refused = kind_of(pair).refusals(pair)
+    kind = kind_of(pair)
+    refused = kind.refusals(pair)
     try:
-        return _Plan(pair, refused, decide(pair, options, topology, refused))
+        return _Plan(pair, refused, decide(pair, options, topology, refused, kind.parts_replayed(pair)))
     except Infeasible as e:
         return _Plan(pair, refused, e.decision or Decision("sequential", reason=str(e)), infeasible=True)
 

@@ -145,17 +145,19 @@ def test_a_gather_lowered_as_one_call_is_priced_with_its_parts_replayed(fake_gro
     when the lowering makes its parts one ``compass::all_gather_mm_parts`` call (NCCL) and the parts
     replay is on: never for a reduce-scatter, nor on this fake group (not NCCL) as it is."""
     import compass_fx.lowering.decompose as dec
-    from compass_fx.passes import decide
-    from compass_fx.passes.find import find_pairs
+    from compass_fx.passes.find import find_pairs, kind_of
 
     model, x = wild_models.build("reshape_chain", fake_group), wild_models.shard_input("reshape_chain", 0)
     gm = wild_check.capture(model, (x,), {"strategy": "off"}, backward=False).graphs["forward"]
     pairs, _ = find_pairs(gm, "forward", None)
     gather = next(p for p in pairs if p.kind == "all_gather_matmul")
     scatter = next(p for p in pairs if p.kind == "matmul_reduce_scatter")
-    assert not decide.parts_replayed(gather)  # the fake group's gathers are not one NCCL call
+    def replayed(pair) -> bool:
+        return kind_of(pair).parts_replayed(pair)
+
+    assert not replayed(gather)  # the fake group's gathers are not one NCCL call
     monkeypatch.setattr(dec, "gathers_in_one_call", lambda pair: True)
     monkeypatch.delenv("COMPASS_PARTS_REPLAY", raising=False)
-    assert decide.parts_replayed(gather) and not decide.parts_replayed(scatter)
+    assert replayed(gather) and not replayed(scatter)
     monkeypatch.setenv("COMPASS_PARTS_REPLAY", "0")
-    assert not decide.parts_replayed(gather)
+    assert not replayed(gather)

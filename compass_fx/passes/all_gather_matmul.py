@@ -21,7 +21,7 @@ from ..cost.decision import Decision
 from ..graph.nodes import is_reshape, shape_of, slice_args
 from ..graph.pairs import ALL_GATHER_MATMUL, ContractionConsumer, GatherPair, RowConsumer, RowLayout
 from ..graph.row_local import RowRegion, row_region
-from ..lowering import decompose, fuse
+from ..lowering import decompose, fuse, parts_replay
 from ..lowering.graph_edit import NodeBuilder
 from .match import (
     MM_OPS,
@@ -116,7 +116,14 @@ def lower(b: NodeBuilder, pair: GatherPair, decision: Decision, asynchronous: bo
     return False
 
 
-KIND = PairKind(ALL_GATHER_MATMUL, c10d.all_gather_into_tensor.default, match, refusals, lower)
+def parts_replayed(pair: GatherPair) -> bool:
+    """Whether an eager step gathers this pair's parts, once decomposed, from one CUDA graph: the
+    lowering makes them one ``compass::all_gather_mm_parts`` call (on NCCL) and the parts replay is
+    on (``lowering.parts_replay``).  Read on every rank; the decisions are agreed after."""
+    return parts_replay.enabled() and decompose.gathers_in_one_call(pair)
+
+
+KIND = PairKind(ALL_GATHER_MATMUL, c10d.all_gather_into_tensor.default, match, refusals, lower, parts_replayed)
 
 
 # ------------------------------------------------------------------ the gathered tensor

@@ -21,13 +21,15 @@ class Infeasible(Exception):
 
 
 def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
-           refused: Mapping[str, str] | None = None) -> Decision:
+           refused: Mapping[str, str] | None = None, parts_replayed: bool = False) -> Decision:
     """The strategy for ``pair``: forced by options, or chosen by ``cost.select`` among the
     strategies its lowering can take.
 
     ``refused`` maps a strategy ("decompose", "fuse") to why the pair's kind cannot lower it: such a
     strategy is never priced, so "auto" takes the best of the others (the report lists it, with why).
     A forced strategy or part count the pair cannot take raises ``Infeasible`` with the reason.
+    ``parts_replayed``: an eager step would run the decomposed parts' collectives from one CUDA graph
+    (the pair kind's ``parts_replayed``), so an extra part is priced as replayed.
     """
     refused = refused or {}
     forced = options.forced(pair.group_size)
@@ -63,20 +65,9 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
         workload = dataclasses.replace(workload, cuda_graphs=True)
         if not _fused_calls_captured():
             fused = ()  # each fused call would split the CUDA graphs, and run with its host floor
-    elif parts_replayed(pair):
+    elif parts_replayed:
         workload = dataclasses.replace(workload, parts_replayed=True)
     return select(workload, topology, fused_schedules=fused)  # "direct" only, host-staged
-
-
-def parts_replayed(pair: Pair) -> bool:
-    """Whether an eager step gathers this pair's parts, once decomposed, from one CUDA graph: a
-    gather the lowering makes one ``compass::all_gather_mm_parts`` call (on NCCL), with the parts
-    replay on (``lowering.parts_replay``).  Read on every rank; the decisions are agreed after."""
-    if pair.kind != "all_gather_matmul":
-        return False
-    from ..lowering import decompose, parts_replay
-
-    return parts_replay.enabled() and decompose.gathers_in_one_call(pair)
 
 
 def _fused_calls_captured() -> bool:

@@ -28,6 +28,8 @@ class PairKind:
     * ``lower(builder, pair, decision, asynchronous)``: build the rewrite with a
       ``lowering.NodeBuilder`` (the transaction commits or rolls it back); True when the fused call
       runs asynchronously.
+    * ``parts_replayed(pair)``: whether an eager step runs this pair's decomposed parts' collectives
+      from one CUDA graph (the cost model then prices an extra part as replayed); none by default.
     """
 
     name: str
@@ -35,3 +37,4 @@ class PairKind:
     match: Matcher
     refusals: Refusals
     lower: Surgery
+    parts_replayed: Callable[[Pair], bool] = lambda pair: False
