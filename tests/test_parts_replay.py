@@ -44,8 +44,8 @@ def _fake_state(dog, group_name: str):
     synced = []
     watched = watchdog.Watched(lambda epoch: ("", None), registered=True)
     dog.watched.append(watched)
-    state = SimpleNamespace(side=SimpleNamespace(synchronize=lambda: synced.append(True)), dog=dog,
-                            watched=watched, graph=object(), synced=synced)
+    state = SimpleNamespace(side=SimpleNamespace(query=lambda: synced.append(True) or True), dog=dog,
+                            watched=watched, graph=object(), synced=synced, what="compass::all_gather_mm_parts")
     return (0, group_name, 4, (512, 64), torch.bfloat16), state
 
 
@@ -60,6 +60,27 @@ def test_release_drops_a_groups_graphs_after_their_replays_and_stops_watching_th
     assert tp_state.synced and tp_state.graph is None and tp_state.watched not in dog.watched
     assert list(parts_replay._states) == [dp] and dp_state.graph is not None and dp_state.watched in dog.watched
     assert parts_replay.release() == 1 and not parts_replay._states and not dog.watched
+
+
+def test_release_waits_for_replays_a_bounded_time_and_never_for_a_failed_process(monkeypatch, caplog):
+    """A teardown must not hang on a stuck collective: replays still running after the bound are
+    dropped with a warning, and a process whose watchdog has failed is not waited for."""
+    from types import SimpleNamespace
+
+    from compass_fx.kernels.cuda import watchdog
+
+    dog = watchdog.Watchdog(0)
+    key, stuck = _fake_state(dog, "tp")
+    stuck.side = SimpleNamespace(query=lambda: stuck.synced.append(True) or False)
+    monkeypatch.setattr(parts_replay, "_states", {key: stuck})
+    monkeypatch.setattr(parts_replay, "DRAIN_S", 0.05)
+    assert parts_replay.release() == 1 and stuck.graph is None and len(stuck.synced) > 1
+    assert "had not finished" in caplog.text
+    key, failed = _fake_state(dog, "tp")
+    failed.side = SimpleNamespace(query=lambda: pytest.fail("a failed process's replays are waited for"))
+    dog.failure = "compass: a peer died"
+    monkeypatch.setattr(parts_replay, "_states", {key: failed})
+    assert parts_replay.release() == 1 and failed.graph is None
 
 
 def test_destroying_a_process_group_releases_its_graphs_first(monkeypatch):

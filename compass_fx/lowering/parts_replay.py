@@ -39,7 +39,9 @@ signature until released (``(world + 1)`` shards).
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
 from functools import partial
 from typing import Callable
 
@@ -49,6 +51,7 @@ from torch import Tensor
 from ..kernels.cuda.impl import _capturing, _raw_stream
 from .row_blocks import multiply_parts
 
+log = logging.getLogger("compass_fx")
 _states: dict[tuple, "_Staged | None"] = {}  # per call signature; None: its calls are issued
 _settings: dict[tuple, bool] = {}  # raw settings -> on
 Gather = Callable[[Tensor, Tensor], object]  # (dst, src) -> c10d work of an asynchronous gather
@@ -148,7 +151,9 @@ def release(group_name: str | None = None) -> int:
         state = _states.pop(signature)
         if state is None:
             continue
-        state.side.synchronize()  # the graph's gathers write the buffers freed with it
+        if not state.dog.failure and not _drained(state.side):  # its gathers write the buffers freed with it
+            log.warning(f"{state.what}: its replays had not finished {DRAIN_S:g} s into the teardown; "
+                        "its graph and buffers are dropped anyway")
         with state.dog.lock:
             if state.watched in state.dog.watched:
                 state.dog.watched.remove(state.watched)
@@ -156,6 +161,20 @@ def release(group_name: str | None = None) -> int:
         dropped += state.graph is not None
         state.graph = None
     return dropped
+
+
+DRAIN_S = 10.0  # the most a teardown waits for a signature's replays to finish
+
+
+def _drained(stream: torch.cuda.Stream) -> bool:
+    """Whether ``stream``'s work finishes within ``DRAIN_S`` (a bounded wait: a stuck collective must
+    not hang the interpreter's exit; a failed process's graphs are not waited for at all)."""
+    deadline = time.monotonic() + DRAIN_S
+    while not stream.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-3)
+    return True
 
 
 _guarded: list[bool] = []  # destroy_process_group wrapped, the exit hook registered
