@@ -35,6 +35,35 @@ def test_plan_json_without_fused_operators(capsys):
     assert all(not label.startswith("fuse") for p in data["pairs"] for label in p["candidates"])
 
 
+def test_plan_prices_a_gathers_parts_as_replayed_as_the_compiler_does(capsys, monkeypatch):
+    """By default (COMPASS_PARTS_REPLAY on) plan prices an eager gather's extra parts as replayed
+    from one CUDA graph, as the compiler does on NCCL, and says so; the reductions' parts, and every
+    part with COMPASS_PARTS_REPLAY=0, as issued."""
+    common = ("plan", "--model", "llama3-8b", "--tp", "8", "--tokens", "16384", "--topology",
+              "h200-nvswitch-8", "--fused", "none", "--json", "--no-png", "--backward")
+    monkeypatch.delenv("COMPASS_PARTS_REPLAY", raising=False)
+    assert run(*common) == 0
+    out = capsys.readouterr()
+    replayed = json.loads(out.out)
+    assert replayed["parts_replayed"] and "extra parts priced as replayed from one CUDA graph" in out.err
+    monkeypatch.setenv("COMPASS_PARTS_REPLAY", "0")
+    assert run(*common) == 0
+    out = capsys.readouterr()
+    issued = json.loads(out.out)
+    assert not issued["parts_replayed"] and "replayed" not in out.err
+    kinds = set()
+    for r, i in zip(replayed["pairs"], issued["pairs"]):
+        kinds.add(r["kind"])
+        for label, seconds in i["candidates"].items():
+            if not label.startswith("decompose"):
+                assert r["candidates"][label] == seconds, (r["name"], label)
+            elif r["kind"] == "all_gather_matmul":
+                assert r["candidates"][label] < seconds, (r["name"], label)
+            else:
+                assert r["candidates"][label] == seconds, (r["name"], label)
+    assert kinds == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
 def test_plan_prices_cuda_graph_replays_when_asked(capsys, monkeypatch):
     """``--cuda-graphs`` prices the layer as CUDA graph replays: the sequential pairs cost the same,
     every decomposition less (no host issue per part), and the output says so.  As 'auto' under

@@ -46,11 +46,13 @@ def _split(value: int, tp: int, what: str) -> int:
 
 
 def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", sequence_parallel: bool = True,
-                    backward: bool = False, cuda_graphs: bool = False) -> list[tuple[str, Workload]]:
+                    backward: bool = False, cuda_graphs: bool = False,
+                    parts_replayed: bool = False) -> list[tuple[str, Workload]]:
     """(name, Workload) for every pair of one layer's forward (and, with ``backward``, backward)
     pass; ``tokens`` is batch x sequence, the m of every pair.  GEMMs sharing a collective are
     summed into n (gather) or k (reduced sum), as ``Workload`` counts them; ``cuda_graphs``: the
-    step replays as CUDA graphs (no host issue costs)."""
+    step replays as CUDA graphs (no host issue costs); ``parts_replayed``: an eager step replays a
+    decomposed gather's parts from one CUDA graph (``Workload.parts_replayed``, gathers only)."""
     s = model_shape(model)
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
@@ -64,7 +66,9 @@ def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", s
     h = s.hidden
 
     def w(kind: str, n: int, k: int, **kw) -> Workload:
-        return Workload(kind=kind, m=tokens, n=n, k=k, dtype=dtype, group_size=tp, cuda_graphs=cuda_graphs, **kw)
+        replayed = parts_replayed and not cuda_graphs and kind == "all_gather_matmul"
+        return Workload(kind=kind, m=tokens, n=n, k=k, dtype=dtype, group_size=tp, cuda_graphs=cuda_graphs,
+                        parts_replayed=replayed, **kw)
 
     out_kind = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
     pairs: list[tuple[str, Workload]] = []
@@ -108,10 +112,13 @@ class LayerPlan:
 
 def plan_layer(model: str, tp: int, tokens: int, topology: Topology, *, dtype: str = "bfloat16",
                sequence_parallel: bool = True, backward: bool = False,
-               fused_schedules: tuple[str, ...] | None = SCHEDULES, cuda_graphs: bool = False) -> LayerPlan:
-    """Plan every pair of one layer on ``topology`` (``cuda_graphs``: as CUDA graph replays)."""
+               fused_schedules: tuple[str, ...] | None = SCHEDULES, cuda_graphs: bool = False,
+               parts_replayed: bool = False) -> LayerPlan:
+    """Plan every pair of one layer on ``topology`` (``cuda_graphs``: as CUDA graph replays;
+    ``parts_replayed``: a decomposed gather's parts replayed from one graph in an eager step)."""
     rows = tuple((name, wl, plan(wl, topology, fused_schedules=fused_schedules))
-                 for name, wl in layer_workloads(model, tp, tokens, dtype, sequence_parallel, backward, cuda_graphs))
+                 for name, wl in layer_workloads(model, tp, tokens, dtype, sequence_parallel, backward, cuda_graphs,
+                                                 parts_replayed))
     return LayerPlan(model, tp, tokens, topology.name, rows)
 
 

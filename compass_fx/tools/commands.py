@@ -37,10 +37,24 @@ def _schedules(text: str) -> tuple[str, ...]:
     return _names(SCHEDULES)(text)
 
 
-def provenance(fused: tuple[str, ...] | None, staged: bool = False, unpriced: str | None = None) -> str:
+PARTS_REPLAYED_NOTE = ("a decomposed gather's extra parts priced as replayed from one CUDA graph, as an eager "
+                       "step on NCCL runs them (COMPASS_PARTS_REPLAY=0: as issued)")
+
+
+def parts_replayed(cuda_graphs: bool) -> bool:
+    """Whether plan and sweep price an eager gather's extra parts as replayed (the compiler's
+    default on NCCL, ``lowering.parts_replay``); not under CUDA graphs, which price no host issue."""
+    from ..lowering import parts_replay
+
+    return not cuda_graphs and parts_replay.enabled()
+
+
+def provenance(fused: tuple[str, ...] | None, staged: bool = False, unpriced: str | None = None,
+               replayed: bool = False) -> str:
     """Where the predictions come from, and what was priced: one line for the output.  ``staged``:
     some GPU group planned has no peer access (where 'auto' prices the fused operators by default);
-    ``unpriced``: why the fused operators were left out, where something else than that decided."""
+    ``unpriced``: why the fused operators were left out, where something else than that decided;
+    ``replayed``: a decomposed gather's extra parts priced as replayed (:func:`parts_replayed`)."""
     path = calibration_path()
     constants = (f"GPU constants from the calibration file {path}" if path is not None else
                  f"built-in GPU constants (datasheets; Hopper's GEMM constants fitted on one H200), not "
@@ -56,7 +70,7 @@ def provenance(fused: tuple[str, ...] | None, staged: bool = False, unpriced: st
     else:
         priced = (f"fused operators priced ({', '.join(fused)}): with peer access strategy='auto' uses them "
                   f"only with auto_fuse=True")
-    return f"note: {constants}; {priced}"
+    return f"note: {constants}; {priced}" + (f"; {PARTS_REPLAYED_NOTE}" if replayed else "")
 
 
 def fused_under_graphs(fused: tuple[str, ...] | None, cuda_graphs: bool) -> tuple[tuple[str, ...] | None, str | None]:
@@ -88,13 +102,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     topo = args.topology
     png = None if args.no_png else picture_path(args, topo)
     fused, graphs_note = fused_under_graphs(args.fused, args.cuda_graphs)
+    replayed = parts_replayed(args.cuda_graphs)
     lp = plan_layer(args.model, args.tp, args.tokens, topo, dtype=args.dtype,
                     sequence_parallel=not args.no_sequence_parallel, backward=args.backward,
-                    fused_schedules=fused, cuda_graphs=args.cuda_graphs)
+                    fused_schedules=fused, cuda_graphs=args.cuda_graphs, parts_replayed=replayed)
     if args.json:
         print(json.dumps({
             "model": lp.model, "tp": lp.tp, "tokens": lp.tokens, "topology": lp.topology,
-            "cuda_graphs": args.cuda_graphs, "sequential_s": lp.sequential_s, "planned_s": lp.planned_s,
+            "cuda_graphs": args.cuda_graphs, "parts_replayed": replayed,
+            "sequential_s": lp.sequential_s, "planned_s": lp.planned_s,
             "speedup": lp.speedup,
             "pairs": [{"name": name, "kind": w.kind, "m": w.m, "n": w.n, "k": w.k, "choice": decision.label,
                        "predicted_s": decision.predicted_s, "reason": decision.reason,
@@ -103,7 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         }, indent=2))
     else:
         print(format_layer_plan(lp))
-    print(f"compass-fx plan: {provenance(fused, fuses_by_default(topo, args.tp), graphs_note)}", file=sys.stderr)
+    print(f"compass-fx plan: {provenance(fused, fuses_by_default(topo, args.tp), graphs_note, replayed)}",
+          file=sys.stderr)
     if args.cuda_graphs:
         print("compass-fx plan: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     if args.no_png:
@@ -159,7 +176,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     fused, graphs_note = fused_under_graphs(args.fused, args.cuda_graphs)
     config = SweepConfig(topologies=args.topologies, models=args.models, kinds=args.kinds, tokens=args.tokens,
-                         group_sizes=args.group_sizes, fused_schedules=fused, cuda_graphs=args.cuda_graphs)
+                         group_sizes=args.group_sizes, fused_schedules=fused, cuda_graphs=args.cuda_graphs,
+                         parts_replayed=parts_replayed(args.cuda_graphs))
     for name in config.topologies:
         Topology.resolve(name)
     out = Path(args.out_dir)
@@ -172,7 +190,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     (out / "sweep-summary.txt").write_text(text + "\n")
     print(text)
     staged = any(fuses_by_default(Topology.resolve(t), g) for t in config.topologies for g in config.group_sizes)
-    print(f"compass-fx sweep: {provenance(fused, staged, graphs_note)}", file=sys.stderr)
+    print(f"compass-fx sweep: {provenance(fused, staged, graphs_note, config.parts_replayed)}", file=sys.stderr)
     if args.cuda_graphs:
         print("compass-fx sweep: priced as CUDA graph replays (no host issue costs)", file=sys.stderr)
     print(f"wrote {out / 'sweep.csv'}, {out / 'sweep-summary.json'}, {out / 'sweep-summary.txt'}", file=sys.stderr)

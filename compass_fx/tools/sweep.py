@@ -29,13 +29,15 @@ FIELDS = ("topology", "model", "kind", "tokens", "group_size", "m", "n", "k", "w
 
 
 def grid_workload(kind: str, model: str, tokens: int, group_size: int, dtype: str = "bfloat16",
-                  cuda_graphs: bool = False) -> Workload:
+                  cuda_graphs: bool = False, parts_replayed: bool = False) -> Workload:
     """The MLP pair of ``kind`` for a model width: all_gather_matmul is w1 (m x ffn/g x hidden),
-    the other two w2 (m x hidden x ffn/g); ``cuda_graphs``: replayed as CUDA graphs."""
+    the other two w2 (m x hidden x ffn/g); ``cuda_graphs``: replayed as CUDA graphs;
+    ``parts_replayed``: an eager step replays a decomposed gather's parts from one graph."""
     s = model_shape(model)
     ffn = s.ffn // group_size
     if kind == "all_gather_matmul":
-        return Workload(kind, tokens, ffn, s.hidden, dtype, group_size, cuda_graphs=cuda_graphs)
+        return Workload(kind, tokens, ffn, s.hidden, dtype, group_size, cuda_graphs=cuda_graphs,
+                        parts_replayed=parts_replayed and not cuda_graphs)
     return Workload(kind, tokens, s.hidden, ffn, dtype, group_size, cuda_graphs=cuda_graphs)
 
 
@@ -48,6 +50,7 @@ class SweepConfig:
     group_sizes: Sequence[int] = DEFAULT_GROUPS
     fused_schedules: tuple[str, ...] | None = SCHEDULES
     cuda_graphs: bool = False  # price every pair as a CUDA graph replay (no host issue costs)
+    parts_replayed: bool = False  # price an eager gather's extra parts as replayed from one graph
 
     def size(self) -> int:
         return len(self.topologies) * len(self.models) * len(self.kinds) * len(self.tokens) * len(self.group_sizes)
@@ -64,7 +67,8 @@ def run_sweep(config: SweepConfig, progress: Callable[[int, int], None] | None =
     total = config.size()
     for i, (tname, model, kind, tokens, g) in enumerate(product(config.topologies, config.models, config.kinds,
                                                                 config.tokens, config.group_sizes)):
-        w = grid_workload(kind, model, tokens, g, cuda_graphs=config.cuda_graphs)
+        w = grid_workload(kind, model, tokens, g, cuda_graphs=config.cuda_graphs,
+                          parts_replayed=config.parts_replayed)
         decision = plan(w, topos[tname], fused_schedules=config.fused_schedules)
         decs = [c for c in decision.candidates if c.strategy == "decompose"]
         fuses = [c for c in decision.candidates if c.strategy == "fuse"]
