@@ -66,9 +66,8 @@ def layer_workloads(model: str, tp: int, tokens: int, dtype: str = "bfloat16", s
     h = s.hidden
 
     def w(kind: str, n: int, k: int, **kw) -> Workload:
-        replayed = parts_replayed and not cuda_graphs and kind == "all_gather_matmul"
         return Workload(kind=kind, m=tokens, n=n, k=k, dtype=dtype, group_size=tp, cuda_graphs=cuda_graphs,
-                        parts_replayed=replayed, **kw)
+                        parts_replayed=parts_replayed and kind == "all_gather_matmul", **kw)
 
     out_kind = "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce"
     pairs: list[tuple[str, Workload]] = []

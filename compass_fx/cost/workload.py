@@ -26,7 +26,8 @@ class Workload:
     the host then issues nothing per pair, so an extra InterDecom part costs only what it costs the
     device, and a fused call has no host floor.  ``parts_replayed`` says that an eager step gathers
     a decomposed gather's parts from one CUDA graph (``lowering.parts_replay``, the default on
-    NCCL): an extra part then costs the host its GEMM and an event wait, not a collective's issue.
+    NCCL): an extra part then costs the host its GEMM and an event wait, not a collective's issue
+    (``cuda_graphs`` takes precedence: a replayed step issues nothing).
     """
 
     kind: str

@@ -154,10 +154,7 @@ def release(group_name: str | None = None) -> int:
         if not state.dog.failure and not _drained(state.side):  # its gathers write the buffers freed with it
             log.warning(f"{state.what}: its replays had not finished {DRAIN_S:g} s into the teardown; "
                         "its graph and buffers are dropped anyway")
-        with state.dog.lock:
-            if state.watched in state.dog.watched:
-                state.dog.watched.remove(state.watched)
-            state.watched.registered = False
+        state.dog.forget(state.watched)
         dropped += state.graph is not None
         state.graph = None
     return dropped

@@ -37,7 +37,7 @@ def grid_workload(kind: str, model: str, tokens: int, group_size: int, dtype: st
     ffn = s.ffn // group_size
     if kind == "all_gather_matmul":
         return Workload(kind, tokens, ffn, s.hidden, dtype, group_size, cuda_graphs=cuda_graphs,
-                        parts_replayed=parts_replayed and not cuda_graphs)
+                        parts_replayed=parts_replayed)
     return Workload(kind, tokens, s.hidden, ffn, dtype, group_size, cuda_graphs=cuda_graphs)
 
 

@@ -176,6 +176,13 @@ class Watchdog:
                 self.watched.append(w)
         self._start()
 
+    def forget(self, w: Watched) -> None:
+        """Stop watching ``w`` (its calls are gone with what ran them: a released graph)."""
+        with self.lock:
+            if w.registered:
+                self.watched.remove(w)
+                w.registered = False
+
     def watch_status(self, status, explain: Callable[[int], str]) -> None:
         """Watch a host int32 word (``status[0]``) that the GPU sets to a nonzero code when it stops
         a call's work (a captured wait timed out, a replay graph's launch was refused);
