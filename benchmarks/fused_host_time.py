@@ -76,6 +76,22 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
     return {name: statistics.median(v) for name, v in per_round.items()}
 
 
+def period_us(fn, calls: int = 16, rounds: int = 5) -> float:
+    """Microseconds per call of ``calls`` back-to-back calls, from an idle device until the last one
+    finished (median over rounds): the pace the device sets for a large call, the host for a small
+    one.  Every rank shares the one GPU, so this is no device time of a rank alone; it compares the
+    ways of launching a call (say COMPASS_REPLAY_LAUNCH) measured alike."""
+    per_round = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_round.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(per_round)
+
+
 def launch_costs() -> dict[str, float]:
     """Host microseconds of each kind of launch a plan command makes, alone (what
     ``compass-fx calibrate`` measures for the cost model)."""
@@ -264,6 +280,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     dist.barrier()
     # every rank runs the same sequence of calls: they are collective
     res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"})))
+    dist.barrier()
+    res["period_us"] = period_us(lambda: graph_op(a, *args))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
@@ -287,13 +305,32 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     return res
 
 
-def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False) -> None:
-    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the peers share one GPU: meet in host memory
+def pin(rank: int) -> list[int]:
+    """Pin this rank's process to a physical core of its own (all of that core's hardware
+    threads; core ``rank + 1``, leaving core 0 to the system), so that no other rank, spinning in
+    a synchronize, shares it.  Returns the CPUs, or [] where there are too few cores."""
+    from harness.ranks import physical_cores
+
+    cores = physical_cores()
+    if len(cores) < rank + 2:
+        return []
+    os.sched_setaffinity(0, set(cores[rank + 1]))
+    return cores[rank + 1]
+
+
+def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
+           pinned: bool = False, carveout: int = 0) -> None:
+    cpus = pin(rank) if pinned else []
+    if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
+        torch._C._set_sm_carveout_experimental(carveout)
+    # the peers share one GPU: they meet in host memory (torch's symmetric memory refuses ranks on
+    # one device: "allocations from overlapping devices", so the peer transport cannot run here)
+    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
-    payload = {"launch_us": launch_costs(), "rows": []}
+    payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus}
     for case in CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
                       profile and case in (CASES[0], CASES[4]), split)
@@ -320,12 +357,18 @@ def markdown(payload: dict) -> str:
              "recur); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
-             "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one).", ""]
+             "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
+             "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
+             "rank's work shares the GPU: it compares ways of launching, it is no device time of one rank).", ""]
     settings = payload.get("settings")
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(settings.items())) + "; replay graphs "
                   f"launched by the GPU: {sum(r.get('device_launched_graphs', 0) for r in payload['rows'])} of "
                   f"{sum(r.get('captured_graphs', 0) for r in payload['rows'])} captured (rank 0).", ""]
+    for world, cpus in payload.get("rank0_cpus", {}).items():
+        if cpus:
+            lines += [f"World {world}: each rank pinned to a physical core of its own (`--pin`; rank 0 on CPUs "
+                      f"{cpus}).", ""]
     for world, launch in payload["launch_us"].items():
         lines += [f"Launch alone, world {world} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()), ""]
     lines.append(output.markdown_table(
@@ -335,6 +378,7 @@ def markdown(payload: dict) -> str:
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
+         ("period_us", "period us (16 .graph in a row)"),
          ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
@@ -357,21 +401,28 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="cProfile the replayed calls of two cases per world")
     p.add_argument("--breakdown", action="store_true",
                    help="time a replayed call's launch, allocations and the rest apart, in turns (every case)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin each rank to a physical core of its own (no rank shares a core with another)")
+    p.add_argument("--carveout", type=int, default=0,
+                   help="SMs every rank's cuBLAS GEMMs leave free (torch._C._set_sm_carveout_experimental)")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
     payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag,
-               "settings": {k: v for k, v in os.environ.items() if k.startswith("COMPASS_")}}
+               "settings": {k: v for k, v in os.environ.items() if k.startswith(("COMPASS_", "CUDA_MPS_"))}}
+    if args.carveout:
+        payload["settings"]["sm_carveout"] = args.carveout
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown),
-                     nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
+                                   args.pin, args.carveout), nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
+        payload.setdefault("rank0_cpus", {})[world] = got["cpus"]
         payload["rows"] += got["rows"]
         payload.update(seconds=time.time() - t0, environment=output.environment(False))
         output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far

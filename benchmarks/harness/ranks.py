@@ -74,3 +74,19 @@ def guarded(ctx: Ctx, what: str, fn: Callable[[], Any]) -> tuple[Any, str | None
     if not all_ok(ctx, err is None):
         return None, err or f"{what}: failed on another rank"
     return result, None
+
+
+def physical_cores() -> list[list[int]]:
+    """This process's allowed logical CPUs grouped by physical core (hardware threads of one core
+    together), in order: what pins a rank, or a probe, to a core no other process shares."""
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{base}/physical_package_id") as f, open(f"{base}/core_id") as g:
+                key = (f.read().strip(), g.read().strip())
+        except OSError:
+            key = ("?", str(cpu))
+        cores.setdefault(key, []).append(cpu)
+    return sorted(cores.values())
+
