@@ -111,10 +111,13 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
     return res
 
 
-def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, init: str, out_path: str) -> None:
+def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, transport: str, init: str,
+           out_path: str) -> None:
     """The cases ``todo`` one after another in this set of processes, until one does not pass
     (what follows a stalled case is run in fresh processes)."""
-    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"  # the ranks share one GPU: meet in host memory
+    # the ranks share one GPU: they meet in pinned host memory, or (peer) map each other's buffers of
+    # that GPU with CUDA IPC, as the peer transport does on an NVLink machine with symmetric memory
+    os.environ["COMPASS_FUSED_TRANSPORT"] = transport
     os.environ["COMPASS_FUSED_TIMEOUT_S"] = TIMEOUT_S
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -136,7 +139,8 @@ def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, init:
         pass
 
 
-def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: float, mix: bool) -> list[dict]:
+def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: float, mix: bool,
+              transport: str = "host") -> list[dict]:
     """``todo`` (one world) in one set of fresh processes, then whatever a stalled case left undone
     in another; ranks still running after ``deadline_s`` per case (a stall whose streams stay
     blocked after the watchdog's error) are killed and the case says so."""
@@ -144,7 +148,7 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
     while todo:
         t0 = time.time()
         world = todo[0]["world"]
-        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix), tmp, index * 1000 + len(rows),
+        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix, transport), tmp, index * 1000 + len(rows),
                                            deadline_s * len(todo))
         per_rank = [r if isinstance(r, list) else [r] for r in ranks]
         done = max(len(r) for r in per_rank)
@@ -182,7 +186,9 @@ def markdown(payload: dict) -> str:
     ok = sum(r["status"] == "pass" for r in rows)
     direct = [r for r in rows if r["schedule"] == "direct"]
     lines = [f"# {NAME} ({payload['tag']})", "",
-             f"W ranks sharing one GPU meet in pinned host memory (the host-staged fused operators); "
+             ("W ranks sharing one GPU map each other's buffers of it with CUDA IPC (the peer transport's "
+                "plans and device-to-device copies, as on an NVLink machine); " if payload.get("transport") == "peer"
+                else "W ranks sharing one GPU meet in pinned host memory (the host-staged fused operators); ") +
              f"{payload['calls']} back-to-back calls per case, the last rank late before one call in ten, every "
              f"result against a reference and dropped; the cases of a world one after another in one set of "
              f"processes{' (rank 0 issuing one call in five command by command)' if payload.get('mix') else ''}; "
@@ -202,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=60)
     p.add_argument("--deadline", type=float, default=60.0, help="seconds a case may take before its ranks are killed")
     p.add_argument("--mix", action="store_true", help="rank 0 issues one call in five instead of replaying it")
+    p.add_argument("--transport", choices=("host", "peer"), default="host",
+                   help="how the ranks meet: pinned host memory (default) or each other's GPU buffers (CUDA IPC)")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
@@ -209,11 +217,12 @@ def main(argv=None) -> int:
         raise SystemExit("fused_host_stress runs the CUDA path: it needs a GPU")
     todo = cases([int(w) for w in args.worlds.split(",")])
     rows, t0 = [], time.time()
-    payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix,
+    payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix, "transport": args.transport,
                "environment": output.environment(False), "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for i, world in enumerate(sorted({c["world"] for c in todo}, key=[c["world"] for c in todo].index)):
-            rows += run_cases([c for c in todo if c["world"] == world], args.calls, tmp, i, args.deadline, args.mix)
+            rows += run_cases([c for c in todo if c["world"] == world], args.calls, tmp, i, args.deadline, args.mix,
+                              args.transport)
             payload.update(seconds=round(time.time() - t0, 1), complete=len(rows) == len(todo))
             output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far
     print(markdown(payload))

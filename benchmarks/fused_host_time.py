@@ -293,7 +293,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res["device_launched_graphs"] = replay.stats["device_launched"] - before["device_launched"]
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
-    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=True)
+    host = os.environ["COMPASS_FUSED_TRANSPORT"] == "host"
+    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host)
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
@@ -301,7 +302,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res["commands"] = counts
     m = rows * world if op == "all_gather_matmul" else rows
     w = Workload(op, m, n, k, "bfloat16", world)
-    res["model_us"] = fused_host_seconds(w, Topology.preset("h200-host-staged-8"), "direct") * 1e6
+    res["model_us"] = fused_host_seconds(w, Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8"), "direct") * 1e6
     return res
 
 
@@ -319,13 +320,13 @@ def pin(rank: int) -> list[int]:
 
 
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
-           pinned: bool = False, carveout: int = 0) -> None:
+           pinned: bool = False, carveout: int = 0, transport: str = "host") -> None:
     cpus = pin(rank) if pinned else []
     if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
         torch._C._set_sm_carveout_experimental(carveout)
-    # the peers share one GPU: they meet in host memory (torch's symmetric memory refuses ranks on
-    # one device: "allocations from overlapping devices", so the peer transport cannot run here)
-    os.environ["COMPASS_FUSED_TRANSPORT"] = "host"
+    # the peers share one GPU: they meet in pinned host memory, or (peer) map each other's buffers of
+    # that GPU with CUDA IPC, as the peer transport does on an NVLink machine with symmetric memory
+    os.environ["COMPASS_FUSED_TRANSPORT"] = transport
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
@@ -350,7 +351,9 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
 
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
-             "Host microseconds of one fused call (ranks sharing one GPU, host-staged transport, schedule "
+             "Host microseconds of one fused call (ranks sharing one GPU, "
+             + ("peer transport: each other's buffers of the GPU mapped with CUDA IPC, device-to-device copies"
+                if payload.get("transport") == "peer" else "host-staged transport") + ", schedule "
              "direct, bf16); median of 15 rounds (9 beyond two ranks) of 4 calls issued after the device went "
              "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
@@ -403,6 +406,8 @@ def main(argv=None) -> int:
                    help="time a replayed call's launch, allocations and the rest apart, in turns (every case)")
     p.add_argument("--pin", action="store_true",
                    help="pin each rank to a physical core of its own (no rank shares a core with another)")
+    p.add_argument("--transport", choices=("host", "peer"), default="host",
+                   help="how the ranks meet: pinned host memory (default) or each other's GPU buffers (CUDA IPC)")
     p.add_argument("--carveout", type=int, default=0,
                    help="SMs every rank's cuBLAS GEMMs leave free (torch._C._set_sm_carveout_experimental)")
     p.add_argument("--tag", default="h200")
@@ -414,12 +419,13 @@ def main(argv=None) -> int:
                "settings": {k: v for k, v in os.environ.items() if k.startswith(("COMPASS_", "CUDA_MPS_"))}}
     if args.carveout:
         payload["settings"]["sm_carveout"] = args.carveout
+    payload["transport"] = args.transport
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
-                                   args.pin, args.carveout), nprocs=world)
+                                   args.pin, args.carveout, args.transport), nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
         payload.setdefault("rank0_cpus", {})[world] = got["cpus"]

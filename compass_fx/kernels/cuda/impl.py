@@ -125,6 +125,16 @@ def _agreed_transport(group) -> str:
     return _agreed(group, transport(), "transport", "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE")
 
 
+def _ranks_share_a_gpu(group, device_index: int) -> bool:
+    """Whether two ranks of ``group`` run on one GPU (every rank learns every rank's GPU, so all
+    reach the same answer)."""
+    props = torch.cuda.get_device_properties(device_index)
+    mine = str(getattr(props, "uuid", "")) or f"{os.uname().nodename}:{device_index}"
+    seen: list = [None] * group.size()
+    torch.distributed.all_gather_object(seen, mine, group=group)
+    return len(set(seen)) < len(seen)
+
+
 class _Workspace:
     """One rank's buffers, flags, peer addresses and events for one plan."""
 
@@ -147,7 +157,7 @@ class _Workspace:
         if self.transport == "host":
             self._host_memory(group, peers, cols, dtype)
         else:
-            self._peer_memory(group_name, peers, cols, dtype, device)
+            self._peer_memory(group, group_name, peers, cols, dtype, device)
         self.private = {name: torch.empty((self.copies, rows, cols), dtype=dtype, device=device)
                         for name, rows in plan.private_rows.items()}
         self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
@@ -190,11 +200,14 @@ class _Workspace:
         elif self.replays is not None:
             self.dog.prefill(self.watched, 16)
 
-    def _peer_memory(self, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
+    def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
                      device: torch.device) -> None:
         """Flags and buffers in symmetric GPU memory, the peers' mapped into this process."""
         import torch.distributed._symmetric_memory as symm_mem
 
+        if _ranks_share_a_gpu(group, self.device_index):
+            self._ipc_memory(group, peers, cols, dtype, device)
+            return
         plan = self.plan
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -213,6 +226,31 @@ class _Workspace:
             h = symm_mem.rendezvous(buf, group_name)
             for p in peers:
                 self.peer_buffers[(name, p)] = h.get_buffer(p, tuple(buf.shape), dtype)
+
+    def _ipc_memory(self, group, peers: list[int], cols: int, dtype: torch.dtype, device: torch.device) -> None:
+        """:meth:`_peer_memory` for ranks sharing a GPU, whose allocations torch's symmetric memory
+        refuses ("allocations from overlapping devices"): the flags and buffers are this rank's
+        own GPU memory, the peers' mapped into this process with CUDA IPC (as torch.multiprocessing
+        shares a CUDA tensor), so the peer transport's plans run on one GPU as on an NVLink machine."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        plan = self.plan
+        flags = torch.zeros((plan.n_flags,), dtype=torch.int32, device=device)
+        self.buffers = {name: torch.empty((self.copies, rows, cols), dtype=dtype, device=device)
+                        for name, rows in plan.symmetric_rows.items()}
+        torch.cuda.synchronize(device)  # the zeroed flags are in memory before any peer can look
+        mine = {name: reduce_tensor(t)[1] for name, t in (("flags", flags), *self.buffers.items())}
+        everyone: list = [None] * group.size()
+        torch.distributed.all_gather_object(everyone, mine, group=group)
+        rebuild = reduce_tensor(flags)[0]
+        mapped = {p: {name: rebuild(*args) for name, args in everyone[p].items()} for p in peers}
+        self.memory = (flags, mapped)  # the addresses below stay valid only while these live
+        self.flag_address = flags.data_ptr()
+        self.peer_flags = {p: mapped[p]["flags"] for p in peers}
+        self.peer_flag_address = {p: f.data_ptr() for p, f in self.peer_flags.items()}
+        for name in self.buffers:
+            for p in peers:
+                self.peer_buffers[(name, p)] = mapped[p][name]
 
     def _host_memory(self, group, peers: list[int], cols: int, dtype: torch.dtype) -> None:
         """Flags and buffer mirrors in host memory shared by the ranks (one machine, no peer access)."""

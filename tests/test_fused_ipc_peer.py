@@ -1,0 +1,62 @@
+"""The peer transport with ranks sharing one GPU: each rank maps the others' flags and buffers with
+CUDA IPC (torch's symmetric memory refuses ranks on one device), so the plans an NVLink machine
+runs (device-to-device pulls, flags in GPU memory) run, and are checked, on one GPU.  Needs a GPU;
+the ranks are the session's gloo pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+TOLERANCE = 2e-2  # of the largest element: bf16 products summed in another order than the reference
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want).abs().max() / want.abs().max())
+
+
+def _peer_transport_calls(rank: int) -> dict:
+    """Six calls of each fused operator through the ``.graph`` overloads (issued, captured, then
+    replayed), on new seeded values each time, against references from every rank's inputs."""
+    import os
+
+    import torch.distributed as dist
+
+    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+    from compass_fx.kernels.cuda import impl
+
+    os.environ["COMPASS_FUSED_TRANSPORT"] = "peer"
+    try:
+        torch.cuda.set_device(0)
+        group, world = dist.group.WORLD.group_name, dist.get_world_size()
+        worst = 0.0
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
+            full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
+            w = torch.randn(256, 192, generator=g).bfloat16().double()
+            cuda = {"dtype": torch.bfloat16, "device": "cuda"}
+            gathered, (out,) = torch.ops.compass.all_gather_matmul.graph(shards[rank].to(**cuda), [w.to(**cuda)],
+                                                                         "direct", group, world)
+            everyone = torch.cat(shards)
+            worst = max(worst, _close(gathered, everyone), _close(out, everyone @ w))
+            total = sum(a @ w for a in full)
+            rows = total.shape[0] // world
+            scattered = torch.ops.compass.matmul_reduce_scatter.graph(full[rank].to(**cuda), w.to(**cuda), "direct",
+                                                                      group, world)
+            reduced = torch.ops.compass.matmul_all_reduce.graph(full[rank].to(**cuda), w.to(**cuda), "direct",
+                                                                group, world)
+            worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]), _close(reduced, total))
+        torch.cuda.synchronize()
+        mapped = [ws for ws in impl._workspaces.values() if ws.transport == "peer"]
+        return {"worst": worst, "workspaces": len(mapped),
+                "ipc": all(isinstance(ws.memory[1], dict) for ws in mapped)}
+    finally:
+        del os.environ["COMPASS_FUSED_TRANSPORT"]
+
+
+@pytest.mark.gpu
+def test_peer_transport_on_one_gpu(ranks):
+    results = ranks(2).run(_peer_transport_calls)
+    for r in results:
+        assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
+        assert r["worst"] < TOLERANCE, r
