@@ -7,6 +7,8 @@ PCIe boxes run TP = 4 or 8, and the two-GPU machine only ever checked world 2, w
 the very plan of "direct".  Here W ranks (processes in a gloo group) share one GPU and meet in
 host memory, which runs the same plans on the same CUDA path, so every protocol step of a world
 of 3 or 4 executes for real (the GPU timings are meaningless and are not recorded).
+``--transport peer``: the ranks map each other's buffers of the GPU with CUDA IPC and run the peer
+transport's plans (device-to-device pulls, flags in GPU memory) instead.
 
 The cases (operator x schedule x shape) of a world run one after another in one set of fresh
 processes (a case that does not pass ends that set; the cases after it run in fresh processes):

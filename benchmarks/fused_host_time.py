@@ -4,7 +4,9 @@ A fused call is Python on the host: the custom op's dispatch, then one driver ca
 per command of its plan (``compass_fx.kernels.protocol``).  When the GPU work of a call is short,
 that host time, not the device, sets the pace.  This measures it on ONE GPU: two ranks in a gloo
 group share the device and meet through host memory (the host-staged transport, which needs no
-second GPU), so the GPU timings are meaningless and only the host's are recorded:
+second GPU; ``--transport peer``: they map each other's buffers of the GPU with CUDA IPC and run
+the peer transport's plans, as on an NVLink machine), so the GPU timings are no rank's own: the
+host's are recorded, and a period (16 calls back to back) that compares ways of launching:
 
 * per command kind, the host cost of the launch alone (``torch.mm(out=)``, ``cuMemcpyAsync``,
   ``cuStreamWriteValue32``, event record / wait ...);

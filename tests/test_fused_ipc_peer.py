@@ -1,7 +1,8 @@
 """The peer transport with ranks sharing one GPU: each rank maps the others' flags and buffers with
 CUDA IPC (torch's symmetric memory refuses ranks on one device), so the plans an NVLink machine
 runs (device-to-device pulls, flags in GPU memory) run, and are checked, on one GPU.  Needs a GPU;
-the ranks are the session's gloo pool."""
+two ranks spawned once for the module (the session's gloo pool forks, and a forked process cannot
+use CUDA)."""
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want).abs().max() / want.abs().max())
 
 
-def _peer_transport_calls(rank: int) -> dict:
+def _peer_transport_calls(rank: int, init: str, out_dir: str) -> None:
     """Six calls of each fused operator through the ``.graph`` overloads (issued, captured, then
     replayed), on new seeded values each time, against references from every rank's inputs."""
+    import json
     import os
 
     import torch.distributed as dist
@@ -25,8 +27,9 @@ def _peer_transport_calls(rank: int) -> dict:
     from compass_fx.kernels.cuda import impl
 
     os.environ["COMPASS_FUSED_TRANSPORT"] = "peer"
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
-        torch.cuda.set_device(0)
         group, world = dist.group.WORLD.group_name, dist.get_world_size()
         worst = 0.0
         for step in range(6):
@@ -48,15 +51,23 @@ def _peer_transport_calls(rank: int) -> dict:
             worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]), _close(reduced, total))
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == "peer"]
-        return {"worst": worst, "workspaces": len(mapped),
-                "ipc": all(isinstance(ws.memory[1], dict) for ws in mapped)}
+        result = {"worst": worst, "workspaces": len(mapped),
+                  "ipc": all(isinstance(ws.memory[1], dict) for ws in mapped)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
     finally:
-        del os.environ["COMPASS_FUSED_TRANSPORT"]
+        dist.destroy_process_group()
 
 
 @pytest.mark.gpu
-def test_peer_transport_on_one_gpu(ranks):
-    results = ranks(2).run(_peer_transport_calls)
-    for r in results:
+def test_peer_transport_on_one_gpu(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_peer_transport_calls, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
         assert r["worst"] < TOLERANCE, r

@@ -26,8 +26,17 @@ under MPS stalled early (calls 8 and 11, during the captures) on a rank "waiting
 with every awaited flag set, a graph that never ran; with it, 500 calls passed every case at worlds
 2, 4 (three runs, one mixing issued and replayed calls) and 8 (``benchmarks/results/fused_host_stress/``,
 ``-device-launch-upload-``).  A tail launch the device runtime refuses stores its error where the
-watchdog reads it, then traps (:func:`explain_refusal`).  Still opt in: it has run only with ranks
-sharing one GPU, and its flag waits spin on the device where the default's stream waits do not.
+watchdog reads it, then traps (:func:`explain_refusal`).
+
+Why it stays opt in: the GPU runs a device-launched graph's copies to and from host memory
+without overlapping its GEMM (``benchmarks/results/device_launch_overlap``: overlap 0.09-0.21
+against 0.99 launched from the host, the same with the copies in a graph of their own beside a
+host-launched GEMM), and overlapping those copies is what the host-staged fused operators are for.
+With ranks sharing one H200 (MPS, each rank pinned, also with the SMs split 50/50), the calls'
+back-to-back period was longer than the host launch's in 27 of 30 rows (median 1.27x, up to 1.78x;
+``fused_host_time-h200-device-launch-pin-mps``) while their host time was 24-52 us at two ranks
+against 49-249.  The flag waits it turns into spinning kernels are not the cause: host-launched
+graphs with kernel waits keep the host launch's period (``fused_host_time-h200-part50-host-kwait-mps``).
 
 The launcher calls the device runtime (``cudaGraphLaunch`` in device code), which lives in CUDA's
 static ``libcudadevrt.a``: the kernel is compiled by NVRTC as relocatable code and linked with that
@@ -221,9 +230,10 @@ def instantiate(captured, device_index: int, capture_stream) -> DeviceGraph | No
         return None
     if not _warned:
         _warned.append(True)
-        warnings.warn("compass fused operators: COMPASS_REPLAY_LAUNCH=device is experimental: checked only with "
-                      "ranks sharing one GPU; see compass_fx/kernels/cuda/device_launch.py", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn("compass fused operators: COMPASS_REPLAY_LAUNCH=device is experimental: the host launches "
+                      "less, but the GPU runs a device-launched graph's copies to and from host memory without "
+                      "overlapping the GEMMs (slower calls on the GPU); see compass_fx/kernels/cuda/device_launch.py",
+                      RuntimeWarning, stacklevel=3)
     lk = _linker()
     work = _ptr()
     try:
