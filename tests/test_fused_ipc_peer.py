@@ -60,6 +60,22 @@ def _peer_transport_calls(rank: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _shares_a_gpu(rank: int, ids: list[str]) -> bool:
+    import torch.distributed as dist
+
+    from compass_fx.kernels.cuda import impl
+
+    return impl._ranks_share_a_gpu(dist.group.WORLD, 0, gpu_id=lambda index: ids[rank])
+
+
+def test_every_rank_reaches_the_same_answer_on_sharing_a_gpu(ranks):
+    """Which memory the peer transport maps (symmetric memory, or CUDA IPC for ranks on one GPU) is
+    decided from every rank's GPU, so both ranks answer alike, whoever holds the shared one."""
+    pool = ranks(2)
+    assert pool.run(_shares_a_gpu, ["GPU-a", "GPU-a"]) == [True, True]
+    assert pool.run(_shares_a_gpu, ["GPU-a", "GPU-b"]) == [False, False]
+
+
 @pytest.mark.gpu
 def test_peer_transport_on_one_gpu(tmp_path):
     import json

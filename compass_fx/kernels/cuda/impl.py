@@ -126,13 +126,17 @@ def _agreed_transport(group) -> str:
     return _agreed(group, transport(), "transport", "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE")
 
 
-def _ranks_share_a_gpu(group, device_index: int) -> bool:
+def _gpu_id(device_index: int) -> str:
+    """What tells this GPU apart from every other: its UUID (else host name and index)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return str(getattr(props, "uuid", "")) or f"{os.uname().nodename}:{device_index}"
+
+
+def _ranks_share_a_gpu(group, device_index: int, gpu_id: Callable[[int], str] = _gpu_id) -> bool:
     """Whether two ranks of ``group`` run on one GPU (every rank learns every rank's GPU, so all
     reach the same answer)."""
-    props = torch.cuda.get_device_properties(device_index)
-    mine = str(getattr(props, "uuid", "")) or f"{os.uname().nodename}:{device_index}"
     seen: list = [None] * group.size()
-    torch.distributed.all_gather_object(seen, mine, group=group)
+    torch.distributed.all_gather_object(seen, gpu_id(device_index), group=group)
     return len(set(seen)) < len(seen)
 
 
