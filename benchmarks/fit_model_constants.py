@@ -17,12 +17,12 @@ datasheet gives and that the grids (``multigpu_operators.py``, every candidate m
 For each constant the script re-prices every grid with each candidate value (the other constant
 as in the code) and reports the measures per grid; the best value is the one best on all grids
 together.  ``tests/test_bench_scripts.py`` checks that the code's constants are these values.
-The replayed fused call's host constants (``FUSED_REPLAY_CALL_S``, ``FUSED_REPLAY_COMMAND_S`` and
+The replayed fused call's host constants (``FUSED_REPLAY_CALL_S``, ``FUSED_REPLAY_SLOW_NODE_S`` and
 the launches alone they were fitted with, ``_REPLAY_FITTED_LAUNCH_S``) are fitted here too, to the
 ``.graph`` host times of two ranks sharing one H200 in the committed ``fused_host_time.py`` runs
-(``--replay-runs``): each run's times scaled to the runs' median launches (the median ratio of its
-launches to those, as a calibration scales the constants), then a least-squares line in the
-plan's command count.  Then the grids are repriced as the code prices now: eager fused calls
+(``--replay-runs``, both transports): each run's times scaled to the runs' median launches (the
+median ratio of its launches to those, as a calibration scales the constants), then a
+least-squares line in the replay graph's slow nodes (copies to or from host memory, stream waits).  Then the grids are repriced as the code prices now: eager fused calls
 replayed from captured CUDA graphs at those constants.
 
     python benchmarks/fit_model_constants.py      # the committed h200x2 grids, both regimes
@@ -46,9 +46,11 @@ from harness import output  # noqa: E402
 NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
-# today's default fused path (commits 9cc1423 and 2344292) timed on one H200, ten cases of 17-166 commands at world
-# 2 each
-REPLAY_RUNS = ("fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json")
+# the default fused path timed on one H200, ten cases at world 2 each: host-staged (commits 9cc1423 and 2344292, and
+# 9f3f12d with the ranks pinned) and the peer transport (c14b541, ranks pinned)
+REPLAY_RUNS = ("fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
+               "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
+               "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json")
 
 
 @contextlib.contextmanager
@@ -127,18 +129,29 @@ def _fused_call_rank(rows: list[dict]) -> tuple:
 
 
 @contextlib.contextmanager
-def _replay_priced(call_s: float, command_s: float, launch_s: dict[str, float]):
+def _replay_priced(call_s: float, node_s: float, launch_s: dict[str, float]):
     """The cost model with other replay constants (``cost.strategies.FUSED_REPLAY_*``, and the
     launches alone on the host they were fitted on, which a calibration scales them by)."""
     import compass_fx.cost.strategies as strategies
 
-    real = strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S, strategies._REPLAY_FITTED_LAUNCH_S
-    strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S = call_s, command_s
+    real = strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S, strategies._REPLAY_FITTED_LAUNCH_S
+    strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S = call_s, node_s
     strategies._REPLAY_FITTED_LAUNCH_S = {**real[2], **launch_s}
     try:
         yield
     finally:
-        strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_COMMAND_S, strategies._REPLAY_FITTED_LAUNCH_S = real
+        strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S, strategies._REPLAY_FITTED_LAUNCH_S = real
+
+
+def _slow_nodes(row: dict, world: int, host: bool) -> int:
+    """The slow nodes (:func:`compass_fx.cost.strategies.replay_slow_nodes`) of one case's replay
+    graphs, rank 0's plans as the model prices them."""
+    from compass_fx.cost.strategies import replay_slow_nodes
+    from compass_fx.kernels.issue_order import call_plans
+
+    cols = row["k"] if row["op"] == "all_gather_matmul" else row["n"]
+    return sum(replay_slow_nodes(plan, host)
+               for plan in call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host))
 
 
 def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
@@ -146,8 +159,9 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
     payload): the ``.graph`` host time of each case at ``world`` ranks, scaled by its run's launch
     speed (the median over command kinds of the run's launch alone / the runs' median launch of
     that kind: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
-    fitted by least squares as per-call + per-command * commands.  Rounded as the code holds them:
-    the launches to 0.01 us, the call to 1 us, the command to 0.01 us."""
+    fitted by least squares as per-call + per-slow-node * slow nodes (a run's transport: its
+    ``transport``, host-staged where it names none).  Rounded as the code holds them: the launches
+    to 0.01 us, the call to 1 us, the node to 0.01 us."""
     launches = {name: run["launch_us"][str(world)] for name, run in runs.items()}
     kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
     reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
@@ -155,18 +169,21 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
     for name, run in runs.items():
         ratios = sorted(launches[name][k] / reference[k] for k in kinds)
         speed = ratios[len(ratios) // 2]
-        points += [(sum(r["commands"].values()), r["host_us_graph"] / speed, name)
+        host = run.get("transport", "host") == "host"
+        points += [(_slow_nodes(r, world, host), r["host_us_graph"] / speed, "host" if host else "peer")
                    for r in run["rows"] if r["world"] == world and r.get("host_us_graph")]
     n = len(points)
     mean_x = statistics.fmean(x for x, _, _ in points)
     mean_y = statistics.fmean(y for _, y, _ in points)
     slope = (sum((x - mean_x) * (y - mean_y) for x, y, _ in points)
              / sum((x - mean_x) ** 2 for x, _, _ in points))
-    call_us, command_us = round(mean_y - slope * mean_x), round(slope, 2)
-    errors = sorted(abs((call_us + command_us * x) / y - 1) for x, y, _ in points)
-    return {"runs": list(runs), "world": world, "points": n, "call_us": call_us, "command_us": command_us,
+    call_us, node_us = round(mean_y - slope * mean_x), round(slope, 2)
+    ratio = {t: sorted((call_us + node_us * x) / y for x, y, tt in points if tt == t) for t in ("host", "peer")}
+    errors = sorted(abs((call_us + node_us * x) / y - 1) for x, y, _ in points)
+    return {"runs": list(runs), "world": world, "points": n, "call_us": call_us, "node_us": node_us,
             "launch_us": reference, "median_error": statistics.median(errors),
-            "p90_error": errors[int(0.9 * (n - 1))]}
+            "p90_error": errors[int(0.9 * (n - 1))],
+            "median_priced_over_measured": {t: r[len(r) // 2] for t, r in ratio.items() if r}}
 
 
 def strategies_replay_call_us() -> float:
@@ -188,8 +205,8 @@ def main(argv=None) -> int:
                    help="fused_host_time JSON files (under --host-results) the replay constants are fitted to")
     p.add_argument("--host-results", default=str(output.RESULTS / "fused_host_time"),
                    help="where the fused_host_time runs are")
-    p.add_argument("--replay-constants", default=None, metavar="CALL_US,COMMAND_US,LAUNCH_JSON",
-                   help="also reprice with proposed replay constants: per call and per command (us), and the "
+    p.add_argument("--replay-constants", default=None, metavar="CALL_US,NODE_US,LAUNCH_JSON",
+                   help="also reprice with proposed replay constants: per call and per slow node (us), and the "
                         "launches alone (JSON of seconds per kind) on the host they were fitted on")
     args = p.parse_args(argv)
     grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
@@ -204,10 +221,10 @@ def main(argv=None) -> int:
                     **evaluate(grid)} for name, grid in grids.items()]
     proposed_rows = []
     if args.replay_constants:
-        call_us, command_us, launch = args.replay_constants.split(",", 2)
-        with _replay_priced(float(call_us) * 1e-6, float(command_us) * 1e-6, json.loads(launch)):
+        call_us, node_us, launch = args.replay_constants.split(",", 2)
+        with _replay_priced(float(call_us) * 1e-6, float(node_us) * 1e-6, json.loads(launch)):
             proposed_rows = [{"constant": "FUSED_REPLAY_CALL_S (proposed)", "value_us": round(strategies_replay_call_us()),
-                              "command_us": float(command_us), "grid": name, **evaluate(grid)}
+                              "node_us": float(node_us), "grid": name, **evaluate(grid)}
                              for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
                "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best, "replay_fit": replay_fit,
@@ -226,15 +243,16 @@ def main(argv=None) -> int:
              f"## FUSED_HOST_CALL_REST_S: **{call_best} us** (the smallest worst regression against "
              "sequential, then the highest hit rate; calls issued command by command, as the grids measured "
              "them)", "", output.markdown_table(call_rows, columns), "",
-             f"## The replayed call's host constants: **{replay_fit['call_us']} us + {replay_fit['command_us']} us "
-             "per command** (least squares over the `.graph` host times of "
-             f"{replay_fit['points']} cases at {replay_fit['world']} ranks sharing one H200, each run scaled to the "
-             f"runs' median launches; median error {replay_fit['median_error']:.1%}, p90 "
-             f"{replay_fit['p90_error']:.1%})", "",
+             f"## The replayed call's host constants: **{replay_fit['call_us']} us + {replay_fit['node_us']} us "
+             "per slow node** (a copy to or from host memory, or a stream wait, in its replay graph; least squares "
+             f"over the `.graph` host times of {replay_fit['points']} cases at {replay_fit['world']} ranks sharing "
+             f"one H200, each run scaled to the runs' median launches; median error {replay_fit['median_error']:.1%}, "
+             f"p90 {replay_fit['p90_error']:.1%}; priced / measured, median: "
+             + ", ".join(f"{t} {v:.2f}" for t, v in replay_fit["median_priced_over_measured"].items()) + ")", "",
              f"Runs: {', '.join(replay_fit['runs'])}.  Launches alone the constants hold for (us): "
              + ", ".join(f"{k} {v}" for k, v in replay_fit["launch_us"].items()) + ".", "",
              "## Repriced as the code prices now (eager fused calls replayed from captured graphs: "
-             f"FUSED_REPLAY_CALL_S {replay_rows[0]['value_us']} us + FUSED_REPLAY_COMMAND_S per command, "
+             f"FUSED_REPLAY_CALL_S {replay_rows[0]['value_us']} us + FUSED_REPLAY_SLOW_NODE_S per slow node, "
              "fitted on one H200)", "",
              "The grids' fused calls were measured issued command by command (host-bound at 0.27-0.63 ms "
              "below 8192 tokens), so a pick of a small fused call is judged here against a time the "
@@ -242,7 +260,7 @@ def main(argv=None) -> int:
              output.markdown_table(replay_rows, columns)]
     if proposed_rows:
         lines += ["", f"## Repriced with proposed replay constants ({args.replay_constants.split(',')[0]} us per call + "
-                  f"{args.replay_constants.split(',')[1]} us per command on their host; 'us' is the call's cost scaled "
+                  f"{args.replay_constants.split(',')[1]} us per slow node on their host; 'us' is the call's cost scaled "
                   "to the calibration's launches)", "", output.markdown_table(proposed_rows, columns)]
     print("\n".join(lines))
     output.write_results(NAME, args.tag, payload, "\n".join(lines), args.out_dir)

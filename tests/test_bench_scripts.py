@@ -204,7 +204,8 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
     were priced with) gives the values in the code; so do the replayed call's host constants,
-    refitted to the committed world-2 ``fused_host_time`` runs of today's default path on one H200."""
+    refitted to the committed world-2 ``fused_host_time`` runs of the default path on one H200 (both
+    transports), price neither transport's calls far off (median priced / measured within 0.8-1.25)."""
     from compass_fx.cost import strategies
     from compass_fx.machine.gpus import GPUS
 
@@ -217,11 +218,14 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
     replay = fit["replay_fit"]
-    assert replay["runs"] == ["fused_host_time-h200-progress.json",
-                              "fused_host_time-h200-progress-run2.json"]  # the runs strategies.py names
-    assert replay["world"] == 2 and replay["points"] == 20
+    assert replay["runs"] == ["fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
+                              "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
+                              "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json"]  # the runs strategies.py names
+    assert replay["world"] == 2 and replay["points"] == 50
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
-    assert replay["command_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_COMMAND_S)
+    assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
+    for transport in ("host", "peer"):
+        assert 0.8 <= replay["median_priced_over_measured"][transport] <= 1.25, replay
     assert {k: v * 1e-6 for k, v in replay["launch_us"].items()} == pytest.approx(strategies._REPLAY_FITTED_LAUNCH_S)
 
 

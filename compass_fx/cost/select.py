@@ -4,15 +4,15 @@ the fastest taken.
 Deterministic: the predictions are pure functions of the workload and the topology, candidates
 come in a fixed order (sequential, decompose by ascending part count, fuse in ``SCHEDULES`` order), and a
 tie goes to the simpler candidate: a fused schedule only where no other is as fast, and among fused
-schedules the one whose calls cost the host least (fewer pieces), then the earlier one; so every
-rank of a group reaches the same decision.
+schedules the one whose calls cost the host least (fewer pieces), then the one with fewer commands,
+then the earlier one; so every rank of a group reaches the same decision.
 """
 from __future__ import annotations
 
 from ..machine.topology import Topology
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
-from .strategies import decomposition_models, fused_host_seconds, fused_seconds, sequential_seconds
+from .strategies import decomposition_models, fused_commands, fused_host_seconds, fused_seconds, sequential_seconds
 from .workload import Workload
 
 
@@ -48,14 +48,20 @@ def _priced_as(workload: Workload) -> str:
     return " (its parts' gathers priced as replayed from one CUDA graph)" if workload.parts_replayed else ""
 
 
-def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) -> float:
-    """What breaks a tie of predicted times: a fused call's host seconds (0 for the others).
+def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) -> tuple[float, int]:
+    """What breaks a tie of predicted times: a fused call's host seconds, then its commands (0 for
+    the others).
 
     Schedules that move the same bytes over the same links tie on the device; the one cut into more
     pieces (the double ring at two ranks: each shard in two halves to the one peer) costs more
     launches and was measured slower in 17 of the 24 pairs of the two-H200 grid
-    (benchmarks/results/multigpu_operators/multigpu_operators-h200x2.json: "direct" best, the double ring picked)."""
-    return fused_host_seconds(workload, topo, candidate.schedule) if candidate.strategy == "fuse" else 0.0
+    (benchmarks/results/multigpu_operators/multigpu_operators-h200x2.json: "direct" best, the double ring picked).
+    Where their replay graphs wait alike (the ring and "direct" on a switch), the one with fewer
+    commands is the simpler: no partial sums relayed through every rank."""
+    if candidate.strategy != "fuse":
+        return 0.0, 0
+    return (fused_host_seconds(workload, topo, candidate.schedule),
+            fused_commands(workload, topo, candidate.schedule))
 
 
 def select(workload: Workload, topology: "Topology | str | None" = None, *,

@@ -35,23 +35,26 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 
 # The host's work per fused call.  An eager call replays a CUDA graph of its plan's commands once
 # its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
-# dispatch and the Python around the replay, plus the driver's launch of each captured command.
-# Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares over 20 cases of 17-166
-# commands, each run scaled to the runs' median launches) to the ".graph" host times of two ranks
-# sharing one H200 in the two runs of today's default path (a replay registers nothing with the
-# watchdog: its graph's last node counts it done), benchmarks/results/fused_host_time/
-# fused_host_time-h200-progress{,-run2}.json: 53 us + 0.99 us per command (median error 17%, p90
-# 29%: single readings drift with the host; 4 ranks sharing the GPU: 65 + 1.2, 8: 85 + 0.83, the
-# ranks' processes contending for one host and one GPU's driver; before, with a watchdog event per
-# replayed call: 62 + 0.82).  tests/test_bench_scripts.py checks that the fit gives these.
-# FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants
-# below; a deferred call, fused_async, is issued so).
+# dispatch and the Python around the replay, plus the driver's launch of the graph.  That launch
+# costs the host per node of a slow kind, a copy to or from host memory (the host-staged
+# transport's pieces) or a stream wait (a flag wait), ~1.5-4 us each, and next to nothing for the
+# rest (a kernel ~0.1 us, a device-to-device copy ~0: benchmarks/results/graph_node_probe/).
+# Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares in the plan's slow nodes
+# over 50 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
+# ranks sharing one H200 in five runs of the default path, three host-staged and two on the peer
+# transport (benchmarks/results/fused_host_time/: -progress, -progress-run2, -default-pin-mps,
+# -peer-ipc-pin-mps, -peer-ipc-w2-breakdown-mps): 36 us + 2.89 us per slow node (median error 23%,
+# p90 58%: single readings drift with the host; the peer transport's priced 1.15x its median
+# reading).  The fit before, a line in the command count over the host-staged runs alone (53 us +
+# 0.99 us per command), priced the peer transport's calls at 1.9x.  tests/test_bench_scripts.py
+# checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
+# by command instead (the constants below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 53e-6
-FUSED_REPLAY_COMMAND_S = 0.99e-6
-_REPLAY_FITTED_LAUNCH_S = {"Matmul": 12.79e-6, "Reduce": 7.65e-6, "Copy": 6.55e-6, "SetFlag": 2.74e-6,
-                           "WaitFlag": 2.86e-6, "Record": 1.18e-6,
-                           "WaitEvent": 1.19e-6}  # the launches alone on the host of that fit (the runs' median)
+FUSED_REPLAY_CALL_S = 36e-6
+FUSED_REPLAY_SLOW_NODE_S = 2.89e-6
+_REPLAY_FITTED_LAUNCH_S = {"Copy": 6.11e-6, "Matmul": 12.8e-6, "Record": 0.84e-6, "Reduce": 6.54e-6,
+                           "SetFlag": 2.25e-6, "WaitEvent": 0.88e-6,
+                           "WaitFlag": 2.25e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
@@ -219,30 +222,52 @@ def fused_host_costs() -> tuple[float, dict[str, float]]:
 
 
 def fused_replay_costs() -> tuple[float, float]:
-    """(seconds per call, seconds per command) of a replayed fused call, scaled to this machine's
+    """(seconds per call, seconds per slow node) of a replayed fused call, scaled to this machine's
     launches where a calibration measured them."""
     measured = calibrated_fused_host()
     if measured is None:
-        return FUSED_REPLAY_CALL_S, FUSED_REPLAY_COMMAND_S
+        return FUSED_REPLAY_CALL_S, FUSED_REPLAY_SLOW_NODE_S
     _, speed = _launch_speed(measured, _REPLAY_FITTED_LAUNCH_S)
-    return FUSED_REPLAY_CALL_S * speed, FUSED_REPLAY_COMMAND_S * speed
+    return FUSED_REPLAY_CALL_S * speed, FUSED_REPLAY_SLOW_NODE_S * speed
 
 
-def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: bool | None = None) -> float:
-    """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
-    them for this transport), replayed from a captured graph (``replayed``, default
-    ``FUSED_CALLS_REPLAYED``) or issued one by one and priced by kind, plus the per-call work."""
+def replay_slow_nodes(plan, host: bool) -> int:
+    """The nodes of ``plan``'s replay graph that cost the host's graph launch microseconds each (as
+    ``kernels/cuda/impl._compile_replay`` captures them by default): its flag waits (stream waits)
+    and, on the host-staged transport, its copies to or from host memory (copy-engine copies)."""
+    from ..kernels.protocol import Copy, WaitFlag
+
+    in_host = plan.symmetric_rows if host else {}
+    return sum(1 for c in plan.commands
+               if isinstance(c, WaitFlag) or (isinstance(c, Copy) and (c.src.buf in in_host or c.dst.buf in in_host)))
+
+
+def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool]:
+    """Rank 0's plans of one fused call as the CUDA path builds them for this transport, and
+    whether that transport is host-staged."""
     from ..kernels.issue_order import call_plans
 
     host = topo.host_staged(w.group_size)
     g = w.group_size
     rows = w.m // g if w.kind == "all_gather_matmul" else w.m
     cols = w.k if w.kind == "all_gather_matmul" else w.n
-    plans = call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
-                       host)
+    return call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
+                      host), host
+
+
+def fused_commands(w: Workload, topo: Topology, schedule: str) -> int:
+    """The commands of one fused call's plans: what its replay graph holds, cheap to launch or not."""
+    return sum(len(plan.commands) for plan in _fused_plans(w, topo, schedule)[0])
+
+
+def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: bool | None = None) -> float:
+    """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
+    them for this transport), replayed from a captured graph (``replayed``, default
+    ``FUSED_CALLS_REPLAYED``) or issued one by one and priced by kind, plus the per-call work."""
+    plans, host = _fused_plans(w, topo, schedule)
     if FUSED_CALLS_REPLAYED if replayed is None else replayed:
-        per_call, per_command = fused_replay_costs()
-        return sum(per_call + per_command * len(plan.commands) for plan in plans)
+        per_call, per_node = fused_replay_costs()
+        return sum(per_call + per_node * replay_slow_nodes(plan, host) for plan in plans)
     per_call, per_kind = fused_host_costs()
     return sum(per_call + sum(per_kind.get(type(c).__name__, 0.0) for c in plan.commands) for plan in plans)
 
