@@ -181,6 +181,29 @@ def test_fused_calls_cost_at_least_the_hosts_work():
     assert fused_host_seconds(ring_ar, nvlink, "ring") > 1.5 * fused_host_seconds(ring_rs, nvlink, "ring")
 
 
+def test_a_replayed_call_is_priced_by_its_waits_and_host_memory_copies():
+    """A replay graph's launch costs the host per stream wait and per copy to or from host memory,
+    next to nothing per kernel or device copy (graph_node_probe): a 4096-row gather at two ranks has
+    8 waits and 16 of its 17 copies through host memory when host-staged (the breakdown of
+    fused_host_time counts 8 stream waits and 17 copies in its graph), one wait and device copies
+    on the peer transport; their prices differ by exactly those nodes."""
+    from compass_fx.cost import strategies
+    from compass_fx.kernels.issue_order import call_plans
+    from compass_fx.kernels.protocol import Copy, WaitFlag
+
+    (staged_plan,) = call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=True)
+    (peer_plan,) = call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=False)
+    assert sum(isinstance(c, WaitFlag) for c in staged_plan.commands) == 8
+    assert sum(isinstance(c, Copy) for c in staged_plan.commands) == 17
+    assert strategies.replay_slow_nodes(staged_plan, host=True) == 8 + 16
+    assert strategies.replay_slow_nodes(peer_plan, host=False) == 1
+    w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
+    staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
+    difference = (strategies.fused_host_seconds(w, staged, "direct")
+                  - strategies.fused_host_seconds(w, nvlink, "direct"))
+    assert difference == pytest.approx(23 * strategies.FUSED_REPLAY_SLOW_NODE_S)
+
+
 def test_strategy_labels_are_written_and_read_by_one_rule():
     from compass_fx.cost.decision import Candidate, strategy_label
 
