@@ -159,8 +159,8 @@ def main(argv=None) -> int:
             row["overlap"] = ((row["gemm_us"] + row["copies_us"] - row["both_us"])
                               / min(row["gemm_us"], row["copies_us"]))
             # the copies' graph launched this way beside a host-launched GEMM graph on another stream
-            pair = side_by_side(probe.graph(False, True, direction, launch), probe.graph(True, False, direction, "host"),
-                                probe.side_launch)
+            copies, gemm = probe.graph(False, True, direction, launch), probe.graph(True, False, direction, "host")
+            pair = side_by_side(copies, gemm, probe.side_launch)
             row["apart_us"] = device_us(pair, cycles_per_ms)
             row["apart_overlap"] = ((row["gemm_us"] + row["copies_us"] - row["apart_us"])
                                     / min(row["gemm_us"], row["copies_us"]))

@@ -22,7 +22,8 @@ the launches alone they were fitted with, ``_REPLAY_FITTED_LAUNCH_S``) are fitte
 ``.graph`` host times of two ranks sharing one H200 in the committed ``fused_host_time.py`` runs
 (``--replay-runs``, both transports): each run's times scaled to the runs' median launches (the
 median ratio of its launches to those, as a calibration scales the constants), then a
-least-squares line in the replay graph's slow nodes (copies to or from host memory, stream waits).  Then the grids are repriced as the code prices now: eager fused calls
+least-squares line in the replay graph's slow nodes (copies to or from host memory, stream waits).
+Then the grids are repriced as the code prices now: eager fused calls
 replayed from captured CUDA graphs at those constants.
 
     python benchmarks/fit_model_constants.py      # the committed h200x2 grids, both regimes

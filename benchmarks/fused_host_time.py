@@ -304,7 +304,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res["commands"] = counts
     m = rows * world if op == "all_gather_matmul" else rows
     w = Workload(op, m, n, k, "bfloat16", world)
-    res["model_us"] = fused_host_seconds(w, Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8"), "direct") * 1e6
+    topo = Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8")
+    res["model_us"] = fused_host_seconds(w, topo, "direct") * 1e6
     return res
 
 

@@ -10,8 +10,9 @@ streams of a rank meet at CUDA events; the ranks meet only at flags.  The watchd
 
 Per (operator, schedule, group, shape, dtype) a workspace is built once (collectively, on first
 use, in the same order on every rank): the double-buffered symmetric buffers, the flags, the
-staging buffers, the peers' addresses and the events.  Ranks sharing one GPU (tests, benchmarks)
-map each other's buffers with CUDA IPC instead of symmetric memory, which refuses them.  A call then does no host synchronisation
+staging buffers, the peers' addresses and the events (ranks sharing one GPU, as in tests and
+benchmarks, map each other's buffers with CUDA IPC instead of symmetric memory, which refuses
+them).  A call then does no host synchronisation
 and no allocation beyond its outputs, and issues a fixed list of launches, or replays them from a
 CUDA graph captured for the call's addresses (:mod:`.replay`: the host's cost then no longer grows
 with the plan); the flags hold the epoch as one bit of four (:mod:`..flag_codes`), so that the
