@@ -237,9 +237,8 @@ def replay_slow_nodes(plan, host: bool) -> int:
     and, on the host-staged transport, its copies to or from host memory (copy-engine copies)."""
     from ..kernels.protocol import Copy, WaitFlag
 
-    in_host = plan.symmetric_rows if host else {}
     return sum(1 for c in plan.commands
-               if isinstance(c, WaitFlag) or (isinstance(c, Copy) and (c.src.buf in in_host or c.dst.buf in in_host)))
+               if isinstance(c, WaitFlag) or (host and isinstance(c, Copy) and plan.crosses_symmetric(c)))
 
 
 def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool]:

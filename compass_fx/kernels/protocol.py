@@ -160,6 +160,11 @@ class Plan:
     n_weights: int = 0
     slot_names: tuple[str, ...] = ()  # what each flag announces, for error messages
 
+    def crosses_symmetric(self, cmd: "Copy") -> bool:
+        """Whether ``cmd`` copies to or from a buffer the peers read: on the host-staged transport,
+        a copy to or from host memory (the copy engines' work a replay graph launches dearly)."""
+        return cmd.src.buf in self.symmetric_rows or cmd.dst.buf in self.symmetric_rows
+
 
 def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
     return tuple((b * block_rows, (b + 1) * block_rows) for b in range(world))

@@ -238,7 +238,7 @@ class _Workspace:
         refuses ("allocations from overlapping devices"): the flags and buffers are this rank's
         own GPU memory, the peers' mapped into this process with CUDA IPC (as torch.multiprocessing
         shares a CUDA tensor), so the peer transport's plans run on one GPU as on an NVLink machine."""
-        from torch.multiprocessing.reductions import reduce_tensor
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
         plan = self.plan
         flags = torch.zeros((plan.n_flags,), dtype=torch.int32, device=device)
@@ -248,8 +248,7 @@ class _Workspace:
         mine = {name: reduce_tensor(t)[1] for name, t in (("flags", flags), *self.buffers.items())}
         everyone: list = [None] * group.size()
         torch.distributed.all_gather_object(everyone, mine, group=group)
-        rebuild = reduce_tensor(flags)[0]
-        mapped = {p: {name: rebuild(*args) for name, args in everyone[p].items()} for p in peers}
+        mapped = {p: {name: rebuild_cuda_tensor(*args) for name, args in everyone[p].items()} for p in peers}
         self.memory = (flags, mapped)  # the addresses below stay valid only while these live
         self.flag_address = flags.data_ptr()
         self.peer_flags = {p: mapped[p]["flags"] for p in peers}
@@ -467,8 +466,7 @@ class _Workspace:
                         launch(stream_of(streams))
                 return wait_kernel
             return None
-        in_host = self.transport == "host" and (cmd.src.buf in self.plan.symmetric_rows
-                                                or cmd.dst.buf in self.plan.symmetric_rows)
+        in_host = self.transport == "host" and self.plan.crosses_symmetric(cmd)
         if not in_host or not replay.host_copies_as_kernels():
             return None
         memcpy = driver.raw("memcpy")
