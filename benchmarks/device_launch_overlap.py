@@ -29,6 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness.timing import sleep_cycles_per_ms  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "device_launch_overlap"
@@ -120,16 +121,6 @@ def device_us(captured, cycles_per_ms: float, calls: int = 20, rounds: int = 5) 
     return statistics.median(per_round)
 
 
-def clock() -> float:
-    """torch.cuda._sleep cycles per millisecond on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
-
-
 def markdown(payload: dict) -> str:
     return "\n".join([
         f"# {NAME} ({payload['tag']})", "",
@@ -148,7 +139,7 @@ def main(argv=None) -> int:
     args = output.one_gpu_args(__doc__, argv, "device_launch_overlap needs a CUDA GPU")
     os.environ["COMPASS_REPLAY_LAUNCH"] = "device"  # device_launch.instantiate asks for it
     torch.cuda.init()
-    cycles_per_ms = clock()
+    cycles_per_ms = sleep_cycles_per_ms()
     probe = Probe(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for direction in ("d2h", "h2d"):

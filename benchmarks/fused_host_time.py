@@ -36,6 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness.timing import host_us_per_call  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -70,10 +71,7 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
             torch.cuda.synchronize()
             if name in busy:
                 torch.cuda._sleep(int(BUSY_S * H200_CLOCK_HZ))
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_round[name].append((time.perf_counter() - t0) / calls * 1e6)
+            per_round[name].append(host_us_per_call(fn, calls))
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in per_round.items()}
 

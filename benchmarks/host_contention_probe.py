@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness.timing import host_us_per_call, sleep_cycles_per_ms  # noqa: E402
 from harness.ranks import physical_cores  # noqa: E402
 import torch  # noqa: E402
 
@@ -135,22 +136,9 @@ def time_beside(fn, start, rounds: int = 30) -> float:
     for _ in range(rounds):
         torch.cuda.synchronize()
         start()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            fn()
-        per_round.append((time.perf_counter() - t0) / 4 * 1e6)
+        per_round.append(host_us_per_call(fn))
     torch.cuda.synchronize()
     return statistics.median(per_round)
-
-
-def clock() -> float:
-    """torch.cuda._sleep cycles per millisecond on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def background_ms(bg: Backgrounds, kind: str) -> float:
@@ -186,7 +174,7 @@ def main(argv=None) -> int:
     os.sched_setaffinity(0, {mine[0]})
     device = torch.device("cuda", 0)
     torch.cuda.init()
-    cycles_per_ms = clock()
+    cycles_per_ms = sleep_cycles_per_ms()
     fns = forms(device)
     keep = fns.pop("_keep")
     bg = Backgrounds(device, cycles_per_ms)

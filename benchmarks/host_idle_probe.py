@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
+from harness.timing import host_us_per_call, sleep_cycles_per_ms  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "host_idle_probe"
@@ -71,22 +71,9 @@ def time_after(fn, gap, cycles_per_ms: float, rounds: int = 30) -> float:
             if gap:
                 torch.cuda._sleep(int(gap * cycles_per_ms))
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            fn()
-        per_round.append((time.perf_counter() - t0) / 4 * 1e6)
+        per_round.append(host_us_per_call(fn))
     torch.cuda.synchronize()
     return statistics.median(per_round)
-
-
-def clock() -> float:
-    """torch.cuda._sleep cycles per millisecond on this GPU."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 10_000_000 / start.elapsed_time(end)
 
 
 def markdown(payload: dict) -> str:
@@ -103,7 +90,7 @@ def main(argv=None) -> int:
     args = output.one_gpu_args(__doc__, argv, "host_idle_probe needs a CUDA GPU")
     device = torch.device("cuda", 0)
     torch.cuda.init()
-    cycles_per_ms = clock()
+    cycles_per_ms = sleep_cycles_per_ms()
     fns = forms(device)
     rows = [{"gap": gap, "us": {name: time_after(fn, gap, cycles_per_ms) for name, fn in fns.items()}}
             for gap in GAPS + ["spin"]]

@@ -4,6 +4,7 @@ returns the slowest rank's figure."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -112,3 +113,23 @@ def time_interleaved(ctx: Ctx, fns: dict[str, Callable[[], Any]], batch: int, ro
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     medians, spreads = figures.tolist()
     return dict(zip(labels, medians)), dict(zip(labels, spreads))
+
+
+def sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on the current GPU (its clock, measured once)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def host_us_per_call(fn: Callable[[], Any], calls: int = 4) -> float:
+    """Host microseconds per call of ``calls`` calls of ``fn`` issued from now (nothing waited
+    for: what the host spends issuing them, not the GPU's time)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
