@@ -51,7 +51,8 @@ FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
 # 9f3f12d with the ranks pinned) and the peer transport (c14b541, ranks pinned)
 REPLAY_RUNS = ("fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
                "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
-               "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json")
+               "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json", "fused_host_time-h200-same-host-pin-mps.json",
+               "fused_host_time-h200-same-peer-pin-mps.json")
 
 
 @contextlib.contextmanager

@@ -9,6 +9,11 @@
   kernel takes from the GEMM).
 * ``memset``: which GEMMs captured in a graph bring a memset node, under which cuBLAS settings
   (in subprocesses for the environment variables), and their device time.
+* ``chain``: host us of graphs of 16 copies to or from host memory (and of 16 stream waits) laid
+  out in different ways: in a row on one stream, each followed by a kernel (the host-staged
+  plans' copy-then-flag pattern), each flag a 4-byte copy instead (no kernel between copies),
+  waits paired with copies (a pull), on two streams, and one copy of the same bytes.  Does such a
+  node cost the launch by itself, or by the change of engine around it?
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -228,6 +233,109 @@ def copy_section() -> list[dict]:
     return rows
 
 
+class _WaitParams(ctypes.Structure):
+    """``CUstreamBatchMemOpParams`` as a 32-bit wait (a union of 48 bytes)."""
+    _fields_ = [("operation", ctypes.c_uint32), ("address", ctypes.c_uint64), ("value", ctypes.c_uint64),
+                ("flags", ctypes.c_uint32), ("alias", ctypes.c_uint64), ("pad", ctypes.c_uint64)]
+
+
+def _batch_waits(addresses: list[int], value: int):
+    """One ``cuStreamBatchMemOp`` of 32-bit waits (each address >= ``value``): one graph node for
+    all of them?"""
+    from compass_fx.kernels.cuda import driver
+
+    _, batch = driver.driver_function(("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"),
+                                      [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint])
+    assert ctypes.sizeof(_WaitParams) == 48
+    params = (_WaitParams * len(addresses))(*[_WaitParams(1, a, value, driver.WAIT_GEQ, 0, 0) for a in addresses])
+
+    def run(stream: int) -> None:
+        driver.check(batch(stream, len(addresses), ctypes.cast(params, ctypes.c_void_p), 0), "cuStreamBatchMemOp")
+    run.params = params  # kept alive with the function
+    return run
+
+
+def chain_section() -> list[dict]:
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy, wait = driver.raw("memcpy"), driver.raw("wait")
+    n, count = 1 << 20, 16
+    src = torch.empty(count * n, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    registered = host_buffer(count * n)[2]  # as the host-staged arena: mmap'd memory registered with CUDA
+    pinned_tensor = torch.empty(count * n, dtype=torch.uint8).pin_memory()  # as torch pins
+    pinned = pinned_tensor.data_ptr()
+    flags = torch.ones(4096, dtype=torch.int32, device="cuda")
+    host_flags = host_buffer(4096 * 4)
+    host_flags[1].view(torch.int32).fill_(1)
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(16, device="cuda")
+    writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * (64 + i), 1) for i in range(count)]
+    cap, fork = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    def d2h(h, i, host=registered):
+        driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, h), "memcpy")
+
+    def h2d(h, i, host=registered):
+        driver.check(memcpy(dst.data_ptr() + i * n, host + i * n, n, h), "memcpy")
+
+    def wait_host_flag(h, i):
+        driver.check(wait(h, host_flags[2] + 4 * i, 1, driver.WAIT_GEQ), "wait")
+
+    def two_streams(h):
+        f = fork.cuda_stream
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        fork.wait_event(ev)
+        for i in range(count // 2):
+            d2h(h, i)
+            d2h(f, count // 2 + i)
+        back = torch.cuda.Event()
+        back.record(fork)
+        torch.cuda.current_stream().wait_event(back)
+
+    batch = _batch_waits([host_flags[2] + 4 * i for i in range(count)], 1)
+
+    cases = {
+        "d2h16_in_a_row": lambda h: [d2h(h, i) for i in range(count)],
+        "d2h16_in_a_row_pinned": lambda h: [d2h(h, i, pinned) for i in range(count)],
+        "h2d16_in_a_row": lambda h: [h2d(h, i) for i in range(count)],
+        "d2h16_kernel_after_each": lambda h: [(d2h(h, i), x.add_(1)) for i in range(count)],
+        "d2h16_flag_kernel_after_each": lambda h: [(d2h(h, i), writes[i](h)) for i in range(count)],
+        "d2h16_flag_copy_after_each": lambda h: [
+            (d2h(h, i), driver.check(memcpy(host_flags[2] + 4 * (64 + i), one.data_ptr(), 4, h), "memcpy"))
+            for i in range(count)],
+        "d2h16_two_streams": two_streams,
+        "d2h1_of_16MiB": lambda h: driver.check(memcpy(registered, src.data_ptr(), count * n, h), "memcpy"),
+        "wait16_in_a_row": lambda h: [wait_host_flag(h, i) for i in range(count)],
+        "wait16_then_h2d16": lambda h: ([wait_host_flag(h, i) for i in range(count)],
+                                        [h2d(h, i) for i in range(count)]),
+        "wait_h2d_pairs16": lambda h: [(wait_host_flag(h, i), h2d(h, i)) for i in range(count)],
+        "wait16_one_batch": batch,
+        "wait16_one_batch_then_h2d16": lambda h: (batch(h), [h2d(h, i) for i in range(count)]),
+        "kernels16": lambda h: [x.add_(1) for _ in range(count)],
+    }
+    rows = []
+    for name, fn in cases.items():
+        try:
+            g = graph_of(fn, cap)
+            exec_, stream = g.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
+            glaunch = driver.raw("graph_launch")
+
+            def go():
+                driver.check(glaunch(exec_, stream), "cuGraphLaunch")
+            go()
+            torch.cuda.synchronize()
+            rows.append({"case": name, "nodes": _node_kinds(g.raw_cuda_graph()), "idle_us": launch_us(go, False),
+                         "busy_x4_us": launch_us(go, True, per_round=4)})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def memset_child(setting: str) -> list[dict]:
     if setting == "cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -281,7 +389,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:

@@ -220,8 +220,10 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     replay = fit["replay_fit"]
     assert replay["runs"] == ["fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
                               "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
-                              "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json"]  # the runs strategies.py names
-    assert replay["world"] == 2 and replay["points"] == 50
+                              "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json",
+                              "fused_host_time-h200-same-host-pin-mps.json",
+                              "fused_host_time-h200-same-peer-pin-mps.json"]  # the runs strategies.py names
+    assert replay["world"] == 2 and replay["points"] == 70
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
     for transport in ("host", "peer"):

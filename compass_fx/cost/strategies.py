@@ -40,20 +40,21 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # transport's pieces) or a stream wait (a flag wait), ~1.5-4 us each, and next to nothing for the
 # rest (a kernel ~0.1 us, a device-to-device copy ~0: benchmarks/results/graph_node_probe/).
 # Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares in the plan's slow nodes
-# over 50 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
-# ranks sharing one H200 in five runs of the default path, three host-staged and two on the peer
+# over 70 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
+# ranks sharing one H200 in seven runs of the default path, four host-staged and three on the peer
 # transport (benchmarks/results/fused_host_time/: -progress, -progress-run2, -default-pin-mps,
-# -peer-ipc-pin-mps, -peer-ipc-w2-breakdown-mps): 36 us + 2.89 us per slow node (median error 23%,
-# p90 58%: single readings drift with the host; the peer transport's priced 1.15x its median
-# reading).  The fit before, a line in the command count over the host-staged runs alone (53 us +
-# 0.99 us per command), priced the peer transport's calls at 1.9x.  tests/test_bench_scripts.py
-# checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
+# -peer-ipc-pin-mps, -peer-ipc-w2-breakdown-mps, and -same-host-pin-mps with -same-peer-pin-mps,
+# both transports in one device session): 35 us + 2.97 us per slow node (median error 21%, p90
+# 52%: single readings drift with the host; the peer transport's priced 1.12x its median reading).
+# The fit before, a line in the command count over the host-staged runs alone (53 us + 0.99 us
+# per command), priced the peer transport's calls at 1.9x.  tests/test_bench_scripts.py checks
+# that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
 # by command instead (the constants below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 36e-6
-FUSED_REPLAY_SLOW_NODE_S = 2.89e-6
+FUSED_REPLAY_CALL_S = 35e-6
+FUSED_REPLAY_SLOW_NODE_S = 2.97e-6
 _REPLAY_FITTED_LAUNCH_S = {"Copy": 6.11e-6, "Matmul": 12.8e-6, "Record": 0.84e-6, "Reduce": 6.54e-6,
-                           "SetFlag": 2.25e-6, "WaitEvent": 0.88e-6,
+                           "SetFlag": 2.35e-6, "WaitEvent": 0.88e-6,
                            "WaitFlag": 2.25e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
