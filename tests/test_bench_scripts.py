@@ -151,9 +151,9 @@ def test_end_to_end_dry_run(tmp_path, ranks):
         assert rows["megatron"]["status"] == "skipped" and "not installed" in rows["megatron"]["note"]
 
 
-def test_fused_ops_dry_run(tmp_path):
+def test_fused_ops_dry_run(tmp_path, ranks):
     data = _run("fused_ops.py", tmp_path, "--models", "llama3-8b", "--tokens", "2048", "--calls", "4",
-                "--schedules", "ring,direct")
+                "--schedules", "ring,direct", ranks=ranks)
     assert data["summary"]["stress_failures"] == [] and len(data["stress"]) == 12  # 3 kinds x 2 shapes x 2
     assert all(r["ok"] and r["elements_differing_between_calls"] == 0 for r in data["stress"])
     assert {r["kind"] for r in data["speed"]} == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"}
