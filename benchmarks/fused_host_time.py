@@ -421,6 +421,9 @@ def main(argv=None) -> int:
     if args.carveout:
         payload["settings"]["sm_carveout"] = args.carveout
     payload["transport"] = args.transport
+    from compass_fx.kernels.cuda import replay
+
+    payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,9 @@ Why (issue 27): an eager call replayed from a CUDA graph registers no event with
 graph's last node counts the finished replays in pinned host memory and the call notes its epoch
 in a ring (``compass_fx.kernels.cuda.watchdog.Progress``).  This checks on the GPU what the unit
 tests check with stand-ins: two ranks (gloo, host transport, sharing the GPU) make enough calls
-that the calls replay, then rank 1 stops calling while rank 0 makes one more.  Rank 0's call must
+that the calls replay, then rank 1 stops calling while rank 0 makes one more (and four ranks of an
+all-reduce, whose replay waits for each chunk's pulls from three peers as one batch, the last
+rank stopping).  Rank 0's call must
 end in the watchdog's error naming that call's epoch within ``COMPASS_FUSED_TIMEOUT_S`` (3 s here)
 plus a scan, its GPU work must finish (the watchdog releases the wait), and its next call must
 raise that error.
@@ -27,8 +29,8 @@ import torch.distributed as dist  # noqa: E402
 
 NAME = "fused_watchdog_replay"
 TIMEOUT_S = 3.0
-CASES = [("all_gather_matmul", 256, 1024, 2048), ("matmul_reduce_scatter", 512, 2048, 1024),
-         ("matmul_all_reduce", 512, 2048, 1024)]
+CASES = [("all_gather_matmul", 256, 1024, 2048, 2), ("matmul_reduce_scatter", 512, 2048, 1024, 2),
+         ("matmul_all_reduce", 512, 2048, 1024, 2), ("matmul_all_reduce", 512, 2048, 1024, 4)]  # (..., ranks)
 
 
 def worker(rank: int, world: int, case: tuple, init: str, out_path: str) -> None:
@@ -41,7 +43,7 @@ def worker(rank: int, world: int, case: tuple, init: str, out_path: str) -> None
     import compass_fx.kernels  # noqa: F401
     from compass_fx.kernels.cuda import impl, replay, watchdog
 
-    op, rows, k, n = case
+    op, rows, k, n, _ = case
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     fn = getattr(torch.ops.compass, op).graph
@@ -87,18 +89,18 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, case in enumerate(CASES):
-            ranks, killed = launch.fresh_ranks(worker, 2, (case,), tmp, i, TIMEOUT_S + 60)
-            row = dict(ranks[0], op=case[0], rows=case[1], killed_ranks=killed,
-                       peer=ranks[1].get("role", ranks[1].get("error")))
-            if ranks[1].get("status") != "pass":
+            ranks, killed = launch.fresh_ranks(worker, case[4], (case,), tmp, i, TIMEOUT_S + 60)
+            row = dict(ranks[0], op=case[0], rows=case[1], world=case[4], killed_ranks=killed,
+                       peer=ranks[-1].get("role", ranks[-1].get("error")))
+            if any(r.get("status") != "pass" for r in ranks):
                 row["status"] = "FAIL"
             rows.append(row)
-            print(f"{case[0]} rows={case[1]}: {row['status']} (epoch {row.get('stuck_epoch')}, error after "
+            print(f"{case[0]} rows={case[1]} ranks={case[4]}: {row['status']} (epoch {row.get('stuck_epoch')}, error after "
                   f"{row.get('error_after_s')} s: {str(row.get('watchdog_error'))[:200]})", flush=True)
     payload = {"benchmark": NAME, "tag": args.tag, "timeout_s": TIMEOUT_S, "rows": rows,
                "environment": output.environment(False)}
     md = "\n".join([f"# {NAME} ({args.tag})", "", __doc__.split("\n\n")[1].replace("\n", " "), "",
-                    output.markdown_table(rows, ["op", "rows", "status", "stuck_epoch", "stuck_call_replayed",
+                    output.markdown_table(rows, ["op", "rows", "world", "status", "stuck_epoch", "stuck_call_replayed",
                                                  "progress_counted", "error_after_s", "gpu_work_finished",
                                                  "next_call", "watchdog_error"])])
     return output.print_and_write(NAME, args, payload, md)

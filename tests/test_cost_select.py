@@ -204,6 +204,20 @@ def test_a_replayed_call_is_priced_by_its_waits_and_host_memory_copies():
     assert difference == pytest.approx(23 * strategies.FUSED_REPLAY_SLOW_NODE_S)
 
 
+def test_a_run_of_waits_a_replay_batches_is_priced_as_one_node():
+    """An all-reduce at eight ranks waits for each chunk's pulls from the 7 peers in a row (4 runs
+    of 7 waits at 8192 rows): batched, as replays wait by default, each run is one slow node."""
+    from compass_fx.cost import strategies
+    from compass_fx.kernels.issue_order import call_plans
+
+    for host in (False, True):
+        (plan,) = call_plans("matmul_all_reduce", "direct", 8, 0, 8192, 4096, 1, 2, host=host)
+        one_each = strategies.replay_slow_nodes(plan, host, batched_waits=False)
+        assert strategies.replay_slow_nodes(plan, host) == one_each - 4 * 6
+    (peer,) = call_plans("matmul_all_reduce", "direct", 8, 0, 8192, 4096, 1, 2, host=False)
+    assert strategies.replay_slow_nodes(peer, False) == 4  # its copies are device copies: only the 4 batches
+
+
 def test_strategy_labels_are_written_and_read_by_one_rule():
     from compass_fx.cost.decision import Candidate, strategy_label
 

@@ -14,9 +14,14 @@ def clean_env(monkeypatch):
     monkeypatch.setattr(device_launch, "_off", [])
 
 
-def test_host_launch_and_stream_waits_by_default():
+def test_host_launch_and_batched_stream_waits_by_default(monkeypatch):
     assert not device_launch.wanted()
-    assert not replay.waits_as_kernels()
+    assert not replay.waits_as_kernels() and replay.wait_batches() and replay.wait_mode() == "batch"
+    monkeypatch.setenv("COMPASS_REPLAY_WAITS", "Stream")  # a node per wait
+    assert replay.wait_mode() == "stream" and not replay.wait_batches() and not replay.waits_as_kernels()
+    monkeypatch.setenv("COMPASS_REPLAY_WAITS", "batches")
+    with pytest.raises(ValueError, match="COMPASS_REPLAY_WAITS must be batch, stream or kernel"):
+        replay.wait_mode()
 
 
 def test_device_launch_makes_the_waits_kernels_unless_told_otherwise(monkeypatch):

@@ -15,9 +15,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want).abs().max() / want.abs().max())
 
 
-def _peer_transport_calls(rank: int, init: str, out_dir: str) -> None:
+def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str) -> None:
     """Six calls of each fused operator through the ``.graph`` overloads (issued, captured, then
-    replayed), on new seeded values each time, against references from every rank's inputs."""
+    replayed), on new seeded values each time, against references from every rank's inputs (at
+    four ranks the all-reduce's replay waits for each chunk's three peers as one batch)."""
     import json
     import os
 
@@ -28,7 +29,7 @@ def _peer_transport_calls(rank: int, init: str, out_dir: str) -> None:
 
     os.environ["COMPASS_FUSED_TRANSPORT"] = "peer"
     torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         group, world = dist.group.WORLD.group_name, dist.get_world_size()
         worst = 0.0
@@ -51,7 +52,10 @@ def _peer_transport_calls(rank: int, init: str, out_dir: str) -> None:
             worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]), _close(reduced, total))
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == "peer"]
-        result = {"worst": worst, "workspaces": len(mapped),
+        from compass_fx.kernels.cuda import replay
+
+        result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],
+                  "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
                   "ipc": all(isinstance(ws.memory[1], dict) for ws in mapped)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -77,13 +81,16 @@ def test_every_rank_reaches_the_same_answer_on_sharing_a_gpu(ranks):
 
 
 @pytest.mark.gpu
-def test_peer_transport_on_one_gpu(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_peer_transport_on_one_gpu(tmp_path, world):
     import json
 
     import torch.multiprocessing as mp
 
-    mp.spawn(_peer_transport_calls, args=(f"file://{tmp_path}/store", str(tmp_path)), nprocs=2)
-    for rank in range(2):
+    mp.spawn(_peer_transport_calls, args=(world, f"file://{tmp_path}/store", str(tmp_path)), nprocs=world)
+    for rank in range(world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
         assert r["worst"] < TOLERANCE, r
+        assert r["replayed"] > 0, r  # the caching allocator gave calls the addresses of earlier ones: replayed
+        assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched

@@ -593,3 +593,52 @@ def test_a_fence_that_assumes_alternating_buffers_is_caught_under_replays():
         except ProtocolViolation:
             caught += 1
     assert caught >= 1, "a fence blind to the replayed parities went unnoticed in 10 runs of 200 calls"
+
+
+def _waits_batched(plan: pr.Plan) -> pr.Plan:
+    """``plan`` as a replay with batched waits issues it: each of its runs of waits
+    (``Plan.wait_runs``) waited for in full where the run's first wait stood."""
+    runs = {run[0]: run for run in plan.wait_runs()}
+    later = {i for run in runs.values() for i in run[1:]}
+    cmds = []
+    for i, cmd in enumerate(plan.commands):
+        if i in runs:
+            cmds += [plan.commands[j] for j in runs[i]]
+        elif i not in later:
+            cmds.append(cmd)
+    return replace(plan, commands=tuple(cmds))
+
+
+def test_wait_runs_are_a_streams_waits_with_only_its_copies_between():
+    c = pr.Copy(pr.COMM, pr.Region("STAGE", 0, 1), pr.Region("P", 0, 1, owner=1))
+    plan = pr.Plan("toy", 0, 4, (pr.WaitFlag(pr.COMM, 1, 0), c, pr.WaitFlag(pr.COMM, 2, 0), c,
+                                 pr.WaitFlag(pr.COMM, 3, 0),  # run 0, 2, 4
+                                 pr.Record(pr.COMM, "x"), pr.WaitFlag(pr.COMM, 1, 1), c,  # a Record ends it
+                                 pr.WaitFlag(pr.MAIN, 2, 1),  # another stream: no run with the one before
+                                 pr.WaitFlag(pr.MAIN, 3, 1), pr.WaitFlag(pr.MAIN, 1, 2, delta=-1),  # run 8, 9
+                                 pr.Copy(pr.MAIN, pr.Region("OUT", 0, 1), pr.Region("P", 0, 1))), 3)
+    assert plan.wait_runs() == ((0, 2, 4), (8, 9))  # the earlier call's wait (delta -1) is no part of one
+    assert [len(r) for r in call_plans("matmul_all_reduce", "direct", 8, 0, 8192, 4096, 1, 2, False)[0].wait_runs()] \
+        == [7, 7, 7, 7]  # each chunk's pulls from the 7 peers, reduced then gathered
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):  # each pull's own event follows it: no runs
+        for host in (False, True):
+            assert all(p.wait_runs() == () for p in call_plans(op, "direct", 8, 0, 4096, 4096, 1, 2, host))
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_batched_waits_keep_every_result_and_never_deadlock(host):
+    """The all-reduce's runs of waits waited for in full at the first (as a replay with batched
+    waits issues them), every rank so, late ranks and streams sharing one queue too: every call's
+    result right, no deadlock (the simulator raises on one)."""
+    checked = 0
+    for world in (3, 4, 8):
+        rows = 16 * world
+        per_rank = [call_plans("matmul_all_reduce", "direct", world, r, rows, K, 1, 8, host, piece_bytes=64)
+                    for r in range(world)]
+        for stage, plans in enumerate(zip(*per_rank)):
+            batched = [_waits_batched(p) for p in plans]
+            assert batched != list(plans) and all(len(b.commands) == len(p.commands) for b, p in zip(batched, plans))
+            for one_queue in (False, True):
+                _run_stage(batched, rows, n_calls=12, seed=world + stage, one_queue=one_queue, lateness=0.5)
+                checked += 1
+    assert checked == 6

@@ -1,6 +1,8 @@
 """Eager fused calls replayed from CUDA graphs (no GPU needed): the flags' codes decide every wait
 as the epoch does, the simulator catches a protocol whose flags run outside the codes' window,
 and a workspace captures a set of addresses only on its second sighting, once per residue."""
+import ctypes
+
 import pytest
 
 from compass_fx.kernels import flag_codes
@@ -88,6 +90,20 @@ def test_a_workspace_whose_sets_do_not_recur_in_time_stops_capturing():
         for key in "abcde":
             kept.graph(key, round_ * 5 + ord(key), None)
     assert not kept.thrashing() and len(kept.graphs) == 5
+
+
+def test_a_batched_wait_is_laid_out_as_the_drivers_batch_operation():
+    """``driver.wait_all``'s operations, as ``CUstreamBatchMemOpParams`` (cuda.h) lays out a 32-bit
+    wait: a 48-byte union; the operation, then the address at 8, the value at 16, the flags at 24
+    and the alias at 32 (a wrong offset would wait on the wrong word on the GPU)."""
+    from compass_fx.kernels.cuda import driver
+
+    op = driver._WaitOp
+    assert ctypes.sizeof(op) == 48
+    assert [(name, getattr(op, name).offset) for name in ("operation", "address", "value", "flags", "alias")] == [
+        ("operation", 0), ("address", 8), ("value", 16), ("flags", 24), ("alias", 32)]
+    with pytest.raises(ValueError, match="at least one"):
+        driver.wait_all([])
 
 
 def test_a_memset_kernel_stores_the_memsets_pattern_wide_only_where_aligned():

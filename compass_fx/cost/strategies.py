@@ -232,14 +232,18 @@ def fused_replay_costs() -> tuple[float, float]:
     return FUSED_REPLAY_CALL_S * speed, FUSED_REPLAY_SLOW_NODE_S * speed
 
 
-def replay_slow_nodes(plan, host: bool) -> int:
+def replay_slow_nodes(plan, host: bool, batched_waits: bool = True) -> int:
     """The nodes of ``plan``'s replay graph that cost the host's graph launch microseconds each (as
-    ``kernels/cuda/impl._compile_replay`` captures them by default): its flag waits (stream waits)
-    and, on the host-staged transport, its copies to or from host memory (copy-engine copies)."""
+    ``kernels/cuda/impl._compile_replay`` captures them by default): its flag waits (stream waits;
+    with ``batched_waits``, as by default, each of the plan's runs of waits one node:
+    ``Plan.wait_runs``) and, on the host-staged transport, its copies to or from host memory
+    (copy-engine copies)."""
     from ..kernels.protocol import Copy, WaitFlag
 
-    return sum(1 for c in plan.commands
-               if isinstance(c, WaitFlag) or (host and isinstance(c, Copy) and plan.crosses_symmetric(c)))
+    waits = sum(1 for c in plan.commands if isinstance(c, WaitFlag))
+    if batched_waits:
+        waits -= sum(len(run) - 1 for run in plan.wait_runs())
+    return waits + sum(1 for c in plan.commands if host and isinstance(c, Copy) and plan.crosses_symmetric(c))
 
 
 def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool]:

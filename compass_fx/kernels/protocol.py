@@ -165,6 +165,29 @@ class Plan:
         a copy to or from host memory (the copy engines' work a replay graph launches dearly)."""
         return cmd.src.buf in self.symmetric_rows or cmd.dst.buf in self.symmetric_rows
 
+    def wait_runs(self) -> tuple[tuple[int, ...], ...]:
+        """Positions of flag waits that may wait as one: two or more waits for the call's own epoch
+        on one stream, with nothing between them in the plan's order but copies on that stream (an
+        all-reduce's pulls of one chunk from every peer).  Waiting for all of them before the
+        first copy only delays the copies between: no other command, stream, event or peer sees
+        the points between the waits, and whatever follows the run waited for every flag of it
+        already, so the order stays as safe as it was (streams sharing a hardware queue too)."""
+        runs: list[tuple[int, ...]] = []
+        run: list[int] = []
+        for i, cmd in enumerate(self.commands):
+            same_stream = bool(run) and cmd.stream == self.commands[run[0]].stream
+            if isinstance(cmd, WaitFlag) and cmd.delta == 0 and (same_stream or not run):
+                run.append(i)
+                continue
+            if isinstance(cmd, Copy) and same_stream:
+                continue
+            if len(run) > 1:
+                runs.append(tuple(run))
+            run = [i] if isinstance(cmd, WaitFlag) and cmd.delta == 0 else []
+        if len(run) > 1:
+            runs.append(tuple(run))
+        return tuple(runs)
+
 
 def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
     return tuple((b * block_rows, (b + 1) * block_rows) for b in range(world))

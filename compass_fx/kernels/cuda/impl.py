@@ -54,6 +54,10 @@ _side_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 Step = Callable[[dict, int, dict], None]
 
 
+def _issue_nothing(tensors: dict, epoch: int, streams: dict) -> None:
+    """A step with nothing to issue (a wait a batch before it already covers)."""
+
+
 def supported(dtype: torch.dtype) -> bool:
     """True where this path runs: a CUDA device and a supported dtype.
     ``COMPASS_CUDA_FUSED=p2p`` sends CUDA tensors to the point-to-point implementation instead."""
@@ -156,6 +160,7 @@ class _Workspace:
         self.comm = _side_stream(index, COMM)
         self.pub = _side_stream(index, PUB)
         self.tail = _side_stream(index, TAIL)
+        self._side_streams = {COMM: self.comm, PUB: self.pub, TAIL: self.tail}
         self.pending: "Join | None" = None  # a deferred call whose join has not run yet
         self.dog = watchdog.for_device(index)
         peers = [p for p in range(plan.world_size) if p != self.rank]
@@ -200,6 +205,9 @@ class _Workspace:
         if self.replays is not None and replay.kernel_nodes(index):
             self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(plan.commands)]
                                  for phase in range(self.phases)]
+            if replay.wait_batches():
+                for phase, steps in enumerate(self.replay_steps):
+                    self._batch_waits(steps, phase)
             self.progress = watchdog.Progress()
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
@@ -316,14 +324,10 @@ class _Workspace:
         call's commands one after another, so each closure keeps its work to the launch)."""
         parity = phase % self.copies
         side = cmd.stream
-        fixed_stream = {COMM: self.comm, PUB: self.pub, TAIL: self.tail}.get(side)
         if isinstance(cmd, Matmul) and side != MAIN or isinstance(cmd, Reduce) and side not in (MAIN, TAIL):
             raise ValueError(f"{cmd} must run on the caller's stream" + (" or TAIL" if isinstance(cmd, Reduce) else ""))
-        if fixed_stream is not None:
-            handle = fixed_stream.cuda_stream
-            stream_of = lambda streams: handle  # noqa: E731
-        else:
-            stream_of = lambda streams: streams[MAIN].cuda_stream  # noqa: E731
+        fixed_stream = self._side_streams.get(side)
+        stream_of = self._stream_of(side)
         if self.captured and isinstance(cmd, (WaitFlag, SetFlag, Copy)):
             step = self._compile_captured(cmd, parity, index, stream_of)
             if step is not None:
@@ -391,6 +395,29 @@ class _Workspace:
             return lambda tensors, epoch, streams: streams[MAIN].wait_event(event)
         raise TypeError(f"no CUDA lowering for {cmd!r}")
 
+    def _stream_of(self, side: str) -> Callable[[dict], int]:
+        """The handle of the stream a command names: a side stream's is fixed, the caller's is
+        the running call's (``streams[MAIN]``)."""
+        fixed_stream = self._side_streams.get(side)
+        if fixed_stream is not None:
+            handle = fixed_stream.cuda_stream
+            return lambda streams: handle
+        return lambda streams: streams[MAIN].cuda_stream
+
+    def _batch_waits(self, steps: list[Step], phase: int) -> None:
+        """A replay's runs of flag waits (:meth:`..protocol.Plan.wait_runs`) as one batch of
+        stream waits each, at the run's first wait (the run's other waits issue nothing): one
+        node of the replay graph instead of one per wait.  Each wait is the eager call's (the
+        same flag, the same accepted bits), so the watchdog bounds and releases it as before."""
+        for run in self.plan.wait_runs():
+            waits = [self.plan.commands[i] for i in run]
+            launch = driver.wait_all([(self.peer_flag_address[c.peer] + 4 * c.slot,
+                                       flag_codes.mask(phase + c.delta), driver.WAIT_AND) for c in waits])
+            stream_of = self._stream_of(waits[0].stream)
+            steps[run[0]] = lambda tensors, epoch, streams, launch=launch, stream_of=stream_of: launch(stream_of(streams))
+            for i in run[1:]:
+                steps[i] = _issue_nothing
+
     def _compile_captured(self, cmd, parity: int, index: int, stream_of) -> Step | None:
         """A flag wait, flag set or small copy of a captured call (:mod:`.graph_flags`); None for a
         copy that stays on the copy engines."""
@@ -442,7 +469,9 @@ class _Workspace:
           (:func:`.graph_flags.copy_wide`; a copy whose size or addresses are not whole 16-byte
           words stays on the copy engines).  Not the default: such a kernel does not overlap a
           GEMM that fills the GPU (:func:`.replay.host_copies_as_kernels`).
-        * A flag wait stays a stream wait unless ``COMPASS_REPLAY_WAITS=kernel``.  A spinning wait
+        * A flag wait stays a stream wait unless ``COMPASS_REPLAY_WAITS=kernel``; a run of them
+          (:meth:`..protocol.Plan.wait_runs`) is one batch, one node (:meth:`_batch_waits`), unless
+          ``COMPASS_REPLAY_WAITS=stream``.  A spinning wait
           kernel would save ~3 us of launch per wait, but where ranks time-slice one GPU (several
           processes without MPS: how this project tests on one GPU) a spinning kernel keeps its
           process's time slice until the slice ends, milliseconds per wait

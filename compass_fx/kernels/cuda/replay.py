@@ -67,12 +67,28 @@ def _switch(name: str, default: str, choices: tuple[str, str]) -> bool:
     return value == choices[0]
 
 
+def wait_mode() -> str:
+    """``COMPASS_REPLAY_WAITS`` = ``batch``, ``stream`` or ``kernel``: how a replay graph waits for
+    a flag (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream
+    waits are the default).  ``batch``: stream waits, those a plan may wait for together
+    (:meth:`..protocol.Plan.wait_runs`, an all-reduce's pulls from every peer) as one node, which
+    costs the graph's launch ~1 us less per wait; ``stream``: a node per wait.  The default is
+    ``kernel`` where replay graphs are launched by the GPU (:mod:`.device_launch`: a device graph
+    cannot hold a stream wait), else ``batch``."""
+    value = env("COMPASS_REPLAY_WAITS", "kernel" if device_launch.wanted() else "batch").strip().lower()
+    if value not in ("batch", "stream", "kernel"):
+        raise ValueError(f"COMPASS_REPLAY_WAITS must be batch, stream or kernel, got {value!r}")
+    return value
+
+
 def waits_as_kernels() -> bool:
-    """``COMPASS_REPLAY_WAITS`` = ``stream`` or ``kernel``: how a replay graph waits for a flag
-    (read when a workspace is built; see ``impl._Workspace._compile_replay`` for why stream waits
-    are the default).  The default is ``kernel`` where replay graphs are launched by the GPU
-    (:mod:`.device_launch`: a device graph cannot hold a stream wait), else ``stream``."""
-    return _switch("COMPASS_REPLAY_WAITS", "kernel" if device_launch.wanted() else "stream", ("kernel", "stream"))
+    """Whether a replay graph waits for flags with spinning kernels (:func:`wait_mode`)."""
+    return wait_mode() == "kernel"
+
+
+def wait_batches() -> bool:
+    """Whether a replay graph waits for a run of flags as one node (:func:`wait_mode`)."""
+    return wait_mode() == "batch"
 
 
 def host_copies_as_kernels() -> bool:
