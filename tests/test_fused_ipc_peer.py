@@ -33,23 +33,30 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str) -> Non
     try:
         group, world = dist.group.WORLD.group_name, dist.get_world_size()
         worst = 0.0
+        cuda = {"dtype": torch.bfloat16, "device": "cuda"}
+        # the inputs in the same device tensors every call and the outputs freed before the next:
+        # each operator's calls see one set of addresses, so from the second on they replay
+        shard, a, w = torch.empty(128, 256, **cuda), torch.empty(256, 256, **cuda), torch.empty(256, 192, **cuda)
         for step in range(6):
             g = torch.Generator().manual_seed(step)
             shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
             full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
-            w = torch.randn(256, 192, generator=g).bfloat16().double()
-            cuda = {"dtype": torch.bfloat16, "device": "cuda"}
-            gathered, (out,) = torch.ops.compass.all_gather_matmul.graph(shards[rank].to(**cuda), [w.to(**cuda)],
-                                                                         "direct", group, world)
+            w_host = torch.randn(256, 192, generator=g).bfloat16().double()
+            shard.copy_(shards[rank])
+            a.copy_(full[rank])
+            w.copy_(w_host)
+            gathered, (out,) = torch.ops.compass.all_gather_matmul.graph(shard, [w], "direct", group, world)
             everyone = torch.cat(shards)
-            worst = max(worst, _close(gathered, everyone), _close(out, everyone @ w))
-            total = sum(a @ w for a in full)
+            worst = max(worst, _close(gathered, everyone), _close(out, everyone @ w_host))
+            del gathered, out
+            total = sum(x @ w_host for x in full)
             rows = total.shape[0] // world
-            scattered = torch.ops.compass.matmul_reduce_scatter.graph(full[rank].to(**cuda), w.to(**cuda), "direct",
-                                                                      group, world)
-            reduced = torch.ops.compass.matmul_all_reduce.graph(full[rank].to(**cuda), w.to(**cuda), "direct",
-                                                                group, world)
-            worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]), _close(reduced, total))
+            scattered = torch.ops.compass.matmul_reduce_scatter.graph(a, w, "direct", group, world)
+            worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]))
+            del scattered
+            reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "direct", group, world)
+            worst = max(worst, _close(reduced, total))
+            del reduced
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == "peer"]
         from compass_fx.kernels.cuda import replay
@@ -92,5 +99,5 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
         assert r["worst"] < TOLERANCE, r
-        assert r["replayed"] > 0, r  # the caching allocator gave calls the addresses of earlier ones: replayed
+        assert r["replayed"] >= 3 * 4, r  # calls 2-6 of each operator (a set captured on its second sighting)
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
