@@ -171,7 +171,11 @@ class Plan:
         all-reduce's pulls of one chunk from every peer).  Waiting for all of them before the
         first copy only delays the copies between: no other command, stream, event or peer sees
         the points between the waits, and whatever follows the run waited for every flag of it
-        already, so the order stays as safe as it was (streams sharing a hardware queue too)."""
+        already, so the order stays as safe as it was (streams sharing a hardware queue too).
+        Kept with the plan after the first ask (plans are built once per shape and priced often)."""
+        known = self.__dict__.get("_wait_runs")
+        if known is not None:
+            return known
         runs: list[tuple[int, ...]] = []
         run: list[int] = []
         for i, cmd in enumerate(self.commands):
@@ -186,7 +190,8 @@ class Plan:
             run = [i] if isinstance(cmd, WaitFlag) and cmd.delta == 0 else []
         if len(run) > 1:
             runs.append(tuple(run))
-        return tuple(runs)
+        object.__setattr__(self, "_wait_runs", tuple(runs))  # frozen: not a field, not compared
+        return self._wait_runs
 
 
 def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
