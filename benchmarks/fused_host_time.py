@@ -363,7 +363,12 @@ def markdown(payload: dict) -> str:
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
-             "rank's work shares the GPU: it compares ways of launching, it is no device time of one rank).", ""]
+             "rank's work shares the GPU: it compares ways of launching, it is no device time of one rank); "
+             "host / GPU per rank: .graph host time over period / world, the GPU's time per call and rank "
+             "where each rank has a GPU of its own (below 1: the host issues a call faster than the GPU "
+             "runs it, so the host does not set the pace).", ""]
+    if payload.get("replay_waits"):
+        lines += [f"Replay graphs' flag waits: `{payload['replay_waits']}` (COMPASS_REPLAY_WAITS).", ""]
     settings = payload.get("settings")
     if settings:
         lines += ["Settings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(settings.items())) + "; replay graphs "
@@ -376,13 +381,14 @@ def markdown(payload: dict) -> str:
     for world, launch in payload["launch_us"].items():
         lines += [f"Launch alone, world {world} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()), ""]
     lines.append(output.markdown_table(
-        [dict(r, n_commands=sum(r["commands"].values()), model_over_graph=r["model_us"] / r["host_us_graph"])
+        [dict(r, n_commands=sum(r["commands"].values()), model_over_graph=r["model_us"] / r["host_us_graph"],
+              host_share=r["host_us_graph"] / (r["period_us"] / r["world"]) if r.get("period_us") else None)
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
-         ("period_us", "period us (16 .graph in a row)"),
+         ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
