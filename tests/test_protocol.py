@@ -609,15 +609,20 @@ def _waits_batched(plan: pr.Plan) -> pr.Plan:
     return replace(plan, commands=tuple(cmds))
 
 
-def test_wait_runs_are_a_streams_waits_with_only_its_copies_between():
+def test_wait_runs_are_a_streams_waits_for_one_slot_with_only_its_copies_between():
     c = pr.Copy(pr.COMM, pr.Region("STAGE", 0, 1), pr.Region("P", 0, 1, owner=1))
     plan = pr.Plan("toy", 0, 4, (pr.WaitFlag(pr.COMM, 1, 0), c, pr.WaitFlag(pr.COMM, 2, 0), c,
                                  pr.WaitFlag(pr.COMM, 3, 0),  # run 0, 2, 4
                                  pr.Record(pr.COMM, "x"), pr.WaitFlag(pr.COMM, 1, 1), c,  # a Record ends it
                                  pr.WaitFlag(pr.MAIN, 2, 1),  # another stream: no run with the one before
                                  pr.WaitFlag(pr.MAIN, 3, 1), pr.WaitFlag(pr.MAIN, 1, 2, delta=-1),  # run 8, 9
-                                 pr.Copy(pr.MAIN, pr.Region("OUT", 0, 1), pr.Region("P", 0, 1))), 3)
-    assert plan.wait_runs() == ((0, 2, 4), (8, 9))  # the earlier call's wait (delta -1) is no part of one
+                                 pr.Copy(pr.MAIN, pr.Region("OUT", 0, 1), pr.Region("P", 0, 1)),
+                                 pr.WaitFlag(pr.MAIN, 1, 3), pr.WaitFlag(pr.MAIN, 1, 4),  # slots 3, 4: apart
+                                 pr.WaitFlag(pr.MAIN, 2, 4)), 5)  # run 13, 14
+    assert plan.wait_runs() == ((0, 2, 4), (8, 9), (13, 14))  # the earlier call's wait (delta -1) is no part of one
+    # a host-staged all-reduce at two ranks waits for one peer's pieces, published one after
+    # another: each copy keeps its overlap with the next piece's publication (no runs)
+    assert call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, True)[0].wait_runs() == ()
     assert [len(r) for r in call_plans("matmul_all_reduce", "direct", 8, 0, 8192, 4096, 1, 2, False)[0].wait_runs()] \
         == [7, 7, 7, 7]  # each chunk's pulls from the 7 peers, reduced then gathered
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):  # each pull's own event follows it: no runs
@@ -631,7 +636,8 @@ def test_batched_waits_keep_every_result_and_never_deadlock(host):
     waits issues them), every rank so, late ranks and streams sharing one queue too: every call's
     result right, no deadlock (the simulator raises on one)."""
     checked = 0
-    for world in (3, 4, 8):
+    worlds = (3, 4, 8)
+    for world in worlds:
         rows = 16 * world
         per_rank = [call_plans("matmul_all_reduce", "direct", world, r, rows, K, 1, 8, host, piece_bytes=64)
                     for r in range(world)]
@@ -641,4 +647,4 @@ def test_batched_waits_keep_every_result_and_never_deadlock(host):
             for one_queue in (False, True):
                 _run_stage(batched, rows, n_calls=12, seed=world + stage, one_queue=one_queue, lateness=0.5)
                 checked += 1
-    assert checked == 6
+    assert checked == 2 * len(worlds)

@@ -167,11 +167,15 @@ class Plan:
 
     def wait_runs(self) -> tuple[tuple[int, ...], ...]:
         """Positions of flag waits that may wait as one: two or more waits for the call's own epoch
-        on one stream, with nothing between them in the plan's order but copies on that stream (an
-        all-reduce's pulls of one chunk from every peer).  Waiting for all of them before the
-        first copy only delays the copies between: no other command, stream, event or peer sees
-        the points between the waits, and whatever follows the run waited for every flag of it
-        already, so the order stays as safe as it was (streams sharing a hardware queue too).
+        on one stream, for the same flag slot of different peers (one chunk or piece from every
+        peer: each peer sets that flag at the same point of its plan), with nothing between them in
+        the plan's order but copies on that stream (an all-reduce's pulls of a chunk from every
+        peer).  Waiting for all of them before the first copy only delays the copies between, by
+        the peers' skew at most: no other command, stream, event or peer sees the points between
+        the waits, and whatever follows the run waited for every flag of it already, so the order
+        stays as safe as it was (streams sharing a hardware queue too).  Waits for different slots
+        (one peer's consecutive pieces, or another stage's flags) are not joined: those flags are
+        set one after another, and a copy behind the later one would lose its overlap with it.
         Kept with the plan after the first ask (plans are built once per shape and priced often)."""
         known = self.__dict__.get("_wait_runs")
         if known is not None:
@@ -180,7 +184,8 @@ class Plan:
         run: list[int] = []
         for i, cmd in enumerate(self.commands):
             same_stream = bool(run) and cmd.stream == self.commands[run[0]].stream
-            if isinstance(cmd, WaitFlag) and cmd.delta == 0 and (same_stream or not run):
+            if (isinstance(cmd, WaitFlag) and cmd.delta == 0
+                    and (not run or same_stream and cmd.slot == self.commands[run[0]].slot)):
                 run.append(i)
                 continue
             if isinstance(cmd, Copy) and same_stream:
