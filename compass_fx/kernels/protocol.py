@@ -168,14 +168,15 @@ class Plan:
     def wait_runs(self) -> tuple[tuple[int, ...], ...]:
         """Positions of flag waits that may wait as one: two or more waits for the call's own epoch
         on one stream, for the same flag slot of different peers (one chunk or piece from every
-        peer: each peer sets that flag at the same point of its plan), with nothing between them in
-        the plan's order but copies on that stream (an all-reduce's pulls of a chunk from every
-        peer).  Waiting for all of them before the first copy only delays the copies between, by
-        the peers' skew at most: no other command, stream, event or peer sees the points between
-        the waits, and whatever follows the run waited for every flag of it already, so the order
-        stays as safe as it was (streams sharing a hardware queue too).  Waits for different slots
-        (one peer's consecutive pieces, or another stage's flags) are not joined: those flags are
-        set one after another, and a copy behind the later one would lose its overlap with it.
+        peer), with nothing between them in the plan's order but copies on that stream (an
+        all-reduce's pulls of a chunk from every peer).  Waiting for all of them before the first
+        copy only delays the copies between, by no more than they could have run before the run's
+        last flag was set (in the all-reduce nothing: the peer awaited first computes that chunk
+        last), and no other command, stream, event or peer sees the points between the waits;
+        whatever follows the run waited for every flag of it already, so the order stays as safe
+        as it was (streams sharing a hardware queue too).  Waits for different slots (one peer's
+        consecutive pieces, or another stage's flags) are not joined: those flags are set one after
+        another, and a copy behind the later one would lose its overlap with it.
         Kept with the plan after the first ask (plans are built once per shape and priced often)."""
         known = self.__dict__.get("_wait_runs")
         if known is not None:
