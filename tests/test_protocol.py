@@ -648,3 +648,22 @@ def test_batched_waits_keep_every_result_and_never_deadlock(host):
                 _run_stage(batched, rows, n_calls=12, seed=world + stage, one_queue=one_queue, lateness=0.5)
                 checked += 1
     assert checked == 2 * len(worlds)
+
+
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_a_batched_run_waits_first_for_the_flag_its_peers_set_last(world):
+    """Why batching the all-reduce's waits costs nothing when ranks keep pace: in every run, the
+    peer awaited first sets that flag after every other peer of the run (each rank computes the
+    peers' blocks in its own rotated order), so the eager order already waited for the last flag
+    before its first copy."""
+    plans = [call_plans("matmul_all_reduce", "direct", world, r, 64 * world, 4096, 1, 2, False)[0]
+             for r in range(world)]
+    writes = [[c.slot for c in p.commands if isinstance(c, pr.SetFlag)] for p in plans]
+    runs = 0
+    for plan in plans:
+        for run in plan.wait_runs():
+            waits = [plan.commands[i] for i in run]
+            when = [writes[w.peer].index(w.slot) for w in waits]
+            assert when[0] == max(when), (plan.rank, waits, when)
+            runs += 1
+    assert runs >= 2 * world
