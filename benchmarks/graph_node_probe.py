@@ -62,6 +62,30 @@ def graph_of(fn, cap):
     return g
 
 
+def launch_rows(cases: dict, cap: torch.cuda.Stream) -> list[dict]:
+    """Each case (name -> what to capture, given the capture stream's handle) captured as a graph on
+    ``cap``: its nodes and the host us of one ``cuGraphLaunch`` from an idle GPU and behind a sleep."""
+    from compass_fx.kernels.cuda import driver
+
+    rows = []
+    glaunch = driver.raw("graph_launch")
+    for name, fn in cases.items():
+        try:
+            g = graph_of(fn, cap)
+            exec_, stream = g.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
+
+            def go():
+                driver.check(glaunch(exec_, stream), "cuGraphLaunch")
+            go()
+            torch.cuda.synchronize()
+            rows.append({"case": name, "nodes": _node_kinds(g.raw_cuda_graph()), "idle_us": launch_us(go, False),
+                         "busy_x4_us": launch_us(go, True, per_round=4)})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def launch_section() -> list[dict]:
     from compass_fx.kernels.cuda import driver, graph_flags
 
@@ -108,23 +132,7 @@ def launch_section() -> list[dict]:
         "copy_wide16_host": lambda h: [f(h) for f, _ in cps],
         "mix16(wait,copy,write,kernel)": lambda h: [(wt[i](h), cps[i][0](h), wc[i](h), x.add_(1)) for i in range(16)],
     }
-    rows = []
-    for name, fn in cases.items():
-        try:
-            g = graph_of(fn, cap)
-            exec_, stream = g.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
-            glaunch = driver.raw("graph_launch")
-
-            def go():
-                driver.check(glaunch(exec_, stream), "cuGraphLaunch")
-            go()
-            torch.cuda.synchronize()
-            rows.append({"case": name, "nodes": _node_kinds(g.raw_cuda_graph()), "idle_us": launch_us(go, False),
-                         "busy_x4_us": launch_us(go, True, per_round=4)})
-        except Exception as e:  # noqa: BLE001
-            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
-        print(rows[-1], flush=True)
-    return rows
+    return launch_rows(cases, cap)
 
 
 def device_ms(fn, reps: int = 20) -> float:
@@ -317,23 +325,7 @@ def chain_section() -> list[dict]:
         "wait16_one_batch_then_h2d16": lambda h: (batch(h), [h2d(h, i) for i in range(count)]),
         "kernels16": lambda h: [x.add_(1) for _ in range(count)],
     }
-    rows = []
-    for name, fn in cases.items():
-        try:
-            g = graph_of(fn, cap)
-            exec_, stream = g.raw_cuda_graph_exec(), torch.cuda.current_stream().cuda_stream
-            glaunch = driver.raw("graph_launch")
-
-            def go():
-                driver.check(glaunch(exec_, stream), "cuGraphLaunch")
-            go()
-            torch.cuda.synchronize()
-            rows.append({"case": name, "nodes": _node_kinds(g.raw_cuda_graph()), "idle_us": launch_us(go, False),
-                         "busy_x4_us": launch_us(go, True, per_round=4)})
-        except Exception as e:  # noqa: BLE001
-            rows.append({"case": name, "error": f"{type(e).__name__}: {e}"[:300]})
-        print(rows[-1], flush=True)
-    return rows
+    return launch_rows(cases, cap)
 
 
 def memset_child(setting: str) -> list[dict]:

@@ -33,7 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
-from harness.timing import host_us_per_call, sleep_cycles_per_ms  # noqa: E402
+from harness.timing import host_us_per_call, python_loop, sleep_cycles_per_ms  # noqa: E402
 from harness.ranks import physical_cores  # noqa: E402
 import torch  # noqa: E402
 
@@ -73,12 +73,6 @@ def forms(device: torch.device) -> dict:
     from compass_fx.kernels.cuda import driver
     from compass_fx.kernels.cuda.replay import Captured
 
-    def pyloop():
-        total = 0
-        for i in range(200):
-            total += i
-        return total
-
     x = torch.zeros(1, device=device)
     src = torch.zeros(8, 1 << 19, device=device, dtype=torch.bfloat16)
     dst = torch.zeros(8, 1 << 19, dtype=torch.bfloat16).pin_memory()
@@ -96,7 +90,7 @@ def forms(device: torch.device) -> dict:
     torch.cuda.synchronize()
     handle = torch.cuda.current_stream().cuda_stream
     driver.raw("graph_launch")  # loaded before timing
-    return {"python loop": pyloop,
+    return {"python loop": python_loop,
             "outputs, large call": lambda: [torch.empty(s, device=device, dtype=torch.bfloat16) for s in LARGE],
             "one-kernel graph launch": lambda: graphs["kernel"].launch(handle),
             "8-copy graph launch": lambda: graphs["copies"].launch(handle),

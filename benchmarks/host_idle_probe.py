@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
-from harness.timing import host_us_per_call, sleep_cycles_per_ms  # noqa: E402
+from harness.timing import host_us_per_call, python_loop, sleep_cycles_per_ms  # noqa: E402
 import torch  # noqa: E402
 
 NAME = "host_idle_probe"
@@ -32,12 +32,6 @@ GAPS = ["busy", 0.0, 0.05, 0.5, 2.0, 10.0]
 
 
 def forms(device: torch.device) -> dict:
-    def pyloop():
-        total = 0
-        for i in range(200):
-            total += i
-        return total
-
     def alloc(shapes):
         return [torch.empty(s, device=device, dtype=torch.bfloat16) for s in shapes]
 
@@ -49,7 +43,7 @@ def forms(device: torch.device) -> dict:
         x.add_(1)
         graph.capture_end()
     torch.cuda.synchronize()
-    return {"python loop": pyloop, "outputs, small call": lambda: alloc(SMALL),
+    return {"python loop": python_loop, "outputs, small call": lambda: alloc(SMALL),
             "outputs, large call": lambda: alloc(LARGE), "one-kernel graph launch": graph.replay,
             "one small allocation": lambda: torch.empty((256, 4096), device=device)}
 

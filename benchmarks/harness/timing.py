@@ -133,3 +133,11 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 4) -> float:
         fn()
     return (time.perf_counter() - t0) / calls * 1e6
 
+
+def python_loop() -> int:
+    """A fixed piece of pure Python (200 additions): what the host's speed alone makes of it, beside
+    the CUDA calls a probe times."""
+    total = 0
+    for i in range(200):
+        total += i
+    return total

@@ -337,7 +337,7 @@ class _Workspace:
             if step is not None:
                 return step
         if isinstance(cmd, WaitFlag):  # the flag holds a code (flag_codes): wait for either accepted bit
-            wait, addr, delta = driver.raw("wait"), self.peer_flag_address[cmd.peer] + 4 * cmd.slot, cmd.delta
+            wait, addr, delta = driver.raw("wait"), self._awaited_flag(cmd), cmd.delta
             bits = flag_codes.mask(phase + delta)
 
             def wait_flag(tensors, epoch, streams):
@@ -395,6 +395,10 @@ class _Workspace:
             return lambda tensors, epoch, streams: streams[MAIN].wait_event(event)
         raise TypeError(f"no CUDA lowering for {cmd!r}")
 
+    def _awaited_flag(self, cmd: WaitFlag) -> int:
+        """The address of the peer's flag ``cmd`` waits for, as this process maps it."""
+        return self.peer_flag_address[cmd.peer] + 4 * cmd.slot
+
     def _stream_of(self, side: str) -> Callable[[dict], int]:
         """The handle of the stream a command names: a side stream's is fixed, the caller's is
         the running call's (``streams[MAIN]``)."""
@@ -411,8 +415,8 @@ class _Workspace:
         same flag, the same accepted bits), so the watchdog bounds and releases it as before."""
         for run in self.plan.wait_runs():
             waits = [self.plan.commands[i] for i in run]
-            launch = driver.wait_all([(self.peer_flag_address[c.peer] + 4 * c.slot,
-                                       flag_codes.mask(phase + c.delta), driver.WAIT_AND) for c in waits])
+            launch = driver.wait_all([(self._awaited_flag(c), flag_codes.mask(phase + c.delta), driver.WAIT_AND)
+                                      for c in waits])
             stream_of = self._stream_of(waits[0].stream)
             steps[run[0]] = lambda tensors, epoch, streams, launch=launch, stream_of=stream_of: launch(stream_of(streams))
             for i in run[1:]:
@@ -424,7 +428,7 @@ class _Workspace:
         counter = self.device_epoch.data_ptr()
         if isinstance(cmd, WaitFlag):
             fence = cmd.slot == self.plan.n_flags - 1  # the fenced plan's "done" flag: its target is on the GPU
-            launch = graph_flags.wait(self.device_index, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
+            launch = graph_flags.wait(self.device_index, self._awaited_flag(cmd),
                                       self.fence_target.data_ptr() if fence else counter, 0 if fence else cmd.delta,
                                       self.status.data_ptr(), index + 1, self.dog.timeout)
             return lambda tensors, epoch, streams: launch(stream_of(streams))
@@ -487,8 +491,7 @@ class _Workspace:
         if isinstance(cmd, WaitFlag):
             if replay.waits_as_kernels():
                 delta = cmd.delta
-                launch = graph_flags.wait_code(dev, self.peer_flag_address[cmd.peer] + 4 * cmd.slot,
-                                               flag_codes.mask(phase + delta))
+                launch = graph_flags.wait_code(dev, self._awaited_flag(cmd), flag_codes.mask(phase + delta))
 
                 def wait_kernel(tensors, epoch, streams):
                     if epoch + delta >= 1:
@@ -667,7 +670,7 @@ class _Workspace:
                 if in_host_memory:
                     self.peer_flags[c.peer][c.slot] = value
                     continue
-                addr = self.peer_flag_address[c.peer] + 4 * c.slot
+                addr = self._awaited_flag(c)
                 driver.write(addr, value, side.cuda_stream)
             if side is not None:
                 side.synchronize()
