@@ -55,14 +55,19 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
 BUSY_S = 2e-3  # the GPU's sleep before a "GPU busy" form's calls: longer than their issue
 
 
-def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset()) -> dict[str, float]:
+def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset(),
+            in_turn: frozenset = frozenset()) -> dict[str, float]:
     """Median over rounds of the host microseconds per call of ``calls`` calls of each function,
     issued after the device went idle (few enough that no launch queue fills); the forms named in
     ``busy`` are issued while the GPU sleeps ``BUSY_S`` first instead, so the host issues them with
     the device busy behind it, as a step whose host runs ahead does (the first calls after a wait
     for the GPU pay for a host gone cold: on the lent H200 host up to 1.5-2x after a 10 ms wait).
     The functions take turns within every round, so a host that speeds up or slows down during
-    the run (the lent machines' hosts differ by up to 2x between runs) moves them alike."""
+    the run (the lent machines' hosts differ by up to 2x between runs) moves them alike.  The forms
+    named in ``in_turn`` are issued by one rank at a time, the others waiting at a barrier (rank 0
+    from an idle GPU, each later one beside the earlier ranks' calls, which wait on the GPU for
+    its flags): the host time of a call that no other process issues at the same moment, as on a
+    machine with a GPU per rank, where the ranks' launches do not meet in one GPU's driver."""
     from compass_fx.tools.timing import H200_CLOCK_HZ
 
     per_round: dict[str, list[float]] = {name: [] for name in fns}
@@ -71,7 +76,13 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
             torch.cuda.synchronize()
             if name in busy:
                 torch.cuda._sleep(int(BUSY_S * H200_CLOCK_HZ))
-            per_round[name].append(host_us_per_call(fn, calls))
+            if name not in in_turn:
+                per_round[name].append(host_us_per_call(fn, calls))
+                continue
+            for turn in range(dist.get_world_size()):
+                if turn == dist.get_rank():
+                    per_round[name].append(host_us_per_call(fn, calls))
+                dist.barrier()
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in per_round.items()}
 
@@ -177,7 +188,8 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     call; ``alloc_launch``: the same outputs allocated, the epoch raised and the call's replay
     graph launched, with the progress count the call keeps, and nothing else; ``alloc``: the
     outputs' allocations alone.  So launch = alloc_launch - alloc, the rest of the call (checks,
-    the workspace's key and lookup, the replay's bookkeeping) = call - alloc_launch."""
+    the workspace's key and lookup, the replay's bookkeeping) = call - alloc_launch; and the launch
+    with the ranks in turn (``host_us``'s ``in_turn``: no other rank launches at the same moment)."""
     from compass_fx.kernels.cuda import impl as cuda
 
     ws = _workspace_of(op, rows)
@@ -217,10 +229,11 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     res = {"nodes": _graph_nodes(ws, a, b, outs, gathered)}
     del gathered, outs
     dist.barrier()
-    times = host_us({"call": lambda: graph_op(a, *args), "alloc_launch": alloc_launch, "alloc": alloc},
-                    rounds=rounds)
+    times = host_us({"call": lambda: graph_op(a, *args), "alloc_launch": alloc_launch, "alloc": alloc,
+                     "alloc_launch_in_turn": alloc_launch}, rounds=rounds, in_turn=frozenset({"alloc_launch_in_turn"}))
     res.update({f"{name}_us": v for name, v in times.items()})
     res["launch_us"] = times["alloc_launch"] - times["alloc"]
+    res["launch_in_turn_us"] = times["alloc_launch_in_turn"] - times["alloc"]
     res["rest_us"] = times["call"] - times["alloc_launch"]
     res["not_replayed"] = len(missing)
     return res
@@ -262,7 +275,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
            "replayed_relative_error": checked(f"{op}.graph replayed", graph_op),
            "issued_relative_error": checked(f"{op}.graph issued", issued)}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
-             "host_us_graph_busy": lambda: graph_op(a, *args),
+             "host_us_graph_busy": lambda: graph_op(a, *args), "host_us_graph_in_turn": lambda: graph_op(a, *args),
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
@@ -279,7 +292,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         timed["host_us_async"] = started
     dist.barrier()
     # every rank runs the same sequence of calls: they are collective
-    res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"})))
+    res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"}),
+                       in_turn=frozenset({"host_us_graph_in_turn"})))
     dist.barrier()
     res["period_us"] = period_us(lambda: graph_op(a, *args))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
@@ -362,6 +376,8 @@ def markdown(payload: dict) -> str:
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
+             ".graph, ranks in turn: the same issued by one rank at a time while the others wait at a barrier "
+             "(no other process launches at that moment, as where each rank has a GPU of its own); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
              "rank's work shares the GPU: it compares ways of launching, it is no device time of one rank); "
              "host / GPU per rank: .graph host time over period / world, the GPU's time per call and rank "
@@ -386,6 +402,7 @@ def markdown(payload: dict) -> str:
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
+         ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
@@ -398,7 +415,9 @@ def markdown(payload: dict) -> str:
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "
                   "the call less that: checks, key, workspace lookup, replay bookkeeping):", "",
                   output.markdown_table(split, ["world", "op", "rows", ("call_us", "call us"),
-                                                ("launch_us", "cuGraphLaunch us"), ("alloc_us", "outputs us"),
+                                                ("launch_us", "cuGraphLaunch us"),
+                                                ("launch_in_turn_us", "cuGraphLaunch us, ranks in turn"),
+                                                ("alloc_us", "outputs us"),
                                                 ("rest_us", "rest us"), ("nodes", "replay graph nodes")])]
     return "\n".join(lines)
 

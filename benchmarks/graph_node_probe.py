@@ -14,6 +14,9 @@
   plans' copy-then-flag pattern), each flag a 4-byte copy instead (no kernel between copies),
   waits paired with copies (a pull), on two streams, and one copy of the same bytes.  Does such a
   node cost the launch by itself, or by the change of engine around it?
+* ``shape``: host us of graphs shaped like a two-rank host-staged gather's replay (three streams,
+  events between them, cuBLAS GEMMs), against the same nodes on one stream, tiny kernels for the
+  GEMMs, fewer events: is the launch the sum of its nodes, or do the streams and events add?
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -328,6 +331,122 @@ def chain_section() -> list[dict]:
     return launch_rows(cases, cap)
 
 
+def shape_section() -> list[dict]:
+    """Host us of one launch of graphs shaped like a host-staged gather's replay at two ranks (8
+    pieces of 4 MiB: each published by a copy to host memory and a flag kernel on one side stream,
+    pulled by a stream wait and a copy on another, consumed by a GEMM on the caller's stream after
+    an event), and of the same nodes laid out otherwise: which part of the launch is the nodes,
+    which the streams and events between them?"""
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy, wait = driver.raw("memcpy"), driver.raw("wait")
+    pieces, rows, k, n = 8, 512, 4096, 7168
+    piece = rows * k * 2
+    a = torch.randn(pieces * rows, k, device="cuda", dtype=torch.bfloat16)
+    gathered = torch.empty(2 * pieces * rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(2 * pieces * rows, n, device="cuda", dtype=torch.bfloat16)
+    host = host_buffer(2 * pieces * piece)[2]
+    flags = host_buffer(4096 * 4)
+    flags[1].view(torch.int32).fill_(1)
+    writes = [graph_flags.write_code(dev, flags[2] + 4 * (64 + i), 1) for i in range(pieces)]
+    x = torch.zeros(16, device="cuda")
+    cap, comm, pub = torch.cuda.Stream(), torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
+    with torch.cuda.stream(cap):
+        torch.mm(a, w, out=out[:pieces * rows])
+        torch.mm(gathered[:rows], w, out=out[:rows])
+    torch.cuda.synchronize()
+
+    def publish(h, i):
+        driver.check(memcpy(host + i * piece, a.data_ptr() + i * piece, piece, h), "memcpy")
+        writes[i](h)
+
+    def pull(h, i):
+        driver.check(wait(h, flags[2] + 4 * i, 1, driver.WAIT_GEQ), "wait")
+        off = (pieces + i) * piece
+        driver.check(memcpy(gathered.data_ptr() + off, host + off, piece, h), "memcpy")
+
+    def own_gemm():
+        torch.mm(a, w, out=out[:pieces * rows])
+
+    def gemm(i, tiny=False):
+        if tiny:
+            x.add_(1)
+        else:
+            lo = (pieces + i) * rows
+            torch.mm(gathered[lo:lo + rows], w, out=out[lo:lo + rows])
+
+    def self_copy(h):
+        driver.check(memcpy(gathered.data_ptr(), a.data_ptr(), pieces * piece, h), "memcpy")
+
+    def after(waiter, stream):
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        waiter.wait_event(ev)
+
+    def as_plan(tiny=False, pub_events=True, gemm_events=True):
+        def fn(h):
+            main = torch.cuda.current_stream()
+            after(comm, main)
+            if not pub_events:
+                after(pub, comm)
+            for i in range(pieces):
+                if pub_events:
+                    after(pub, comm)
+                publish(pub.cuda_stream, i)
+            own_gemm()
+            published = torch.cuda.Event()
+            published.record(pub)
+            got = []
+            for i in range(pieces):
+                pull(comm.cuda_stream, i)
+                got.append(torch.cuda.Event())
+                got[-1].record(comm)
+            self_copy(comm.cuda_stream)
+            for i in range(pieces):
+                if gemm_events:
+                    main.wait_event(got[i])
+                gemm(i, tiny)
+            main.wait_event(published)
+            after(main, comm)
+        return fn
+
+    def one_stream(h):
+        for i in range(pieces):
+            publish(h, i)
+        own_gemm()
+        for i in range(pieces):
+            pull(h, i)
+        self_copy(h)
+        for i in range(pieces):
+            gemm(i)
+
+    def copies_only(h):
+        main = torch.cuda.current_stream()
+        after(comm, main)
+        after(pub, comm)
+        for i in range(pieces):
+            driver.check(memcpy(host + i * piece, a.data_ptr() + i * piece, piece, pub.cuda_stream), "memcpy")
+            off = (pieces + i) * piece
+            driver.check(memcpy(gathered.data_ptr() + off, host + off, piece, comm.cuda_stream), "memcpy")
+        after(main, pub)
+        after(main, comm)
+
+    cases = {
+        "gather8_as_plan": as_plan(),
+        "gather8_tiny_gemms": as_plan(tiny=True),
+        "gather8_one_pub_event": as_plan(pub_events=False),
+        "gather8_gemms_join_at_end": as_plan(gemm_events=False),
+        "gather8_one_stream": one_stream,
+        "gemms9_one_stream": lambda h: (own_gemm(), [gemm(i) for i in range(pieces)]),
+        "copies16_two_streams": copies_only,
+        "publish8_one_stream": lambda h: [publish(h, i) for i in range(pieces)],
+        "pull8_one_stream": lambda h: [pull(h, i) for i in range(pieces)],
+    }
+    return launch_rows(cases, cap)
+
+
 def memset_child(setting: str) -> list[dict]:
     if setting == "cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -381,7 +500,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
