@@ -17,6 +17,9 @@
 * ``shape``: host us of graphs shaped like a two-rank host-staged gather's replay (three streams,
   events between them, cuBLAS GEMMs), against the same nodes on one stream, tiny kernels for the
   GEMMs, fewer events: is the launch the sum of its nodes, or do the streams and events add?
+* ``hostmap``: copies between device memory and registered host memory, device memory, or host
+  memory made with ``cuMemCreate`` and mapped as device memory is: launch cost and device time
+  alone and beside a GEMM (is a host copy node's launch cost about host memory, or the address?).
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -447,6 +450,144 @@ def shape_section() -> list[dict]:
     return launch_rows(cases, cap)
 
 
+class _Location(ctypes.Structure):
+    """``CUmemLocation``."""
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocProp(ctypes.Structure):
+    """``CUmemAllocationProp`` (32 bytes)."""
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):
+    """``CUmemAccessDesc``."""
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+_LOCATIONS = {"device": 1, "host": 2, "host_numa": 3}
+
+
+def vmm_memory(nbytes: int, where: str, device: int) -> tuple[int, dict]:
+    """``nbytes`` of pinned memory made with ``cuMemCreate`` at ``where`` (host, host_numa: physical
+    pages in host memory) and mapped into a reserved address range the GPU reads and writes: the
+    driver sees a mapped address, not a registered host range.  Returns the address and what was
+    tried."""
+    from compass_fx.kernels.cuda import driver
+
+    f = driver.driver_function
+    u64p, sizep = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t)
+    _, create = f(("cuMemCreate",), [u64p, ctypes.c_size_t, ctypes.POINTER(_AllocProp), ctypes.c_uint64])
+    _, granularity = f(("cuMemGetAllocationGranularity",), [sizep, ctypes.POINTER(_AllocProp), ctypes.c_int])
+    _, reserve = f(("cuMemAddressReserve",), [u64p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64,
+                                              ctypes.c_uint64])
+    _, map_ = f(("cuMemMap",), [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64])
+    _, access = f(("cuMemSetAccess",), [ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER(_AccessDesc),
+                                        ctypes.c_size_t])
+    assert ctypes.sizeof(_AllocProp) == 32 and ctypes.sizeof(_AccessDesc) == 12
+    prop = _AllocProp(type=1, requestedHandleTypes=0, location=_Location(_LOCATIONS[where], 0))
+    g = ctypes.c_size_t()
+    driver.check(granularity(ctypes.byref(g), ctypes.byref(prop), 0), "cuMemGetAllocationGranularity")
+    size = -(-nbytes // g.value) * g.value
+    handle, va = ctypes.c_uint64(), ctypes.c_uint64()
+    driver.check(create(ctypes.byref(handle), size, ctypes.byref(prop), 0), f"cuMemCreate({where})")
+    driver.check(reserve(ctypes.byref(va), size, 0, 0, 0), "cuMemAddressReserve")
+    driver.check(map_(va.value, size, 0, handle.value, 0), "cuMemMap")
+    dev = _AccessDesc(_Location(1, device), 3)  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    driver.check(access(va.value, size, ctypes.byref(dev), 1), "cuMemSetAccess(device)")
+    info = {"granularity": g.value, "size": size}
+    host = _AccessDesc(_Location(_LOCATIONS[where], 0), 3)
+    info["host_access"] = access(va.value, size, ctypes.byref(host), 1)  # 0: the CPU may map it too
+    return va.value, info
+
+
+def hostmap_section() -> list[dict]:
+    """Is a copy node's launch cost about host memory as such, or about how the driver knows the
+    address?  16 copies of 1 MiB between device memory and: registered host memory (the arena's
+    today), device memory, and host memory made with ``cuMemCreate`` and mapped like device memory;
+    their launch cost, and the device time of 8 x 4 MiB of each alone and beside a GEMM that fills
+    the GPU (a copy engine overlaps it; a copy run by multiprocessors would wait for it)."""
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy = driver.raw("memcpy")
+    n, count = 1 << 20, 16
+    big = 4 << 20
+    src = torch.empty(8 * big, device="cuda", dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    device_target = torch.empty_like(src)
+    rows = []
+    addresses = {"registered": host_buffer(8 * big)[2], "device": device_target.data_ptr()}
+    for where in ("host_numa", "host"):
+        try:
+            va, info = vmm_memory(8 * big, where, dev)
+            addresses[f"vmm_{where}"] = va
+            rows.append({"case": f"vmm_{where}_alloc", **info})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"case": f"vmm_{where}_alloc", "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows[-1], flush=True)
+    flags = torch.zeros(64, dtype=torch.int32, device="cuda")
+    writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(count)]
+    cap = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    cases = {}
+    for name, addr in addresses.items():
+        cases[f"d2h16_{name}"] = (lambda a: lambda h: [driver.check(memcpy(a + i * n, src.data_ptr() + i * n, n, h),
+                                                                   "memcpy") for i in range(count)])(addr)
+        cases[f"h2d16_{name}"] = (lambda a: lambda h: [driver.check(memcpy(dst.data_ptr() + i * n, a + i * n, n, h),
+                                                                   "memcpy") for i in range(count)])(addr)
+        cases[f"d2h16_flag_kernel_after_each_{name}"] = (lambda a: lambda h: [
+            (driver.check(memcpy(a + i * n, src.data_ptr() + i * n, n, h), "memcpy"), writes[i](h))
+            for i in range(count)])(addr)
+    rows += launch_rows(cases, cap)
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(8192, 7168, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream(priority=-1)
+    main = torch.cuda.current_stream()
+    gemm_ms = device_ms(lambda: torch.mm(a, b, out=c))
+    for name, addr in addresses.items():
+        for kind in ("d2h", "h2d"):
+            def fn(addr=addr, kind=kind):
+                h = side.cuda_stream
+                for i in range(8):
+                    d, s_ = (addr + i * big, src.data_ptr() + i * big) if kind == "d2h" else (
+                        dst.data_ptr() + i * big, addr + i * big)
+                    driver.check(memcpy(d, s_, big, h), "memcpy")
+
+            def alone(fn=fn):
+                side.wait_stream(main)
+                fn()
+                main.wait_stream(side)
+
+            def beside(fn=fn):
+                side.wait_stream(main)
+                torch.mm(a, b, out=c)
+                fn()
+                main.wait_stream(side)
+            try:
+                ok = None
+                if kind == "h2d":  # what the d2h rows just wrote there comes back
+                    dst.zero_()
+                    alone()
+                    torch.cuda.synchronize()
+                    ok = bool(torch.equal(dst, src))
+                t_alone, t_beside = device_ms(alone), device_ms(beside)
+                rows.append({"case": f"copy_{kind}_{name}", "MiB": 8 * big >> 20, "alone_ms": t_alone,
+                             "GBps": 8 * big / t_alone / 1e6, "with_gemm_ms": t_beside, "gemm_ms": gemm_ms,
+                             "round_trip_correct": ok})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"case": f"copy_{kind}_{name}", "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def memset_child(setting: str) -> list[dict]:
     if setting == "cublaslt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -500,7 +641,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
