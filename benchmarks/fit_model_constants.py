@@ -145,15 +145,17 @@ def _replay_priced(call_s: float, node_s: float, launch_s: dict[str, float]):
         strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S, strategies._REPLAY_FITTED_LAUNCH_S = real
 
 
-def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool) -> int:
+def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pieces: int = 0) -> int:
     """The slow nodes (:func:`compass_fx.cost.strategies.replay_slow_nodes`) of one case's replay
-    graphs, rank 0's plans as the model prices them (``batched_waits``: as the run captured them)."""
+    graphs, rank 0's plans as the model prices them (``batched_waits``, ``most_pieces``: as the run
+    captured and cut them)."""
     from compass_fx.cost.strategies import replay_slow_nodes
     from compass_fx.kernels.issue_order import call_plans
 
     cols = row["k"] if row["op"] == "all_gather_matmul" else row["n"]
     return sum(replay_slow_nodes(plan, host, batched_waits)
-               for plan in call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host))
+               for plan in call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host,
+                                      most_pieces=most_pieces))
 
 
 def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
@@ -173,7 +175,8 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
         speed = ratios[len(ratios) // 2]
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
-        points += [(_slow_nodes(r, world, host, batched), r["host_us_graph"] / speed, "host" if host else "peer")
+        most = run.get("host_most_pieces", 8)  # runs before the cap by ranks name none: 8 a block
+        points += [(_slow_nodes(r, world, host, batched, most), r["host_us_graph"] / speed, "host" if host else "peer")
                    for r in run["rows"] if r["world"] == world and r.get("host_us_graph")]
     n = len(points)
     mean_x = statistics.fmean(x for x, _, _ in points)

@@ -308,7 +308,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     host = os.environ["COMPASS_FUSED_TRANSPORT"] == "host"
-    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host)
+    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host, piece_bytes=cuda.host_piece_bytes(),
+                       most_pieces=cuda.host_most_pieces_setting())
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
@@ -449,6 +450,9 @@ def main(argv=None) -> int:
     from compass_fx.kernels.cuda import replay
 
     payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
+    from compass_fx.kernels.cuda.impl import host_most_pieces_setting
+
+    payload["host_most_pieces"] = host_most_pieces_setting()  # 0: by the ranks (the fit cuts blocks so)
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:

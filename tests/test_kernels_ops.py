@@ -1,4 +1,6 @@
 """The compass:: fused operators on real gloo process groups against torch.distributed + torch.mm."""
+import os
+
 import pytest
 import torch
 
@@ -243,13 +245,27 @@ def _agreement_case(rank):
     difference is an error naming the setting on every rank (never a silent mismatch)."""
     import torch.distributed as dist
 
-    from compass_fx.kernels.cuda.impl import _agreed
+    from compass_fx.kernels.cuda.impl import _agreed, _agreed_transport
 
     group = dist.group.WORLD
     assert _agreed(group, 2, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS") == 2
     with pytest.raises(RuntimeError, match=r"disagree on the fused operators' buffer sets in CUDA graphs "
                                            r"\(\[1, 2\]\): set COMPASS_FUSED_GRAPH_BUFFERS alike"):
         _agreed(group, 1 + rank, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
+    saved = {k: os.environ.get(k) for k in ("COMPASS_FUSED_TRANSPORT", "COMPASS_HOST_MOST_PIECES")}
+    try:  # host-staged ranks must cut blocks alike: a piece count set on one rank only is an error
+        os.environ["COMPASS_FUSED_TRANSPORT"] = "host"
+        assert _agreed_transport(group) == "host"
+        os.environ["COMPASS_HOST_MOST_PIECES"] = str(2 + 2 * rank)
+        with pytest.raises(RuntimeError, match=r"disagree on the fused operators' transport and host-staged "
+                                               r"pieces .*COMPASS_HOST_MOST_PIECES"):
+            _agreed_transport(group)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return True
 
 
@@ -264,6 +280,19 @@ def test_ranks_agree_on_the_settings_that_lay_out_buffers(ranks, monkeypatch):
     monkeypatch.setenv("COMPASS_FUSED_GRAPH_BUFFERS", "3")
     with pytest.raises(ValueError, match="COMPASS_FUSED_GRAPH_BUFFERS must be 1 or 2"):
         graph_buffer_sets()
+
+
+def test_host_most_pieces_setting(monkeypatch):
+    from compass_fx.kernels.cuda.impl import host_most_pieces_setting
+
+    monkeypatch.delenv("COMPASS_HOST_MOST_PIECES", raising=False)
+    assert host_most_pieces_setting() == 0  # by the number of ranks
+    monkeypatch.setenv("COMPASS_HOST_MOST_PIECES", "8")
+    assert host_most_pieces_setting() == 8
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("COMPASS_HOST_MOST_PIECES", bad)
+        with pytest.raises(ValueError, match="COMPASS_HOST_MOST_PIECES must be a positive integer"):
+            host_most_pieces_setting()
 
 
 def test_transport_choice(monkeypatch):

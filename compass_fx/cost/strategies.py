@@ -331,7 +331,7 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     SM: all_gather's own rows first and the last piece's rows after it arrives; reduce_scatter's
     first piece before anything can travel, the sum of the own block after the last arrival;
     all_reduce moves each chunk's partial products and then its reduced blocks."""
-    from ..kernels.protocol import host_all_reduce_chunks, host_split
+    from ..kernels.protocol import host_all_reduce_chunks, host_most_pieces, host_split
 
     bw, per_piece = topo.host_copy(w.group_size)
     spec = gpu_spec(topo.gpu)
@@ -343,7 +343,7 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
         out_bytes, in_bytes = total_bytes, 2 * (g - 1) / g * total_bytes
         first = total_bytes / pieces / g
     else:
-        pieces = host_split(int(block))
+        pieces = host_split(int(block), most=host_most_pieces(g))
         out_bytes = block if w.kind == "all_gather_matmul" else (g - 1) * block
         in_bytes = (g - 1) * block
         first = block / pieces

@@ -42,7 +42,8 @@ from .protocol import (HOST_PIECE_BYTES, Command, Plan, Record, SetFlag, WaitEve
 
 def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
-               detach: bool = False, group_rows: int = 0, fence: bool = False) -> tuple[Plan, ...]:
+               detach: bool = False, group_rows: int = 0, fence: bool = False,
+               most_pieces: int = 0) -> tuple[Plan, ...]:
     """The plans one call of a fused operator runs, in order, as the CUDA path issues them (the
     cost model counts their commands to price the host's work): :func:`.protocol.stream_plans`
     (which documents the arguments) put in the order of :func:`serialized`.  ``fence``: for one
@@ -50,16 +51,16 @@ def call_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: i
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a world of {world}")
     return _every_rank(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
-                       group_rows, fence)[rank]
+                       group_rows, fence, most_pieces)[rank]
 
 
 @lru_cache(maxsize=256)
 def _every_rank(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
                 host: bool, piece_bytes: int, detach: bool, group_rows: int,
-                fence: bool) -> tuple[tuple[Plan, ...], ...]:
+                fence: bool, most_pieces: int = 0) -> tuple[tuple[Plan, ...], ...]:
     """Every rank's plans (``[rank][stage]``): the order is found for all ranks together."""
     per_rank = [stream_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
-                             group_rows) for r in range(world)]
+                             group_rows, most_pieces) for r in range(world)]
     if fence:
         per_rank = [tuple(fenced(p) for p in plans) for plans in per_rank]
     stages = [serialized(stage) for stage in zip(*per_rank)]

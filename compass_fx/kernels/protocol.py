@@ -494,6 +494,23 @@ def host_staged(plan: Plan) -> Plan:
 
 HOST_PIECE_BYTES = 4 << 20  # host-staged pieces of about 4 MiB (see host_split)
 HOST_MOST_PIECES = 8
+HOST_PIECES_PER_CALL = 16  # pieces per block times ranks (see host_most_pieces)
+
+
+def host_most_pieces(world: int, setting: int = 0) -> int:
+    """At most how many host-staged pieces a block is cut into in a group of ``world`` ranks:
+    ``setting`` where given (``COMPASS_HOST_MOST_PIECES``), else 8 at two ranks, 4 at four, 2 from
+    five on (``HOST_PIECES_PER_CALL`` over the ranks, at least 2).
+
+    Why fewer beyond two ranks: the pipeline's fill is one piece of the first block, and the other
+    peers' blocks keep the copy engines busy meanwhile; beyond ~16 pieces pulled per call more only
+    add flag round trips on the device and a copy and a wait to every replay's launch (~3 us of
+    host per piece pulled: graph_node_probe-h200-shape).  The cost model prices this cap at 0.98-
+    1.008x of eight pieces per block for the fused_host_time cases at four and eight ranks
+    (tests/test_protocol.py), and the host's launch with a quarter of the pulls at eight ranks."""
+    if setting:
+        return setting
+    return max(2, min(HOST_MOST_PIECES, HOST_PIECES_PER_CALL // world))
 
 
 def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOST_MOST_PIECES) -> int:
@@ -509,21 +526,23 @@ def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOS
     return split
 
 
-def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: int = HOST_PIECE_BYTES) -> int:
+def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: int = HOST_PIECE_BYTES,
+                           most_pieces: int = 0) -> int:
     """Host-staged all-reduce: chunks whose blocks are one host piece each, at most
-    ``HOST_MOST_PIECES`` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`)."""
-    return all_reduce_chunks(rows, world, HOST_MOST_PIECES, out_bytes, world * piece_bytes)
+    :func:`host_most_pieces` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`)."""
+    return all_reduce_chunks(rows, world, host_most_pieces(world, most_pieces), out_bytes, world * piece_bytes)
 
 
 def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                  itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES,
-                 detach: bool = False, group_rows: int = 0) -> tuple[Plan, ...]:
+                 detach: bool = False, group_rows: int = 0, most_pieces: int = 0) -> tuple[Plan, ...]:
     """The plans of one call as built stream by stream (each stream's order right, the order
     across streams not yet the one to issue in: :func:`.issue_order.call_plans`).
 
     ``rows``: rows of the A operand (a shard for ``all_gather_matmul``); ``cols``: width of the
     tensor that travels (k for the gather, n for the reduced output); ``host``: host-staged
-    transport (pieces cut by :func:`host_split`, plans rewritten by :func:`host_staged`).
+    transport (pieces cut by :func:`host_split`, at most :func:`host_most_pieces` a block, which
+    ``most_pieces`` sets where non-zero; plans rewritten by :func:`host_staged`).
     ``matmul_all_reduce`` pulls in chunks where it can (``"direct"`` and a chunk count that
     splits the rows), else runs the fused reduce-scatter and then the gather of its result.
     ``detach``: the reductions' plans :func:`detached` (not an all-gather's GEMMs: they need what
@@ -536,7 +555,7 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
         return detached(plan) if detach and (plan.op != "all_gather_matmul" or not plan.n_weights) else plan
 
     def split(block_rows: int) -> int:
-        return host_split(block_rows * cols * itemsize, piece_bytes) if host else 1
+        return host_split(block_rows * cols * itemsize, piece_bytes, host_most_pieces(world, most_pieces)) if host else 1
 
     if op == "all_gather_matmul":
         return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows),
@@ -545,23 +564,23 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
         return (staged(reduce_scatter_plan(schedule, world, rank, rows // world, split(rows // world))),)
     if op != "matmul_all_reduce":
         raise ValueError(f"unknown fused operator {op!r}")
-    chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes)
+    chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes, most_pieces)
     if chunks:
         return (staged(all_reduce_plan(world, rank, rows, chunks)),)
     return (stream_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host,
-                         piece_bytes, detach)
+                         piece_bytes, detach, most_pieces=most_pieces)
             + stream_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,
-                           piece_bytes, detach))
+                           piece_bytes, detach, most_pieces=most_pieces))
 
 
 def all_reduce_pull_chunks(schedule: str, world: int, rows: int, out_bytes: int, host: bool,
-                           piece_bytes: int = HOST_PIECE_BYTES) -> int:
+                           piece_bytes: int = HOST_PIECE_BYTES, most_pieces: int = 0) -> int:
     """Chunks of a fused all-reduce by direct pulls, or 0: the ring schedules (and row counts no
     chunk count splits) run the fused reduce-scatter, then the all-gather, on the same schedule."""
     if schedule != "direct":
         return 0
     if host:
-        return host_all_reduce_chunks(rows, world, out_bytes, piece_bytes)
+        return host_all_reduce_chunks(rows, world, out_bytes, piece_bytes, most_pieces)
     return all_reduce_chunks(rows, world, out_bytes=out_bytes)
 
 

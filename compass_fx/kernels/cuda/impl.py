@@ -128,7 +128,13 @@ def _agreed(group, mine, what: str, settings: str):
 
 
 def _agreed_transport(group) -> str:
-    return _agreed(group, transport(), "transport", "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE")
+    """This process's transport, and for the host-staged one its pieces' settings, checked to be
+    every rank's: a rank that cut a block into other pieces would read rows its peer has not
+    published yet under a flag that announced others."""
+    mine = transport()
+    settings = (mine, host_piece_bytes(), host_most_pieces_setting()) if mine == "host" else (mine,)
+    return _agreed(group, settings, "transport and host-staged pieces",
+                   "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE / COMPASS_HOST_PIECE_MIB / COMPASS_HOST_MOST_PIECES")[0]
 
 
 def _gpu_id(device_index: int) -> str:
@@ -728,6 +734,21 @@ def host_piece_bytes() -> int:
     return int(value * (1 << 20))
 
 
+def host_most_pieces_setting() -> int:
+    """``COMPASS_HOST_MOST_PIECES``: at most this many host-staged pieces a block, or 0 (unset: by
+    the number of ranks, :func:`..protocol.host_most_pieces`)."""
+    raw = os.environ.get("COMPASS_HOST_MOST_PIECES")
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"COMPASS_HOST_MOST_PIECES must be a positive integer, got {raw!r}")
+    return value
+
+
 _pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (shape, settings)
 _OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
 
@@ -787,7 +808,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
                                                       _rank(group_name, group_size), m, k, len(bs),
                                                       a_shard.element_size(), host, host_piece_bytes(),
                                                       detach=deferred, group_rows=_group_rows(cols, a_shard.device),
-                                                      fence=fence)[0],
+                                                      fence=fence, most_pieces=host_most_pieces_setting())[0],
                         group_name, k, a_shard)
     rows = m * group_size
     gathered = a_shard.new_empty((rows, k))
@@ -812,7 +833,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     if ws is None:
         ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
                                                       _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence,
+                                                      most_pieces=host_most_pieces_setting())[0],
                         group_name, n, a)
     out = a.new_empty((rows // group_size, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
@@ -831,10 +853,12 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     if group_size == 1:
         return a @ b
     host = transport() == "host"
-    chunk_key = (schedule, group_size, rows, rows * n * a.element_size(), host, env_raw(b"COMPASS_HOST_PIECE_MIB"))
+    chunk_key = (schedule, group_size, rows, rows * n * a.element_size(), host, env_raw(b"COMPASS_HOST_PIECE_MIB"),
+                 env_raw(b"COMPASS_HOST_MOST_PIECES"))
     chunks = _pull_chunks.get(chunk_key)
     if chunks is None:  # asked per call otherwise (~5 us of Python)
-        chunks = _pull_chunks[chunk_key] = all_reduce_pull_chunks(*chunk_key[:5], host_piece_bytes())
+        chunks = _pull_chunks[chunk_key] = all_reduce_pull_chunks(*chunk_key[:5], host_piece_bytes(),
+                                                                  host_most_pieces_setting())
     if not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size, deferred)
@@ -845,7 +869,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     if ws is None:
         ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
                                                       _rank(group_name, group_size), rows, n, 1, a.element_size(),
-                                                      host, host_piece_bytes(), detach=deferred, fence=fence)[0],
+                                                      host, host_piece_bytes(), detach=deferred, fence=fence,
+                                                      most_pieces=host_most_pieces_setting())[0],
                         group_name, n, a)
     out = a.new_empty((rows, n))
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
