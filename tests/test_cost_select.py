@@ -5,7 +5,8 @@ from compass_fx.cost import SCHEDULES, Topology, Workload, plan, select
 from compass_fx.cost.collective import collective_seconds
 from compass_fx.cost.gemm import gemm_seconds
 from compass_fx.cost.layer import format_layer_plan, layer_workloads, plan_layer
-from compass_fx.cost.strategies import MAX_PARTS, decomposition_models, fused_breakdown, fused_host_seconds, gemm_shapes
+from compass_fx.cost.strategies import (MAX_PARTS, decomposition_models, fused_breakdown, fused_host_seconds, gemm_shapes,
+                                       host_staged_in_pieces)
 
 H200 = Topology.preset("h200-nvswitch-8")
 A6000 = Topology.preset("a6000-nvlink-pairs-pcie-8")
@@ -156,6 +157,31 @@ def test_auto_prices_fused_operators_by_default_only_without_peer_access():
     assert auto_fuse(True, 2, "h200-nvswitch-8") and not auto_fuse(False, 2, "h200-host-staged-8")
     with pytest.raises(ValueError, match="auto_fuse"):
         check_options({"auto_fuse": "yes"})
+
+
+def test_a_host_staged_fused_decision_says_into_how_many_pieces_and_why():
+    """The reason names the pieces a block is cut into and the cap by ranks that set them (8 a
+    block at two ranks, 4 at four, 2 beyond), the all-reduce its chunks; a forced fused pair too."""
+    said = {}
+    for g in (2, 4, 8):
+        for kind, n, k in (("all_gather_matmul", 7168, 4096), ("matmul_all_reduce", 4096, 7168)):
+            d = plan(Workload(kind, 32768 if g > 2 else 8192, n, k, "bfloat16", g), "h200-host-staged-8",
+                     fused_schedules=("direct",))
+            assert d.strategy == "fuse"
+            said[g, kind] = d.reason.split(", through host memory: ")[1]
+    assert said == {(2, "all_gather_matmul"): "each block in 8 pieces (at most 8 a block at 2 ranks)",
+                    (2, "matmul_all_reduce"): "in 8 chunks (at most 8 at 2 ranks)",
+                    (4, "all_gather_matmul"): "each block in 4 pieces (at most 4 a block at 4 ranks)",
+                    (4, "matmul_all_reduce"): "in 4 chunks (at most 4 at 4 ranks)",
+                    (8, "all_gather_matmul"): "each block in 2 pieces (at most 2 a block at 8 ranks)",
+                    (8, "matmul_all_reduce"): "in 2 chunks (at most 2 at 8 ranks)"}
+    small = Workload("all_gather_matmul", 2048, 7168, 4096, "bfloat16", 8)  # 2 MiB blocks
+    assert host_staged_in_pieces(small) == "each block in 1 piece (at most 2 a block at 8 ranks)"
+    tiny = Workload("matmul_all_reduce", 12, 4096, 7168, "bfloat16", 8)  # no chunk count splits 12 rows 8 ways
+    assert host_staged_in_pieces(tiny) == "a reduce-scatter, then a gather of its sums"
+    peer = plan(Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 8), "h200-nvswitch-8",
+                fused_schedules=("direct",))
+    assert "host memory" not in peer.reason
 
 
 def test_fused_calls_cost_at_least_the_hosts_work():

@@ -12,7 +12,8 @@ from __future__ import annotations
 from ..machine.topology import Topology
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
-from .strategies import decomposition_models, fused_commands, fused_host_seconds, fused_seconds, sequential_seconds
+from .strategies import (decomposition_models, fused_commands, fused_host_seconds, fused_seconds, host_staged_in_pieces,
+                         sequential_seconds)
 from .workload import Workload
 
 
@@ -46,6 +47,16 @@ def _priced_as(workload: Workload) -> str:
     if workload.cuda_graphs:
         return ""  # the CUDA-graph mode is said by the report already
     return " (its parts' gathers priced as replayed from one CUDA graph)" if workload.parts_replayed else ""
+
+
+def _how(workload: Workload, topo: Topology, winner: Candidate) -> str:
+    """What the reason adds about how the winner runs: a decomposition's parts priced as replayed,
+    a host-staged fused call's pieces."""
+    if winner.strategy == "decompose":
+        return _priced_as(workload)
+    if winner.strategy == "fuse" and topo.host_staged(workload.group_size):
+        return f", through host memory: {host_staged_in_pieces(workload)}"
+    return ""
 
 
 def _host_tie_break(workload: Workload, topo: Topology, candidate: Candidate) -> tuple[float, int]:
@@ -112,8 +123,7 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
         model = models[min(decomposed, key=lambda c: c.seconds).parts]
         coefficients, d_star = (model.A, model.B, model.C), model.d_star()
     return Decision(winner.strategy, winner.parts, winner.schedule, winner.seconds, tuple(candidates),
-                    _reason(winner, candidates) + (_priced_as(workload) if winner.strategy == "decompose" else ""),
-                    coefficients, d_star, topo.name)
+                    _reason(winner, candidates) + _how(workload, topo, winner), coefficients, d_star, topo.name)
 
 
 def plan(workload: Workload, topology: "Topology | str | None" = None, *,

@@ -322,6 +322,32 @@ def _grouped_consumer_seconds(w: Workload, topo: Topology, rows: int, own: float
     return done
 
 
+def host_staged_pieces(w: Workload) -> int:
+    """Into how many pieces a host-staged fused call cuts each peer's block (the all-reduce: its
+    chunks, 0 where it falls back to a reduce-scatter and a gather), as the CUDA path cuts them
+    by default (:func:`compass_fx.kernels.protocol.host_split`, at most
+    :func:`~compass_fx.kernels.protocol.host_most_pieces` a block)."""
+    from ..kernels.protocol import host_all_reduce_chunks, host_most_pieces, host_split
+
+    total_bytes = comm_bytes(w)
+    if w.kind == "matmul_all_reduce":
+        return host_all_reduce_chunks(w.m, w.group_size, int(total_bytes))
+    return host_split(int(total_bytes / w.group_size), most=host_most_pieces(w.group_size))
+
+
+def host_staged_in_pieces(w: Workload) -> str:
+    """What a report says of a host-staged fused call's pieces, and why that many (the cap by
+    ranks): "each block in 2 pieces (at most 2 a block at 8 ranks)"."""
+    from ..kernels.protocol import host_most_pieces
+
+    pieces, most, g = host_staged_pieces(w), host_most_pieces(w.group_size), w.group_size
+    if w.kind == "matmul_all_reduce":
+        if not pieces:
+            return "a reduce-scatter, then a gather of its sums"
+        return f"in {pieces} chunk{'s' * (pieces > 1)} (at most {most} at {g} ranks)"
+    return f"each block in {pieces} piece{'s' * (pieces > 1)} (at most {most} a block at {g} ranks)"
+
+
 def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     """A fused operator whose pieces travel device -> pinned host memory -> peer on the copy engines.
 
@@ -331,19 +357,16 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     SM: all_gather's own rows first and the last piece's rows after it arrives; reduce_scatter's
     first piece before anything can travel, the sum of the own block after the last arrival;
     all_reduce moves each chunk's partial products and then its reduced blocks."""
-    from ..kernels.protocol import host_all_reduce_chunks, host_most_pieces, host_split
-
     bw, per_piece = topo.host_copy(w.group_size)
     spec = gpu_spec(topo.gpu)
     g, elt = w.group_size, dtype_bytes(w.dtype)
     total_bytes = comm_bytes(w)
     block = total_bytes / g
+    pieces = host_staged_pieces(w) or 1  # an all-reduce's 0: the fallback, priced as one
     if w.kind == "matmul_all_reduce":
-        pieces = host_all_reduce_chunks(w.m, g, int(total_bytes)) or 1  # 0: the fallback, priced as one
         out_bytes, in_bytes = total_bytes, 2 * (g - 1) / g * total_bytes
         first = total_bytes / pieces / g
     else:
-        pieces = host_split(int(block), most=host_most_pieces(g))
         out_bytes = block if w.kind == "all_gather_matmul" else (g - 1) * block
         in_bytes = (g - 1) * block
         first = block / pieces

@@ -6,6 +6,7 @@ from typing import Mapping
 
 from ..cost.decision import Decision
 from ..cost.select import fuses_by_default, select
+from ..cost.strategies import host_staged_in_pieces
 from ..machine.topology import Topology
 from ..options import CompassOptions
 from ..graph.pairs import Pair
@@ -41,11 +42,12 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
             # without peer access a ring only relays through host memory pieces every rank could pull
             # at once (and a reduce-scatter ring stalled at three ranks sharing one GPU): "direct",
             # which is also what the cost model prices there
-            if schedule != "direct" and Topology.resolve(topology).host_staged(pair.group_size):
-                forced_decision = Decision("fuse", schedule="direct",
-                                           reason=f"forced: schedule={schedule}, run as direct: without peer access "
-                                                  "every piece goes through host memory, where every peer is one "
-                                                  "hop away")
+            if Topology.resolve(topology).host_staged(pair.group_size):
+                pieces = host_staged_in_pieces(pair.workload())
+                forced_decision = Decision("fuse", schedule="direct", reason=(
+                    f"forced: schedule={schedule}, through host memory: {pieces}" if schedule == "direct" else
+                    f"forced: schedule={schedule}, run as direct: without peer access every piece goes through "
+                    f"host memory, where every peer is one hop away; {pieces}"))
             else:
                 forced_decision = Decision("fuse", schedule=schedule, reason=f"forced: schedule={schedule}")
         elif parts not in pair.feasible_parts():
