@@ -175,10 +175,20 @@ def test_a_host_staged_fused_decision_says_into_how_many_pieces_and_why():
                     (4, "matmul_all_reduce"): "in 4 chunks (at most 4 at 4 ranks)",
                     (8, "all_gather_matmul"): "each block in 2 pieces (at most 2 a block at 8 ranks)",
                     (8, "matmul_all_reduce"): "in 2 chunks (at most 2 at 8 ranks)"}
+    unset_host = fused_host_seconds(Workload("all_gather_matmul", 32768, 7168, 4096, "bfloat16", 8),
+                                    Topology.preset("h200-host-staged-8"), "direct")
     small = Workload("all_gather_matmul", 2048, 7168, 4096, "bfloat16", 8)  # 2 MiB blocks
     assert host_staged_in_pieces(small) == "each block in 1 piece (at most 2 a block at 8 ranks)"
     tiny = Workload("matmul_all_reduce", 12, 4096, 7168, "bfloat16", 8)  # no chunk count splits 12 rows 8 ways
     assert host_staged_in_pieces(tiny) == "a reduce-scatter, then a gather of its sums"
+    # the settings a run reads, the model and the reason read too
+    big = Workload("all_gather_matmul", 32768, 7168, 4096, "bfloat16", 8)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("COMPASS_HOST_MOST_PIECES", "8")
+        assert host_staged_in_pieces(big) == "each block in 8 pieces (at most 8 a block by COMPASS_HOST_MOST_PIECES=8)"
+        assert fused_host_seconds(big, Topology.preset("h200-host-staged-8"), "direct") > unset_host  # 56 pulls, not 14
+        m.setenv("COMPASS_HOST_PIECE_MIB", "16")
+        assert host_staged_in_pieces(big).startswith("each block in 2 pieces")  # 32 MiB blocks, 16 MiB pieces
     peer = plan(Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 8), "h200-nvswitch-8",
                 fused_schedules=("direct",))
     assert "host memory" not in peer.reason

@@ -255,8 +255,12 @@ def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool
     g = w.group_size
     rows = w.m // g if w.kind == "all_gather_matmul" else w.m
     cols = w.k if w.kind == "all_gather_matmul" else w.n
-    return call_plans(w.kind, "direct" if host else schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype),
-                      host), host
+    if not host:
+        return call_plans(w.kind, schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype), False), host
+    from ..kernels.cuda import host_most_pieces_setting, host_piece_bytes
+
+    return call_plans(w.kind, "direct", g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype), True,
+                      host_piece_bytes(), most_pieces=host_most_pieces_setting()), host
 
 
 def fused_commands(w: Workload, topo: Topology, schedule: str) -> int:
@@ -325,27 +329,32 @@ def _grouped_consumer_seconds(w: Workload, topo: Topology, rows: int, own: float
 def host_staged_pieces(w: Workload) -> int:
     """Into how many pieces a host-staged fused call cuts each peer's block (the all-reduce: its
     chunks, 0 where it falls back to a reduce-scatter and a gather), as the CUDA path cuts them
-    by default (:func:`compass_fx.kernels.protocol.host_split`, at most
-    :func:`~compass_fx.kernels.protocol.host_most_pieces` a block)."""
+    (:func:`compass_fx.kernels.protocol.host_split`, at most
+    :func:`~compass_fx.kernels.protocol.host_most_pieces` a block; ``COMPASS_HOST_PIECE_MIB`` and
+    ``COMPASS_HOST_MOST_PIECES`` as the run reads them)."""
+    from ..kernels.cuda import host_most_pieces_setting, host_piece_bytes
     from ..kernels.protocol import host_all_reduce_chunks, host_most_pieces, host_split
 
-    total_bytes = comm_bytes(w)
+    total_bytes, target, setting = comm_bytes(w), host_piece_bytes(), host_most_pieces_setting()
     if w.kind == "matmul_all_reduce":
-        return host_all_reduce_chunks(w.m, w.group_size, int(total_bytes))
-    return host_split(int(total_bytes / w.group_size), most=host_most_pieces(w.group_size))
+        return host_all_reduce_chunks(w.m, w.group_size, int(total_bytes), target, setting)
+    return host_split(int(total_bytes / w.group_size), target, host_most_pieces(w.group_size, setting))
 
 
 def host_staged_in_pieces(w: Workload) -> str:
     """What a report says of a host-staged fused call's pieces, and why that many (the cap by
-    ranks): "each block in 2 pieces (at most 2 a block at 8 ranks)"."""
+    ranks, or the setting): "each block in 2 pieces (at most 2 a block at 8 ranks)"."""
+    from ..kernels.cuda import host_most_pieces_setting
     from ..kernels.protocol import host_most_pieces
 
-    pieces, most, g = host_staged_pieces(w), host_most_pieces(w.group_size), w.group_size
+    setting = host_most_pieces_setting()
+    pieces, most, g = host_staged_pieces(w), host_most_pieces(w.group_size, setting), w.group_size
+    why = f"by COMPASS_HOST_MOST_PIECES={setting}" if setting else f"at {g} ranks"
     if w.kind == "matmul_all_reduce":
         if not pieces:
             return "a reduce-scatter, then a gather of its sums"
-        return f"in {pieces} chunk{'s' * (pieces > 1)} (at most {most} at {g} ranks)"
-    return f"each block in {pieces} piece{'s' * (pieces > 1)} (at most {most} a block at {g} ranks)"
+        return f"in {pieces} chunk{'s' * (pieces > 1)} (at most {most} {why})"
+    return f"each block in {pieces} piece{'s' * (pieces > 1)} (at most {most} a block {why})"
 
 
 def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:

@@ -37,12 +37,13 @@ from typing import Callable
 
 import torch
 
-from ..protocol import (COMM, HOST_PIECE_BYTES, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
+from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
                         SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
 from .. import flag_codes
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
+from . import (driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, host_most_pieces_setting,
+               host_piece_bytes, replay, watchdog)
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -718,35 +719,6 @@ def _register_join(out: torch.Tensor, join: Join) -> None:
             return True
 
     _register_work(out, _JoinWork())
-
-
-def host_piece_bytes() -> int:
-    """Target size of a host-staged piece: ``COMPASS_HOST_PIECE_MIB`` or the protocol's default."""
-    mib = os.environ.get("COMPASS_HOST_PIECE_MIB")
-    if not mib:
-        return HOST_PIECE_BYTES
-    try:
-        value = float(mib)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"COMPASS_HOST_PIECE_MIB must be a positive number of MiB, got {mib!r}")
-    return int(value * (1 << 20))
-
-
-def host_most_pieces_setting() -> int:
-    """``COMPASS_HOST_MOST_PIECES``: at most this many host-staged pieces a block, or 0 (unset: by
-    the number of ranks, :func:`..protocol.host_most_pieces`)."""
-    raw = os.environ.get("COMPASS_HOST_MOST_PIECES")
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"COMPASS_HOST_MOST_PIECES must be a positive integer, got {raw!r}")
-    return value
 
 
 _pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (shape, settings)
