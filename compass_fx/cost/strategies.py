@@ -257,7 +257,7 @@ def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool
     cols = w.k if w.kind == "all_gather_matmul" else w.n
     if not host:
         return call_plans(w.kind, schedule, g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype), False), host
-    from ..kernels.cuda import host_most_pieces_setting, host_piece_bytes
+    from ..kernels.protocol import host_most_pieces_setting, host_piece_bytes
 
     return call_plans(w.kind, "direct", g, 0, rows, cols, w.matmuls, dtype_bytes(w.dtype), True,
                       host_piece_bytes(), most_pieces=host_most_pieces_setting()), host
@@ -332,8 +332,8 @@ def host_staged_pieces(w: Workload) -> int:
     (:func:`compass_fx.kernels.protocol.host_split`, at most
     :func:`~compass_fx.kernels.protocol.host_most_pieces` a block; ``COMPASS_HOST_PIECE_MIB`` and
     ``COMPASS_HOST_MOST_PIECES`` as the run reads them)."""
-    from ..kernels.cuda import host_most_pieces_setting, host_piece_bytes
-    from ..kernels.protocol import host_all_reduce_chunks, host_most_pieces, host_split
+    from ..kernels.protocol import (host_all_reduce_chunks, host_most_pieces, host_most_pieces_setting,
+                                    host_piece_bytes, host_split)
 
     total_bytes, target, setting = comm_bytes(w), host_piece_bytes(), host_most_pieces_setting()
     if w.kind == "matmul_all_reduce":
@@ -344,8 +344,7 @@ def host_staged_pieces(w: Workload) -> int:
 def host_staged_in_pieces(w: Workload) -> str:
     """What a report says of a host-staged fused call's pieces, and why that many (the cap by
     ranks, or the setting): "each block in 2 pieces (at most 2 a block at 8 ranks)"."""
-    from ..kernels.cuda import host_most_pieces_setting
-    from ..kernels.protocol import host_most_pieces
+    from ..kernels.protocol import host_most_pieces, host_most_pieces_setting
 
     setting = host_most_pieces_setting()
     pieces, most, g = host_staged_pieces(w), host_most_pieces(w.group_size, setting), w.group_size

@@ -48,6 +48,7 @@ order of :mod:`.issue_order`, which completes even then.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal, Union
@@ -511,6 +512,36 @@ def host_most_pieces(world: int, setting: int = 0) -> int:
     if setting:
         return setting
     return max(2, min(HOST_MOST_PIECES, HOST_PIECES_PER_CALL // world))
+
+
+def host_piece_bytes() -> int:
+    """Target size of a host-staged piece: ``COMPASS_HOST_PIECE_MIB`` or the protocol's default (read
+    here, beside the rule it feeds, by the CUDA path and the cost model alike)."""
+    mib = os.environ.get("COMPASS_HOST_PIECE_MIB")
+    if not mib:
+        return HOST_PIECE_BYTES
+    try:
+        value = float(mib)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise ValueError(f"COMPASS_HOST_PIECE_MIB must be a positive number of MiB, got {mib!r}")
+    return int(value * (1 << 20))
+
+
+def host_most_pieces_setting() -> int:
+    """``COMPASS_HOST_MOST_PIECES``: at most this many host-staged pieces a block, or 0 (unset: by
+    the number of ranks, :func:`host_most_pieces`)."""
+    raw = os.environ.get("COMPASS_HOST_MOST_PIECES")
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"COMPASS_HOST_MOST_PIECES must be a positive integer, got {raw!r}")
+    return value
 
 
 def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOST_MOST_PIECES) -> int:

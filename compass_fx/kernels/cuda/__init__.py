@@ -52,34 +52,3 @@ def graph_buffer_sets() -> int:
     if raw not in ("1", "2"):
         raise ValueError(f"COMPASS_FUSED_GRAPH_BUFFERS must be 1 or 2, got {raw!r}")
     return int(raw)
-
-
-def host_piece_bytes() -> int:
-    """Target size of a host-staged piece: ``COMPASS_HOST_PIECE_MIB`` or the protocol's default."""
-    mib = os.environ.get("COMPASS_HOST_PIECE_MIB")
-    if not mib:
-        from ..protocol import HOST_PIECE_BYTES
-
-        return HOST_PIECE_BYTES
-    try:
-        value = float(mib)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise ValueError(f"COMPASS_HOST_PIECE_MIB must be a positive number of MiB, got {mib!r}")
-    return int(value * (1 << 20))
-
-
-def host_most_pieces_setting() -> int:
-    """``COMPASS_HOST_MOST_PIECES``: at most this many host-staged pieces a block, or 0 (unset: by
-    the number of ranks, :func:`..protocol.host_most_pieces`)."""
-    raw = os.environ.get("COMPASS_HOST_MOST_PIECES")
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"COMPASS_HOST_MOST_PIECES must be a positive integer, got {raw!r}")
-    return value

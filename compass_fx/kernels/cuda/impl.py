@@ -38,12 +38,12 @@ from typing import Callable
 import torch
 
 from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
-                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, join_start)
+                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, host_most_pieces_setting,
+                        host_piece_bytes, join_start)
 from .. import flag_codes
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import (driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, host_most_pieces_setting,
-               host_piece_bytes, replay, watchdog)
+from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
