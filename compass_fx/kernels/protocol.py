@@ -586,7 +586,9 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
         return detached(plan) if detach and (plan.op != "all_gather_matmul" or not plan.n_weights) else plan
 
     def split(block_rows: int) -> int:
-        return host_split(block_rows * cols * itemsize, piece_bytes, host_most_pieces(world, most_pieces)) if host else 1
+        if not host:
+            return 1
+        return host_split(block_rows * cols * itemsize, piece_bytes, host_most_pieces(world, most_pieces))
 
     if op == "all_gather_matmul":
         return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows),

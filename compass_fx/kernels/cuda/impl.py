@@ -37,8 +37,8 @@ from typing import Callable
 
 import torch
 
-from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region,
-                        SetFlag, WaitEvent, WaitFlag, all_reduce_pull_chunks, consumer_group_rows, host_most_pieces_setting,
+from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag, WaitEvent,
+                        WaitFlag, all_reduce_pull_chunks, consumer_group_rows, host_most_pieces_setting,
                         host_piece_bytes, join_start)
 from .. import flag_codes
 from ..issue_order import call_plans
