@@ -246,6 +246,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     from compass_fx.kernels.cuda import impl as cuda
     from compass_fx.kernels.cuda import replay
     from compass_fx.kernels.issue_order import call_plans
+    from compass_fx.kernels.protocol import host_most_pieces_setting, host_piece_bytes
 
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
@@ -308,8 +309,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     host = os.environ["COMPASS_FUSED_TRANSPORT"] == "host"
-    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host, piece_bytes=cuda.host_piece_bytes(),
-                       most_pieces=cuda.host_most_pieces_setting())
+    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host, piece_bytes=host_piece_bytes(),
+                       most_pieces=host_most_pieces_setting())
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
@@ -450,7 +451,7 @@ def main(argv=None) -> int:
     from compass_fx.kernels.cuda import replay
 
     payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
-    from compass_fx.kernels.cuda.impl import host_most_pieces_setting
+    from compass_fx.kernels.protocol import host_most_pieces_setting
 
     payload["host_most_pieces"] = host_most_pieces_setting()  # 0: by the ranks (the fit cuts blocks so)
     t0 = time.time()

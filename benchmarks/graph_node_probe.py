@@ -155,6 +155,24 @@ def device_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
+def alone_and_beside(fn, side: torch.cuda.Stream, gemm):
+    """``fn``'s work on ``side`` (a high-priority stream joined to the caller's before and after),
+    alone and after ``gemm`` is issued on ``side`` too: two functions for :func:`device_ms`."""
+    main = torch.cuda.current_stream()
+
+    def alone():
+        side.wait_stream(main)
+        fn()
+        main.wait_stream(side)
+
+    def beside():
+        side.wait_stream(main)
+        gemm()
+        fn()
+        main.wait_stream(side)
+    return alone, beside
+
+
 def copy_section() -> list[dict]:
     from compass_fx.kernels.cuda import driver, graph_flags
 
@@ -170,7 +188,6 @@ def copy_section() -> list[dict]:
     b = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
     c = torch.empty(8192, 7168, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream(priority=-1)
-    main = torch.cuda.current_stream()
     rows = []
 
     def copies(kind, blocks):
@@ -195,18 +212,7 @@ def copy_section() -> list[dict]:
     gemm_ms = device_ms(lambda: torch.mm(a, b, out=c))
     for kind in ("d2h", "h2d"):
         for blocks in (0, 4, 8, 16, 32, 64):
-            fn = copies(kind, blocks)
-
-            def alone():
-                side.wait_stream(main)
-                fn()
-                main.wait_stream(side)
-
-            def beside():
-                side.wait_stream(main)
-                torch.mm(a, b, out=c)
-                fn()
-                main.wait_stream(side)
+            alone, beside = alone_and_beside(copies(kind, blocks), side, lambda: torch.mm(a, b, out=c))
             try:
                 ok = None
                 if kind == "h2d":
@@ -236,11 +242,7 @@ def copy_section() -> list[dict]:
                 else:
                     writes[i](h)
 
-        def beside():
-            side.wait_stream(main)
-            torch.mm(a, b, out=c)
-            fn()
-            main.wait_stream(side)
+        _, beside = alone_and_beside(fn, side, lambda: torch.mm(a, b, out=c))
         rows.append({"kind": f"d2h+flag:{how}", "blocks": 0, "MiB": pieces * n >> 20, "with_gemm_ms": device_ms(beside),
                      "gemm_ms": gemm_ms})
         print(rows[-1], flush=True)
@@ -550,7 +552,6 @@ def hostmap_section() -> list[dict]:
     b = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
     c = torch.empty(8192, 7168, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream(priority=-1)
-    main = torch.cuda.current_stream()
     gemm_ms = device_ms(lambda: torch.mm(a, b, out=c))
     for name, addr in addresses.items():
         for kind in ("d2h", "h2d"):
@@ -561,16 +562,7 @@ def hostmap_section() -> list[dict]:
                         dst.data_ptr() + i * big, addr + i * big)
                     driver.check(memcpy(d, s_, big, h), "memcpy")
 
-            def alone(fn=fn):
-                side.wait_stream(main)
-                fn()
-                main.wait_stream(side)
-
-            def beside(fn=fn):
-                side.wait_stream(main)
-                torch.mm(a, b, out=c)
-                fn()
-                main.wait_stream(side)
+            alone, beside = alone_and_beside(fn, side, lambda: torch.mm(a, b, out=c))
             try:
                 ok = None
                 if kind == "h2d":  # what the d2h rows just wrote there comes back

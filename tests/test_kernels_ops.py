@@ -1,5 +1,6 @@
 """The compass:: fused operators on real gloo process groups against torch.distributed + torch.mm."""
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -252,20 +253,13 @@ def _agreement_case(rank):
     with pytest.raises(RuntimeError, match=r"disagree on the fused operators' buffer sets in CUDA graphs "
                                            r"\(\[1, 2\]\): set COMPASS_FUSED_GRAPH_BUFFERS alike"):
         _agreed(group, 1 + rank, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
-    saved = {k: os.environ.get(k) for k in ("COMPASS_FUSED_TRANSPORT", "COMPASS_HOST_MOST_PIECES")}
-    try:  # host-staged ranks must cut blocks alike: a piece count set on one rank only is an error
-        os.environ["COMPASS_FUSED_TRANSPORT"] = "host"
+    # host-staged ranks must cut blocks alike: a piece count set on one rank only is an error
+    with mock.patch.dict(os.environ, {"COMPASS_FUSED_TRANSPORT": "host"}):
         assert _agreed_transport(group) == "host"
         os.environ["COMPASS_HOST_MOST_PIECES"] = str(2 + 2 * rank)
         with pytest.raises(RuntimeError, match=r"disagree on the fused operators' transport and host-staged "
                                                r"pieces .*COMPASS_HOST_MOST_PIECES"):
             _agreed_transport(group)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return True
 
 

@@ -533,14 +533,18 @@ def host_most_pieces_setting() -> int:
     """``COMPASS_HOST_MOST_PIECES``: at most this many host-staged pieces a block, or 0 (unset: by
     the number of ranks, :func:`host_most_pieces`)."""
     raw = os.environ.get("COMPASS_HOST_MOST_PIECES")
-    if not raw:
-        return 0
+    return positive_integer("COMPASS_HOST_MOST_PIECES", raw) if raw else 0
+
+
+def positive_integer(name: str, raw: str) -> int:
+    """The value of setting ``name`` given as ``raw``, which must be a positive integer (else a
+    ValueError naming the setting): the one parse of the kernels' integer settings."""
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"COMPASS_HOST_MOST_PIECES must be a positive integer, got {raw!r}")
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
     return value
 
 

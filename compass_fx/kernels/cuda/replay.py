@@ -38,6 +38,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..flag_codes import PERIOD
+from ..protocol import positive_integer
 from . import device_launch, driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
@@ -169,14 +170,7 @@ _warned: list[str] = []
 
 def limit() -> int:
     """``COMPASS_FUSED_REPLAY_GRAPHS`` (default 64): sets of addresses a workspace keeps graphs for."""
-    raw = env("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip()
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"COMPASS_FUSED_REPLAY_GRAPHS must be a positive integer, got {raw!r}")
-    return value
+    return positive_integer("COMPASS_FUSED_REPLAY_GRAPHS", env("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip())
 
 
 def _capture_stream(device_index: int) -> torch.cuda.Stream:
