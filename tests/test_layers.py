@@ -31,10 +31,10 @@ STAGES = {"machine": 0, "cli_args": 0, "groups": 0,  # cli_args: argument types;
           "tools": 5, "cli": 6}  # passes: 2 (finding, deciding) or 4 (the pass); anything else (entry points): 5
 FINDING_AND_DECIDING = {"passes.match", "passes.agree", "passes.decide"}
 KERNEL_STAGES = {"kernels.schedules": 0, "kernels.protocol": 1, "kernels.flag_codes": 1,  # the plans: pure Python
-                 "kernels.issue_order": 2,
+                 "kernels.issue_order": 2, "kernels.graph_order": 2,
                  "kernels.simulate": 3, "kernels.reference": 3, "kernels.cuda": 4,  # what runs them
                  "kernels.ops": 5, "kernels": 6}  # the torch.library surface, then the package
-PURE_PLANS = ("kernels.schedules", "kernels.protocol", "kernels.issue_order")
+PURE_PLANS = ("kernels.schedules", "kernels.protocol", "kernels.issue_order", "kernels.graph_order")
 
 
 def _module(path: Path) -> str:

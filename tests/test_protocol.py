@@ -711,3 +711,117 @@ def test_a_batched_run_waits_first_for_the_flag_its_peers_set_last(world):
             assert when[0] == max(when), (plan.rank, waits, when)
             runs += 1
     assert runs >= 2 * world
+
+
+def _in_dependency_order(plan: pr.Plan, rng) -> pr.Plan:
+    """``plan`` with its commands in a random order of its dependencies alone (stream order and
+    events), as a CUDA graph launch may hand a captured call's nodes to the hardware queues."""
+    cmds = plan.commands
+    after: dict[int, list[int]] = {i: [] for i in range(len(cmds))}
+    needs = [0] * len(cmds)
+    last_on: dict[str, int] = {}
+    recorded: dict[str, int] = {}
+    for i, cmd in enumerate(cmds):
+        before = [last_on[cmd.stream]] if cmd.stream in last_on else []
+        if isinstance(cmd, pr.WaitEvent):
+            before.append(recorded[cmd.event])
+        for j in before:
+            after[j].append(i)
+            needs[i] += 1
+        last_on[cmd.stream] = i
+        if isinstance(cmd, pr.Record):
+            recorded[cmd.event] = i
+    ready = [i for i in range(len(cmds)) if not needs[i]]
+    order = []
+    while ready:
+        i = ready.pop(int(rng.random() * len(ready)))
+        order.append(cmds[i])
+        for k in after[i]:
+            needs[k] -= 1
+            if not needs[k]:
+                ready.append(k)
+    assert len(order) == len(cmds)
+    return replace(plan, commands=tuple(order))
+
+
+def test_a_replay_graph_without_guards_can_hang_on_a_shared_queue():
+    """What two ranks sharing one H200 hit (the host-staged reduce-scatter of 8192 rows in two
+    pieces a block, replayed): a graph may queue a rank's wait for the peer's first partial sum
+    ahead of its own first publication; with both on one queue each rank waits behind its own
+    wait.  The guarded plans (graph_order) never do, in the same orders."""
+    import random
+
+    from compass_fx.kernels.graph_order import guarded
+
+    plans = [call_plans("matmul_reduce_scatter", "direct", 2, r, 32, K, 1, 8, True, piece_bytes=128,
+                        most_pieces=2)[0] for r in range(2)]
+    assert sum(isinstance(c, pr.SetFlag) for c in plans[0].commands) == 2  # two pieces, as on the GPU
+    hung = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        try:
+            _run_stage([_in_dependency_order(p, rng) for p in plans], 32, n_calls=2, seed=seed, one_queue=True)
+        except Deadlock:
+            hung += 1
+        rng = random.Random(seed)
+        _run_stage([_in_dependency_order(guarded(p), rng) for p in plans], 32, n_calls=2, seed=seed, one_queue=True)
+    assert hung >= 6, f"{hung} of 12 dependency orders of the unguarded plans hung"
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_guarded_plans_complete_in_any_dependency_order_on_one_queue(op, world):
+    """A replay graph of the guarded plans (graph_order.guarded, batched waits as replays batch
+    them) completes call after call with every result right, whatever order of its dependencies
+    the graph's launch queues it in, every stream of a rank on one queue, both transports, every
+    schedule."""
+    import random
+
+    from compass_fx.kernels.graph_order import guarded
+
+    rows = 16 * world
+    for schedule in SCHEDULES:
+        for host in (False, True):
+            per_rank = [call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64) for r in range(world)]
+            for stage, plans in enumerate(zip(*per_rank)):
+                stage_rows = rows if stage == 0 else rows // world
+                for seed in range(3):
+                    rng = random.Random(seed * 31 + world)
+                    ordered = [_in_dependency_order(guarded(_waits_batched(p)), rng) for p in plans]
+                    _run_stage(ordered, stage_rows, n_calls=3, seed=seed, one_queue=True)
+
+
+def test_guards_put_every_earlier_flag_set_before_each_wait():
+    """In a guarded plan every flag wait depends (stream order and events) on every flag its rank
+    set before it in the issue order, on any stream; nothing is added where the plan has no wait
+    after a flag set on another stream."""
+    from compass_fx.kernels.graph_order import guarded, guards
+
+    checked = 0
+    for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        for world in (2, 4, 8):
+            for host in (False, True):
+                plan = call_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                safe = guarded(plan)
+                ancestors: list[set[int]] = []
+                last_on: dict[str, int] = {}
+                recorded: dict[str, int] = {}
+                for i, cmd in enumerate(safe.commands):
+                    mine = set()
+                    for j in ([last_on[cmd.stream]] if cmd.stream in last_on else []) + (
+                            [recorded[cmd.event]] if isinstance(cmd, pr.WaitEvent) else []):
+                        mine |= ancestors[j] | {j}
+                    ancestors.append(mine)
+                    last_on[cmd.stream] = i
+                    if isinstance(cmd, pr.Record):
+                        recorded[cmd.event] = i
+                    if isinstance(cmd, pr.WaitFlag):
+                        earlier_sets = {j for j in range(i) if isinstance(safe.commands[j], pr.SetFlag)}
+                        assert earlier_sets <= mine, (op, world, host, i, earlier_sets - mine)
+                        checked += 1
+                assert [c for c in safe.commands if not isinstance(c, (pr.Record, pr.WaitEvent))] == \
+                    [c for c in plan.commands if not isinstance(c, (pr.Record, pr.WaitEvent))]
+                assert len(safe.commands) == len(plan.commands) + 2 * len(guards(plan))
+    assert checked > 100
+    gather = call_plans("all_gather_matmul", "direct", 2, 0, 32, K, 1, 8, False)[0]
+    assert not guards(gather) and guarded(gather) is gather  # the peer gather sets no flag before a wait elsewhere

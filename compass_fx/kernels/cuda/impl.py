@@ -40,7 +40,7 @@ import torch
 from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag, WaitEvent,
                         WaitFlag, all_reduce_pull_chunks, consumer_group_rows, host_most_pieces_setting,
                         host_piece_bytes, join_start)
-from .. import flag_codes
+from .. import flag_codes, graph_order
 from ..issue_order import call_plans
 from ..reference import resolve_group
 from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
@@ -160,6 +160,10 @@ class _Workspace:
         group = resolve_group(group_name, plan.world_size)[0]
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
         index = self.device_index = _device_index(device)
+        # what a CUDA graph of a call holds (a replay's, or a captured call's): the plan with the
+        # dependencies that keep a graph's launch from queueing a wait ahead of an earlier publication
+        graph_plan = graph_order.guarded(plan) if replay.graph_guards() else plan
+        plan = graph_plan if captured else plan
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.captured = captured  # replayed from CUDA graphs: the epoch and the fence's target on the GPU
         self.copies = (_agreed(group, graph_buffer_sets(), "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
@@ -180,7 +184,7 @@ class _Workspace:
                         for name, rows in plan.private_rows.items()}
         self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
                       for _ in range(plan.stage_slots)]
-        self.events = {c.event: torch.cuda.Event() for c in plan.commands if isinstance(c, Record)}
+        self.events = {c.event: torch.cuda.Event() for c in graph_plan.commands if isinstance(c, Record)}
         if captured:
             self.device_epoch = torch.zeros(1, dtype=torch.int32, device=device)
             self.status = torch.zeros(1, dtype=torch.int32).pin_memory()  # a timed-out wait's code, 0: none
@@ -203,18 +207,19 @@ class _Workspace:
         self.replays = None if captured or not replay.enabled() else replay.Replays(index)
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
         # from host memory (and, opted in, the flag waits) as kernels (replay.node_kinds)
-        self.replay_steps = self.steps
+        self.replay_steps = self.steps if graph_plan is plan else [
+            [self._compile(c, phase, i) for i, c in enumerate(graph_plan.commands)] for phase in range(self.phases)]
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
         # a replay graph's last node counts the replays that finished (the watchdog reads the count
         # from host memory); without our kernels, a replayed call records an event from a pool
         self.progress: watchdog.Progress | None = None
         self.count = None
         if self.replays is not None and replay.kernel_nodes(index):
-            self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(plan.commands)]
+            self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(graph_plan.commands)]
                                  for phase in range(self.phases)]
             if replay.wait_batches():
                 for phase, steps in enumerate(self.replay_steps):
-                    self._batch_waits(steps, phase)
+                    self._batch_waits(graph_plan, steps, phase)
             self.progress = watchdog.Progress()
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
@@ -415,13 +420,13 @@ class _Workspace:
             return lambda streams: handle
         return lambda streams: streams[MAIN].cuda_stream
 
-    def _batch_waits(self, steps: list[Step], phase: int) -> None:
+    def _batch_waits(self, plan: Plan, steps: list[Step], phase: int) -> None:
         """A replay's runs of flag waits (:meth:`..protocol.Plan.wait_runs`) as one batch of
         stream waits each, at the run's first wait (the run's other waits issue nothing): one
         node of the replay graph instead of one per wait.  Each wait is the eager call's (the
         same flag, the same accepted bits), so the watchdog bounds and releases it as before."""
-        for run in self.plan.wait_runs():
-            waits = [self.plan.commands[i] for i in run]
+        for run in plan.wait_runs():
+            waits = [plan.commands[i] for i in run]
             launch = driver.wait_all([(self._awaited_flag(c), flag_codes.mask(phase + c.delta), driver.WAIT_AND)
                                       for c in waits])
             stream_of = self._stream_of(waits[0].stream)

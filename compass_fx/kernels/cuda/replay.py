@@ -102,6 +102,15 @@ def host_copies_as_kernels() -> bool:
     return _switch("COMPASS_REPLAY_HOST_COPIES", "engine", ("kernel", "engine"))
 
 
+def graph_guards() -> bool:
+    """``COMPASS_GRAPH_GUARDS`` = ``1`` (default) or ``0``: whether the CUDA graphs of fused calls
+    (replays, and calls captured in a graph of the caller's) hold :mod:`..graph_order`'s guards,
+    which keep a graph's launch from queueing a flag wait ahead of an earlier publication of its
+    rank on a shared hardware queue (read when a workspace is built; ``0`` only to measure what
+    they cost)."""
+    return _switch("COMPASS_GRAPH_GUARDS", "1", ("1", "0"))
+
+
 def flag_writes_as_kernels() -> bool:
     """``COMPASS_REPLAY_FLAG_WRITES`` = ``kernel`` (default) or ``stream``: how a replay graph sets
     a flag (a one-thread kernel, or the stream memory operation an issued call uses)."""
