@@ -158,6 +158,17 @@ def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pie
                                       most_pieces=most_pieces))
 
 
+def _run_most_pieces(run: dict, world: int) -> int:
+    """At most how many host-staged pieces a block the run cut at ``world`` ranks: what it recorded
+    per world; runs before that name the setting alone (0: by the ranks, then 8 a block at two
+    ranks, 4 at four, 2 beyond), runs before the cap by ranks nothing (8 a block)."""
+    by_world = run.get("host_most_pieces_by_world", {}).get(str(world))
+    if by_world:
+        return by_world
+    setting = run.get("host_most_pieces", 8)
+    return setting or max(2, min(8, 16 // world))
+
+
 def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
     """The replayed fused call's host constants fitted to ``fused_host_time.py`` runs (name ->
     payload): the ``.graph`` host time of each case at ``world`` ranks, scaled by its run's launch
@@ -175,7 +186,7 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
         speed = ratios[len(ratios) // 2]
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
-        most = run.get("host_most_pieces", 8)  # runs before the cap by ranks name none: 8 a block
+        most = _run_most_pieces(run, world)
         points += [(_slow_nodes(r, world, host, batched, most), r["host_us_graph"] / speed, "host" if host else "peer")
                    for r in run["rows"] if r["world"] == world and r.get("host_us_graph")]
     n = len(points)

@@ -22,6 +22,8 @@ run.  "direct" is what the compiler runs without peer access (a forced ring is r
 the rings are run too, to record how they behave here.
 
     python benchmarks/fused_host_stress.py      # one GPU: writes fused_host_stress-h200.{json,md}
+    COMPASS_HOST_MOST_PIECES=2 python benchmarks/fused_host_stress.py --worlds 2 --schedules direct \
+        --shapes matmul_reduce_scatter:8192:4096:7168 --calls 60   # chosen cases (replay-order)
 """
 from __future__ import annotations
 
@@ -174,12 +176,23 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
     return rows
 
 
-def cases(worlds: list[int]) -> list[dict]:
+def cases(worlds: list[int], shapes: str = "", schedules: tuple[str, ...] = ("direct", "ring", "double_ring")
+          ) -> list[dict]:
+    """Every world x shape x schedule.  ``shapes``: ``kind:m:n:k`` cases, comma-separated (``m``: the
+    rows of A, every rank's together for a gather), instead of :data:`SHAPES` (whose rows are per rank)."""
+    chosen = [(kind, rows, n, k, False) for kind, rows, n, k in SHAPES]
+    if shapes:
+        chosen = []
+        for spec in shapes.split(","):
+            kind, *sizes = spec.split(":")
+            if kind not in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce") or len(sizes) != 3:
+                raise SystemExit(f"--shapes: {spec!r} is not kind:m:n:k with a fused operator's kind")
+            chosen.append((kind, *map(int, sizes), True))
     out = []
     for world in worlds:
-        for kind, rows, n, k in SHAPES:
-            for schedule in ("direct", "ring", "double_ring"):
-                out.append(dict(kind=kind, world=world, schedule=schedule, m=rows * world, n=n, k=k))
+        for kind, rows, n, k, whole in chosen:
+            for schedule in schedules:
+                out.append(dict(kind=kind, world=world, schedule=schedule, m=rows if whole else rows * world, n=n, k=k))
     return out
 
 
@@ -213,12 +226,15 @@ def main(argv=None) -> int:
     p.add_argument("--mix", action="store_true", help="rank 0 issues one call in five instead of replaying it")
     p.add_argument("--transport", choices=("host", "peer"), default="host",
                    help="how the ranks meet: pinned host memory (default) or each other's GPU buffers (CUDA IPC)")
+    p.add_argument("--shapes", default="", help="kind:m:n:k cases, comma-separated, instead of the default ones "
+                   "(m: rows of A, every rank's together for a gather)")
+    p.add_argument("--schedules", default="direct,ring,double_ring")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_stress runs the CUDA path: it needs a GPU")
-    todo = cases([int(w) for w in args.worlds.split(",")])
+    todo = cases([int(w) for w in args.worlds.split(",")], args.shapes, tuple(args.schedules.split(",")))
     rows, t0 = [], time.time()
     payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix, "transport": args.transport,
                "environment": output.environment(False), "rows": rows}

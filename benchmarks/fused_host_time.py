@@ -451,9 +451,11 @@ def main(argv=None) -> int:
     from compass_fx.kernels.cuda import replay
 
     payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
-    from compass_fx.kernels.protocol import host_most_pieces_setting
+    from compass_fx.kernels.protocol import host_most_pieces, host_most_pieces_setting
 
-    payload["host_most_pieces"] = host_most_pieces_setting()  # 0: by the ranks (the fit cuts blocks so)
+    payload["host_most_pieces"] = host_most_pieces_setting()  # 0: by the ranks
+    payload["host_most_pieces_by_world"] = {w: host_most_pieces(int(w), payload["host_most_pieces"])
+                                            for w in args.worlds.split(",")}  # what the fit cuts blocks to
     t0 = time.time()
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as tmp:

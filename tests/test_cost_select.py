@@ -160,8 +160,8 @@ def test_auto_prices_fused_operators_by_default_only_without_peer_access():
 
 
 def test_a_host_staged_fused_decision_says_into_how_many_pieces_and_why():
-    """The reason names the pieces a block is cut into and the cap by ranks that set them (8 a
-    block at two ranks, 4 at four, 2 beyond), the all-reduce its chunks; a forced fused pair too."""
+    """The reason names the pieces a block is cut into and the cap by ranks that set them (4 a
+    block at two and four ranks, 2 at eight), the all-reduce its chunks; a forced fused pair too."""
     said = {}
     for g in (2, 4, 8):
         for kind, n, k in (("all_gather_matmul", 7168, 4096), ("matmul_all_reduce", 4096, 7168)):
@@ -169,8 +169,8 @@ def test_a_host_staged_fused_decision_says_into_how_many_pieces_and_why():
                      fused_schedules=("direct",))
             assert d.strategy == "fuse"
             said[g, kind] = d.reason.split(", through host memory: ")[1]
-    assert said == {(2, "all_gather_matmul"): "each block in 8 pieces (at most 8 a block at 2 ranks)",
-                    (2, "matmul_all_reduce"): "in 8 chunks (at most 8 at 2 ranks)",
+    assert said == {(2, "all_gather_matmul"): "each block in 4 pieces (at most 4 a block at 2 ranks)",
+                    (2, "matmul_all_reduce"): "in 4 chunks (at most 4 at 2 ranks)",
                     (4, "all_gather_matmul"): "each block in 4 pieces (at most 4 a block at 4 ranks)",
                     (4, "matmul_all_reduce"): "in 4 chunks (at most 4 at 4 ranks)",
                     (8, "all_gather_matmul"): "each block in 2 pieces (at most 2 a block at 8 ranks)",
@@ -227,7 +227,8 @@ def test_a_replayed_call_is_priced_by_its_waits_and_host_memory_copies():
     from compass_fx.kernels.issue_order import call_plans
     from compass_fx.kernels.protocol import Copy, WaitFlag
 
-    (staged_plan,) = call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=True)
+    # eight pieces a block, as the breakdown measured them (before the cap of four at two ranks)
+    (staged_plan,) = call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=True, most_pieces=8)
     (peer_plan,) = call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=False)
     assert sum(isinstance(c, WaitFlag) for c in staged_plan.commands) == 8
     assert sum(isinstance(c, Copy) for c in staged_plan.commands) == 17
@@ -235,8 +236,10 @@ def test_a_replayed_call_is_priced_by_its_waits_and_host_memory_copies():
     assert strategies.replay_slow_nodes(peer_plan, host=False) == 1
     w = Workload("all_gather_matmul", 8192, 7168, 4096, "bfloat16", 2)
     staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
-    difference = (strategies.fused_host_seconds(w, staged, "direct")
-                  - strategies.fused_host_seconds(w, nvlink, "direct"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("COMPASS_HOST_MOST_PIECES", "8")
+        difference = (strategies.fused_host_seconds(w, staged, "direct")
+                      - strategies.fused_host_seconds(w, nvlink, "direct"))
     assert difference == pytest.approx(23 * strategies.FUSED_REPLAY_SLOW_NODE_S)
 
 

@@ -146,13 +146,15 @@ def _waits(plans) -> int:
 
 
 def test_host_staged_pieces_per_block_fall_with_the_ranks():
-    """At most 8 pieces a block at two ranks, 4 at four, 2 from five on (or the setting): a
-    4096-row gather pulls 8 pieces at two ranks, 12 at four, 14 at eight (56 before the cap)."""
-    assert [pr.host_most_pieces(w) for w in (2, 3, 4, 5, 8, 16)] == [8, 5, 4, 3, 2, 2]
+    """At most 4 pieces a block at two to four ranks, 3 at five, 2 from six on (or the setting): a
+    4096-row gather pulls 4 pieces at two ranks, 12 at four, 14 at eight (8, 24 and 56 at eight
+    pieces a block)."""
+    assert [pr.host_most_pieces(w) for w in (2, 3, 4, 5, 8, 16)] == [4, 4, 4, 3, 2, 2]
     assert pr.host_most_pieces(8, setting=8) == 8
     pulls = {w: _waits(call_plans("all_gather_matmul", "direct", w, 0, 4096, 4096, 1, 2, host=True))
              for w in (2, 4, 8)}
-    assert pulls == {2: 8, 4: 12, 8: 14}
+    assert pulls == {2: 4, 4: 12, 8: 14}
+    assert _waits(call_plans("all_gather_matmul", "direct", 2, 0, 4096, 4096, 1, 2, host=True, most_pieces=8)) == 8
     assert _waits(call_plans("all_gather_matmul", "direct", 8, 0, 4096, 4096, 1, 2, host=True, most_pieces=8)) == 56
     # the all-reduce's chunks follow the same cap
     assert pr.host_all_reduce_chunks(32768, 8, 32768 * 4096 * 2) == 2
@@ -177,6 +179,7 @@ def test_the_cost_model_prices_the_cap_as_eight_pieces_a_block(monkeypatch):
             capped = fused_breakdown(w, topo, "direct").seconds
             with monkeypatch.context() as m:  # eight pieces a block at any number of ranks, as before the cap
                 m.setattr(pr, "HOST_PIECES_PER_CALL", 8 * world)
+                m.setattr(pr, "HOST_DEFAULT_MOST_PIECES", 8)
                 eight = fused_breakdown(w, topo, "direct").seconds
             ratios.append(capped / eight)
     assert 0.97 <= min(ratios) and max(ratios) <= 1.01, ratios
@@ -748,14 +751,16 @@ def test_a_replay_graph_without_guards_can_hang_on_a_shared_queue():
     """What two ranks sharing one H200 hit (the host-staged reduce-scatter of 8192 rows in two
     pieces a block, replayed): a graph may queue a rank's wait for the peer's first partial sum
     ahead of its own first publication; with both on one queue each rank waits behind its own
-    wait.  The guarded plans (graph_order) never do, in the same orders."""
+    wait.  The guarded plans (graph_order.graph_plans) never do, in the same orders."""
     import random
 
-    from compass_fx.kernels.graph_order import guarded
+    from compass_fx.kernels.graph_order import graph_plans
 
-    plans = [call_plans("matmul_reduce_scatter", "direct", 2, r, 32, K, 1, 8, True, piece_bytes=128,
-                        most_pieces=2)[0] for r in range(2)]
+    args = ("matmul_reduce_scatter", "direct", 2)
+    sizes = (32, K, 1, 8, True)
+    plans = [call_plans(*args, r, *sizes, piece_bytes=128, most_pieces=2)[0] for r in range(2)]
     assert sum(isinstance(c, pr.SetFlag) for c in plans[0].commands) == 2  # two pieces, as on the GPU
+    graphs = [graph_plans(*args, r, *sizes, piece_bytes=128, most_pieces=2)[0] for r in range(2)]
     hung = 0
     for seed in range(12):
         rng = random.Random(seed)
@@ -763,50 +768,54 @@ def test_a_replay_graph_without_guards_can_hang_on_a_shared_queue():
             _run_stage([_in_dependency_order(p, rng) for p in plans], 32, n_calls=2, seed=seed, one_queue=True)
         except Deadlock:
             hung += 1
-        rng = random.Random(seed)
-        _run_stage([_in_dependency_order(guarded(p), rng) for p in plans], 32, n_calls=2, seed=seed, one_queue=True)
+        _run_stage([_in_dependency_order(p, rng) for p in graphs], 32, n_calls=2, seed=seed, one_queue=True)
     assert hung >= 6, f"{hung} of 12 dependency orders of the unguarded plans hung"
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_guarded_plans_complete_in_any_dependency_order_on_one_queue(op, world):
-    """A replay graph of the guarded plans (graph_order.guarded, batched waits as replays batch
-    them) completes call after call with every result right, whatever order of its dependencies
-    the graph's launch queues it in, every stream of a rank on one queue, both transports, every
-    schedule."""
+def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
+    """A CUDA graph of the guarded plans (graph_order.graph_plans; a replay's batched waits too)
+    completes call after call with every result right, whatever order of its dependencies the
+    graph's launch queues it in, every stream of a rank on one queue, both transports, every
+    schedule, fenced (captured calls) or not."""
     import random
 
-    from compass_fx.kernels.graph_order import guarded
+    from compass_fx.kernels.graph_order import graph_plans
 
     rows = 16 * world
     for schedule in SCHEDULES:
         for host in (False, True):
-            per_rank = [call_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64) for r in range(world)]
-            for stage, plans in enumerate(zip(*per_rank)):
-                stage_rows = rows if stage == 0 else rows // world
-                for seed in range(3):
-                    rng = random.Random(seed * 31 + world)
-                    ordered = [_in_dependency_order(guarded(_waits_batched(p)), rng) for p in plans]
-                    _run_stage(ordered, stage_rows, n_calls=3, seed=seed, one_queue=True)
+            for fence in (False, True):
+                per_rank = [graph_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, fence=fence)
+                            for r in range(world)]
+                for stage, plans in enumerate(zip(*per_rank)):
+                    stage_rows = rows if stage == 0 else rows // world
+                    for seed in range(2):
+                        rng = random.Random(seed * 31 + world)
+                        ordered = [_in_dependency_order(p if fence else _waits_batched(p), rng) for p in plans]
+                        _run_stage(ordered, stage_rows, n_calls=3, seed=seed, one_queue=True, buffers=1 if fence else 2)
 
 
-def test_guards_put_every_earlier_flag_set_before_each_wait():
-    """In a guarded plan every flag wait depends (stream order and events) on every flag its rank
-    set before it in the issue order, on any stream; nothing is added where the plan has no wait
-    after a flag set on another stream."""
-    from compass_fx.kernels.graph_order import guarded, guards
+def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_flag_set():
+    """A graph plan is its call plan with each stream's commands in the same order (the same graph
+    but for the guards), and in it every flag wait depends (stream order and events) on every flag
+    its rank set before it in the graph plan's order."""
+    from compass_fx.kernels.graph_order import graph_plans
 
     checked = 0
     for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         for world in (2, 4, 8):
             for host in (False, True):
                 plan = call_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
-                safe = guarded(plan)
+                graph = graph_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                for stream in pr.STREAMS:
+                    assert [c for c in graph.commands if c.stream == stream and not _guard(c)] == \
+                        [c for c in plan.commands if c.stream == stream], (op, world, host, stream)
                 ancestors: list[set[int]] = []
                 last_on: dict[str, int] = {}
                 recorded: dict[str, int] = {}
-                for i, cmd in enumerate(safe.commands):
+                for i, cmd in enumerate(graph.commands):
                     mine = set()
                     for j in ([last_on[cmd.stream]] if cmd.stream in last_on else []) + (
                             [recorded[cmd.event]] if isinstance(cmd, pr.WaitEvent) else []):
@@ -816,12 +825,29 @@ def test_guards_put_every_earlier_flag_set_before_each_wait():
                     if isinstance(cmd, pr.Record):
                         recorded[cmd.event] = i
                     if isinstance(cmd, pr.WaitFlag):
-                        earlier_sets = {j for j in range(i) if isinstance(safe.commands[j], pr.SetFlag)}
+                        earlier_sets = {j for j in range(i) if isinstance(graph.commands[j], pr.SetFlag)}
                         assert earlier_sets <= mine, (op, world, host, i, earlier_sets - mine)
                         checked += 1
-                assert [c for c in safe.commands if not isinstance(c, (pr.Record, pr.WaitEvent))] == \
-                    [c for c in plan.commands if not isinstance(c, (pr.Record, pr.WaitEvent))]
-                assert len(safe.commands) == len(plan.commands) + 2 * len(guards(plan))
     assert checked > 100
-    gather = call_plans("all_gather_matmul", "direct", 2, 0, 32, K, 1, 8, False)[0]
-    assert not guards(gather) and guarded(gather) is gather  # the peer gather sets no flag before a wait elsewhere
+
+
+def _guard(cmd) -> bool:
+    from compass_fx.kernels.graph_order import GUARD_EVENT
+
+    return isinstance(cmd, (pr.Record, pr.WaitEvent)) and cmd.event.startswith(GUARD_EVENT)
+
+
+def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_it():
+    """Why the graph's order issues waits first: the two-rank reduce-scatter's pull of the peer's
+    first piece depends on the rank's own first publication alone (guards taken from the issue
+    order, which publishes every piece before its first wait, made it wait for all of them: 11-19%
+    of the period on one H200 shared by two ranks)."""
+    from compass_fx.kernels.graph_order import graph_plans, guards
+
+    args = ("matmul_reduce_scatter", "direct", 2, 1, 32, K, 1, 8, True)
+    plan = call_plans(*args, piece_bytes=128, most_pieces=2)[0]
+    graph = graph_plans(*args, piece_bytes=128, most_pieces=2)[0]
+    first_wait = next(i for i, c in enumerate(graph.commands) if isinstance(c, pr.WaitFlag))
+    sets_before = [c.slot for c in graph.commands[:first_wait] if isinstance(c, pr.SetFlag)]
+    assert sets_before == [0]
+    assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]

@@ -10,48 +10,94 @@ replayed the two-rank host-staged reduce-scatter of 8192 rows so (two pieces of 
 each rank waited for the peer's first partial sum with its own first one unpublished, in every
 such run with waits as stream waits, batches or spinning kernels; issued eagerly, or with
 ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (more queues than streams), the same calls completed
-(``benchmarks/results/fused_host_stress``, ``-h200-replay-order``).
+(``benchmarks/results/fused_host_stress/fused_host_stress-h200-replay-order``).
 
-The fix: in a replay, every flag wait depends on every flag its rank set before it in the issue
-order, on any stream (an event from the last such flag set on each other stream; one on the same
-stream precedes it already).  Then whatever a peer needs from a rank before that rank's wait
-was issued is in the graph ahead of the wait, on every queue, as the issue order has it.  What
-the graph may still move ahead of a wait is issued after it, which the issue order's proof allows
-for (a queue may hold it behind the wait).  The cost: a wait starts only once the publications
-issued before it are done, which an eager call on one queue waits for too; the simulator runs
-the guarded plans in random orders of their dependencies on one queue per rank
-(``tests/test_protocol.py``).
+The fix: a graph captures every rank's commands in one more safe order (:func:`waits_first`: found
+as :func:`.issue_order.serialized` finds the issue order, each wait after what releases it, all
+ranks together, in rounds, but issuing a ready flag wait before anything else and at most one
+flag set per rank and round; each stream keeps its order, so the graph is the same but for the
+guards), and in it every flag wait depends on every flag its rank set before it in that order
+(:func:`guarded`: an event from the last such flag set on each other stream; one on the same
+stream precedes it already).  Whatever a peer needs before a wait is released is then in the graph
+ahead of the wait, on every queue, so the issue order's proof holds for the graph's queues with
+this order as its sequence.  Waits come as early as that order allows, so a wait depends on few
+publications: in the reduce-scatter a rank's pull of its peer's first piece waits for its own
+first publication only, not for every publication the issue order puts before it (guards on the
+issue order cost the two-rank reduce-scatter 11-19% of its period on one H200 shared by two ranks:
+``fused_host_time-h200-w2cap4-guards-host-pin-mps50``).  The simulator runs the guarded plans in
+random orders of their dependencies, every stream of a rank on one queue (``tests/test_protocol.py``).
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
+from functools import lru_cache
+from typing import Sequence
 
-from .protocol import Command, Plan, Record, SetFlag, WaitEvent, WaitFlag
+from .issue_order import UnorderablePlan, call_plans
+from .protocol import (HOST_PIECE_BYTES, Command, Plan, Record, SetFlag, WaitEvent, WaitFlag, join_start)
 
 GUARD_EVENT = "graph_guard"  # events named GUARD_EVENT + the guarding flag set's position
 
+Guards = tuple[tuple[int, int], ...]  # (flag set, flag wait) positions in one rank's plan
 
-def guards(plan: Plan) -> tuple[tuple[int, int], ...]:
-    """(flag set, flag wait) positions in ``plan``: the flag set a replay must finish before that
-    wait starts.  For each wait, the last flag set before it on each other stream, unless an
-    earlier wait on the same stream was guarded by it (or a later one) already."""
+
+def waits_first(plans: Sequence[Plan]) -> tuple[Plan, ...]:
+    """Every rank's plan with its commands in a safe order that issues a ready flag wait first and
+    at most one flag set per rank and round (see the module's docstring); the join stays last."""
+    world = len(plans)
+    bodies = [p.commands[:join_start(p)] for p in plans]
+    heads = [_stream_queues(body) for body in bodies]
+    flags: list[set[int]] = [set() for _ in plans]
+    events: list[set[str]] = [set() for _ in plans]
+    orders: list[list[Command]] = [[] for _ in plans]
+    left = sum(len(b) for b in bodies)
+    while left:
+        progressed = False
+        seen = [set(f) for f in flags]  # a rank sees the flags its peers set in earlier rounds
+        for r in range(world):
+            while True:
+                ready = [q[0] for q in heads[r].values() if q and _released(bodies[r][q[0]], seen, events[r])]
+                if not ready:
+                    break
+                waits = [i for i in ready if isinstance(bodies[r][i], WaitFlag)]
+                cmd = bodies[r][min(waits or ready)]
+                heads[r][cmd.stream].popleft()
+                orders[r].append(cmd)
+                left -= 1
+                progressed = True
+                if isinstance(cmd, Record):
+                    events[r].add(cmd.event)
+                if isinstance(cmd, SetFlag):
+                    flags[r].add(cmd.slot)
+                    break
+        if not progressed:
+            raise UnorderablePlan(f"{plans[0].op}: the plans deadlock")
+    return tuple(replace(p, commands=tuple(order) + p.commands[len(body):])
+                 for p, body, order in zip(plans, bodies, orders))
+
+
+def guards(plan: Plan) -> Guards:
+    """The (flag set, flag wait) positions a graph of ``plan`` must order: for each wait, the last
+    flag set before it in the plan's order on each other stream, unless an earlier wait on the same
+    stream was guarded by that one already (flag sets on one stream come in its order)."""
     pairs: list[tuple[int, int]] = []
     last_set: dict[str, int] = {}
-    guarded: dict[tuple[str, str], int] = {}  # (wait's stream, set's stream) -> latest set guarded
+    guarded_by: dict[tuple[str, str], int] = {}  # (wait's stream, set's stream) -> the set guarded last
     for i, cmd in enumerate(plan.commands):
         if isinstance(cmd, SetFlag):
             last_set[cmd.stream] = i
         elif isinstance(cmd, WaitFlag):
             for stream, j in last_set.items():
-                if stream != cmd.stream and guarded.get((cmd.stream, stream), -1) < j:
+                if stream != cmd.stream and guarded_by.get((cmd.stream, stream)) != j:
                     pairs.append((j, i))
-                    guarded[(cmd.stream, stream)] = j
+                    guarded_by[(cmd.stream, stream)] = j
     return tuple(pairs)
 
 
 def guarded(plan: Plan) -> Plan:
     """``plan`` with its :func:`guards` as commands: a ``Record`` right after each guarding flag set
-    and a ``WaitEvent`` on the wait's stream right before the wait (what a replay captures)."""
+    and a ``WaitEvent`` on the wait's stream right before the wait (what a graph captures)."""
     pairs = guards(plan)
     if not pairs:
         return plan
@@ -66,3 +112,30 @@ def guarded(plan: Plan) -> Plan:
         if i in records:
             commands.append(Record(cmd.stream, f"{GUARD_EVENT}{i}"))
     return replace(plan, commands=tuple(commands))
+
+
+@lru_cache(maxsize=256)
+def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
+                itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES, detach: bool = False,
+                group_rows: int = 0, fence: bool = False, most_pieces: int = 0) -> tuple[Plan, ...]:
+    """:func:`.issue_order.call_plans` (same arguments) as a CUDA graph of the call captures them:
+    each stage's plan in :func:`waits_first`'s order, :func:`guarded`."""
+    every = [call_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                        group_rows, fence, most_pieces) for r in range(world)]
+    return tuple(guarded(waits_first(stage)[rank]) for stage in zip(*every))
+
+
+def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
+    """The positions of each stream's commands, in order."""
+    queues: dict[str, deque[int]] = {}
+    for i, cmd in enumerate(body):
+        queues.setdefault(cmd.stream, deque()).append(i)
+    return queues
+
+
+def _released(cmd: Command, flags: list[set[int]], events: set[str]) -> bool:
+    if isinstance(cmd, WaitFlag):
+        return cmd.delta < 0 or cmd.slot in flags[cmd.peer]  # delta < 0: an earlier call's flag
+    if isinstance(cmd, WaitEvent):
+        return cmd.event in events
+    return True

@@ -496,22 +496,28 @@ def host_staged(plan: Plan) -> Plan:
 HOST_PIECE_BYTES = 4 << 20  # host-staged pieces of about 4 MiB (see host_split)
 HOST_MOST_PIECES = 8
 HOST_PIECES_PER_CALL = 16  # pieces per block times ranks (see host_most_pieces)
+HOST_DEFAULT_MOST_PIECES = 4  # pieces a block at two to four ranks (see host_most_pieces)
 
 
 def host_most_pieces(world: int, setting: int = 0) -> int:
     """At most how many host-staged pieces a block is cut into in a group of ``world`` ranks:
-    ``setting`` where given (``COMPASS_HOST_MOST_PIECES``), else 8 at two ranks, 4 at four, 2 from
-    five on (``HOST_PIECES_PER_CALL`` over the ranks, at least 2).
+    ``setting`` where given (``COMPASS_HOST_MOST_PIECES``), else 4 at two to four ranks, 3 at five,
+    2 from six on (``HOST_PIECES_PER_CALL`` over the ranks, at least 2, at most
+    ``HOST_DEFAULT_MOST_PIECES``).
 
-    Why fewer beyond two ranks: the pipeline's fill is one piece of the first block, and the other
-    peers' blocks keep the copy engines busy meanwhile; beyond ~16 pieces pulled per call more only
-    add flag round trips on the device and a copy and a wait to every replay's launch (~3 us of
-    host per piece pulled: graph_node_probe-h200-shape).  The cost model prices this cap at 0.98-
-    1.008x of eight pieces per block for the fused_host_time cases at four and eight ranks
-    (tests/test_protocol.py), and the host's launch with a quarter of the pulls at eight ranks."""
+    Why so few: each piece costs a flag round trip through host memory and a copy and a wait to
+    every replay's launch (~3 us of host per piece pulled: graph_node_probe-h200-shape), and the
+    pipeline's fill, one piece of the first block, shrinks less than that costs.  At two ranks on
+    one H200 under MPS (half the SMs each, one PCIe link: a PCIe pair at half speed) 4 pieces a
+    block instead of 8 shortened the period of every call whose plan changed (0.72-0.96x, two
+    runs; 0.80-0.95x with the SMs shared) and cut its host time (fused_host_time-h200-w2cap*).
+    Beyond four ranks the other peers' blocks keep the copy engines busy through the fill: the cost
+    model prices this cap at 0.98-1.008x of eight pieces per block for the fused_host_time cases at
+    four and eight ranks (tests/test_protocol.py), and the host's launch with a quarter of the
+    pulls at eight ranks (fused_host_time-h200-cap-*)."""
     if setting:
         return setting
-    return max(2, min(HOST_MOST_PIECES, HOST_PIECES_PER_CALL // world))
+    return max(2, min(HOST_DEFAULT_MOST_PIECES, HOST_PIECES_PER_CALL // world))
 
 
 def host_piece_bytes() -> int:

@@ -40,7 +40,8 @@ import torch
 from ..protocol import (COMM, MAIN, PUB, SELF, TAIL, Copy, Matmul, Plan, Record, Reduce, Region, SetFlag, WaitEvent,
                         WaitFlag, all_reduce_pull_chunks, consumer_group_rows, host_most_pieces_setting,
                         host_piece_bytes, join_start)
-from .. import flag_codes, graph_order
+from .. import flag_codes
+from ..graph_order import graph_plans
 from ..issue_order import call_plans
 from ..reference import resolve_group
 from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
@@ -156,14 +157,13 @@ class _Workspace:
     """One rank's buffers, flags, peer addresses and events for one plan."""
 
     def __init__(self, plan: Plan, group_name: str, cols: int, dtype: torch.dtype,
-                 device: torch.device, captured: bool = False) -> None:
+                 device: torch.device, captured: bool = False, graph_plan: Plan | None = None) -> None:
+        """``graph_plan``: what a replay graph of an eager call captures (``plan`` with
+        :mod:`..graph_order`'s guards; a captured workspace's ``plan`` is one already)."""
         group = resolve_group(group_name, plan.world_size)[0]
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
         index = self.device_index = _device_index(device)
-        # what a CUDA graph of a call holds (a replay's, or a captured call's): the plan with the
-        # dependencies that keep a graph's launch from queueing a wait ahead of an earlier publication
-        graph_plan = graph_order.guarded(plan) if replay.graph_guards() else plan
-        plan = graph_plan if captured else plan
+        graph_plan = plan if graph_plan is None else graph_plan
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
         self.captured = captured  # replayed from CUDA graphs: the epoch and the fence's target on the GPU
         self.copies = (_agreed(group, graph_buffer_sets(), "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
@@ -215,8 +215,8 @@ class _Workspace:
         self.progress: watchdog.Progress | None = None
         self.count = None
         if self.replays is not None and replay.kernel_nodes(index):
-            self.replay_steps = [[self._compile(c, phase, i, for_replay=True) for i, c in enumerate(graph_plan.commands)]
-                                 for phase in range(self.phases)]
+            self.replay_steps = [[self._compile(c, phase, i, for_replay=True)
+                                  for i, c in enumerate(graph_plan.commands)] for phase in range(self.phases)]
             if replay.wait_batches():
                 for phase, steps in enumerate(self.replay_steps):
                     self._batch_waits(graph_plan, steps, phase)
@@ -730,12 +730,13 @@ _pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (sha
 _OP_NAMES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}
 
 
-def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, cols: int,
+def _workspace(key: tuple, make_plan: Callable[[bool, bool], Plan], group_name: str, cols: int,
                like: torch.Tensor) -> _Workspace:
     """The workspace of ``key`` for an eager call, or its twin while a CUDA graph is captured: one
-    dict lookup once built.  ``make_plan(fence)``: the plan, fenced for the twin's one set of
-    buffers; ``like``: a tensor of the call's dtype and device (read only when building: a device
-    object per call costs ~1 us)."""
+    dict lookup once built.  ``make_plan(fence, graph)``: the plan, fenced for the twin's one set of
+    buffers, as a CUDA graph captures it where ``graph`` (:func:`..graph_order.graph_plans`);
+    ``like``: a tensor of the call's dtype and device (read only when building: a device object
+    per call costs ~1 us)."""
     captured = _capturing()
     ws = _workspaces.get((key, captured))
     if ws is not None:
@@ -748,10 +749,18 @@ def _workspace(key: tuple, make_plan: Callable[[bool], Plan], group_name: str, c
             "capture forbids)")
     dtype, device = like.dtype, like.device
     watchdog.for_device(_device_index(device)).check_failed()  # a collective rendezvous: not after a failure
-    ws = _workspaces[(key, False)] = _Workspace(make_plan(False), group_name, cols, dtype, device)
+    guards = replay.graph_guards()  # CUDA graphs of the calls hold graph_order's guards
+    ws = _workspaces[(key, False)] = _Workspace(make_plan(False, False), group_name, cols, dtype, device,
+                                                graph_plan=make_plan(False, guards))
     if graphs_enabled():
-        _workspaces[(key, True)] = _Workspace(make_plan(True), group_name, cols, dtype, device, captured=True)
+        _workspaces[(key, True)] = _Workspace(make_plan(True, guards), group_name, cols, dtype, device, captured=True)
     return ws
+
+
+def _plans(graph: bool):
+    """:func:`..issue_order.call_plans`, or where a CUDA graph captures the call
+    :func:`..graph_order.graph_plans` (same arguments)."""
+    return graph_plans if graph else call_plans
 
 
 def _group_rows(cols: tuple[int, ...], device: torch.device) -> int:
@@ -781,7 +790,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     key = ("ag", schedule, group_name, group_size, m, k, cols, a_shard.dtype, a_shard.get_device(), host, deferred)
     ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
     if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("all_gather_matmul", schedule, group_size,
+        ws = _workspace(key, lambda fence, graph: _plans(graph)("all_gather_matmul", schedule, group_size,
                                                       _rank(group_name, group_size), m, k, len(bs),
                                                       a_shard.element_size(), host, host_piece_bytes(),
                                                       detach=deferred, group_rows=_group_rows(cols, a_shard.device),
@@ -808,7 +817,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     key = ("rs", schedule, group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
     ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
     if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("matmul_reduce_scatter", schedule, group_size,
+        ws = _workspace(key, lambda fence, graph: _plans(graph)("matmul_reduce_scatter", schedule, group_size,
                                                       _rank(group_name, group_size), rows, n, 1, a.element_size(),
                                                       host, host_piece_bytes(), detach=deferred, fence=fence,
                                                       most_pieces=host_most_pieces_setting())[0],
@@ -844,7 +853,7 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)
     ws = _workspaces.get((key, _capturing()))  # built: one lookup, no closure
     if ws is None:
-        ws = _workspace(key, lambda fence: call_plans("matmul_all_reduce", schedule, group_size,
+        ws = _workspace(key, lambda fence, graph: _plans(graph)("matmul_all_reduce", schedule, group_size,
                                                       _rank(group_name, group_size), rows, n, 1, a.element_size(),
                                                       host, host_piece_bytes(), detach=deferred, fence=fence,
                                                       most_pieces=host_most_pieces_setting())[0],

@@ -23,8 +23,10 @@ terms (a plan beyond two ranks), which stays reserved for the graph while it liv
 Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
 buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
 differ: their addresses do) and every guarantee of the eager path holds: the same flag waits on
-the same streams (no kernel spins), the watchdog's bounded waits (the replay graph's last node counts it done: watchdog.Progress), the
-issue order (the graph's nodes are captured in it).  ``COMPASS_FUSED_REPLAY=0`` issues every call
+the same streams (no kernel spins), the watchdog's bounded waits (the replay graph's last node
+counts it done: watchdog.Progress), and the issue order's safety where streams share a hardware
+queue (a graph's launch queues its nodes in an order of their dependencies alone, so the graph
+holds :mod:`..graph_order`'s guards besides).  ``COMPASS_FUSED_REPLAY=0`` issues every call
 one command at a time, as before.  A capture that fails turns replays off for the process, with a
 warning, and the call is issued as before.
 """
