@@ -778,7 +778,7 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
     """A CUDA graph of the guarded plans (graph_order.graph_plans; a replay's batched waits too)
     completes call after call with every result right, whatever order of its dependencies the
     graph's launch queues it in, every stream of a rank on one queue, both transports, every
-    schedule, fenced (captured calls) or not."""
+    schedule, fenced (captured calls) or not, detached (deferred calls) or not."""
     import random
 
     from compass_fx.kernels.graph_order import graph_plans
@@ -786,9 +786,9 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
     rows = 16 * world
     for schedule in SCHEDULES:
         for host in (False, True):
-            for fence in (False, True):
-                per_rank = [graph_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, fence=fence)
-                            for r in range(world)]
+            for fence, detach in ((False, False), (True, False), (False, True), (True, True)):
+                per_rank = [graph_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, fence=fence,
+                                        detach=detach) for r in range(world)]
                 for stage, plans in enumerate(zip(*per_rank)):
                     stage_rows = rows if stage == 0 else rows // world
                     for seed in range(2):
