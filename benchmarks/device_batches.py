@@ -79,6 +79,8 @@ def _calibrate(regime: str, env: dict[str, str]) -> Step:
 
 
 GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
+HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MPS: a PCIe pair at half speed
+REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
 BATCHES: dict[str, tuple[Step, ...]] = {
     # Issues 9-11: the operator grid replayed from CUDA graphs (no host issue per part or per fused
     # call), both regimes.  Does InterDecom pay on NVLink without its host cost; do the small fused
@@ -116,6 +118,24 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _grid("h200x2-hoststaged", HOST_STAGED, "--no-symm-mem", deadline_s=150),
         Step("fused_ops-stress", "fused_ops.py", ("--worlds", "2", "--timeout-check", "--tag", "h200x2",
                                                    "--out-dir", RESULTS), 180),
+    ),
+    # One H200 (issue 27), MPS started first (nvidia-cuda-mps-control -d): the graph order's guards
+    # (kernels/graph_order.py) on the GPU.  The cases that hung before any guards (16 MiB pieces,
+    # half the SMs per rank) must pass; the period with and without the guards (the issue order's
+    # guards cost the two-rank reductions 11-26%); the default stress at four and eight ranks.
+    "h200-graph-guards": (
+        Step("stress-replay-order", "fused_host_stress.py",
+             ("--worlds", "2", "--schedules", "direct", "--shapes", REPLAY_ORDER_CASES, "--calls", "60",
+              "--tag", "h200-graph-guards-mps50", "--out-dir", RESULTS), 110,
+             {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "2"}),
+        Step("host_time-guards", "fused_host_time.py",
+             ("--worlds", "2", "--pin", "--tag", "h200-graph-guards-host-pin-mps50", "--out-dir", RESULTS), 70,
+             HALF_THE_SMS),
+        Step("host_time-no-guards", "fused_host_time.py",
+             ("--worlds", "2", "--pin", "--tag", "h200-no-graph-guards-host-pin-mps50", "--out-dir", RESULTS), 70,
+             {**HALF_THE_SMS, "COMPASS_GRAPH_GUARDS": "0"}),
+        Step("stress-w4-w8", "fused_host_stress.py",
+             ("--worlds", "4,8", "--calls", "60", "--tag", "h200-graph-guards-mps", "--out-dir", RESULTS), 250),
     ),
 }
 

@@ -47,12 +47,14 @@ def _parse_with_script(step: Step, monkeypatch) -> argparse.Namespace:
     return parsed.value.args[0]
 
 
-@pytest.mark.parametrize("step", [s for steps in BATCHES.values() for s in steps], ids=lambda s: s.name)
-def test_every_step_parses_with_its_scripts_parser(step, monkeypatch):
+@pytest.mark.parametrize("batch,step", [(b, s) for b, steps in BATCHES.items() for s in steps],
+                         ids=lambda x: x if isinstance(x, str) else x.name)
+def test_every_step_parses_with_its_scripts_parser(batch, step, monkeypatch):
     namespace = _parse_with_script(step, monkeypatch)
     tag = getattr(namespace, "tag", None)
-    if tag is not None:
-        assert tag.startswith("h200x2"), (step.name, tag)   # every batch here is for the two-GPU machine
+    if tag is not None:  # the machine in the results' names: x2-* batches two GPUs, h200-* one
+        machine = "h200x2" if batch.startswith("x2-") else "h200-"
+        assert batch.startswith(("x2-", "h200-")) and tag.startswith(machine), (batch, step.name, tag)
         assert ("hoststaged" in tag) == (step.env.get("NCCL_P2P_DISABLE") == "1"), step.name
     out = getattr(namespace, "out_dir", None) or getattr(namespace, "out", None)
     assert out and out.startswith("/tmp/results"), (step.name, out)  # results land under OUT/results
