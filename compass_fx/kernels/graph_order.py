@@ -29,13 +29,12 @@ random orders of their dependencies, every stream of a rank on one queue (``test
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import replace
 from functools import lru_cache
 from typing import Sequence
 
-from .issue_order import UnorderablePlan, call_plans
-from .protocol import (HOST_PIECE_BYTES, Command, Plan, Record, SetFlag, WaitEvent, WaitFlag, join_start)
+from .issue_order import call_plans, serialized
+from .protocol import HOST_PIECE_BYTES, Command, Plan, Record, SetFlag, WaitEvent, WaitFlag
 
 GUARD_EVENT = "graph_guard"  # events named GUARD_EVENT + the guarding flag set's position
 
@@ -45,36 +44,7 @@ Guards = tuple[tuple[int, int], ...]  # (flag set, flag wait) positions in one r
 def waits_first(plans: Sequence[Plan]) -> tuple[Plan, ...]:
     """Every rank's plan with its commands in a safe order that issues a ready flag wait first and
     at most one flag set per rank and round (see the module's docstring); the join stays last."""
-    world = len(plans)
-    bodies = [p.commands[:join_start(p)] for p in plans]
-    heads = [_stream_queues(body) for body in bodies]
-    flags: list[set[int]] = [set() for _ in plans]
-    events: list[set[str]] = [set() for _ in plans]
-    orders: list[list[Command]] = [[] for _ in plans]
-    left = sum(len(b) for b in bodies)
-    while left:
-        progressed = False
-        seen = [set(f) for f in flags]  # a rank sees the flags its peers set in earlier rounds
-        for r in range(world):
-            while True:
-                ready = [q[0] for q in heads[r].values() if q and _released(bodies[r][q[0]], seen, events[r])]
-                if not ready:
-                    break
-                waits = [i for i in ready if isinstance(bodies[r][i], WaitFlag)]
-                cmd = bodies[r][min(waits or ready)]
-                heads[r][cmd.stream].popleft()
-                orders[r].append(cmd)
-                left -= 1
-                progressed = True
-                if isinstance(cmd, Record):
-                    events[r].add(cmd.event)
-                if isinstance(cmd, SetFlag):
-                    flags[r].add(cmd.slot)
-                    break
-        if not progressed:
-            raise UnorderablePlan(f"{plans[0].op}: the plans deadlock")
-    return tuple(replace(p, commands=tuple(order) + p.commands[len(body):])
-                 for p, body, order in zip(plans, bodies, orders))
+    return serialized(plans, waits_first=True)
 
 
 def guards(plan: Plan) -> Guards:
@@ -124,18 +94,3 @@ def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: 
                         group_rows, fence, most_pieces) for r in range(world)]
     return tuple(guarded(waits_first(stage)[rank]) for stage in zip(*every))
 
-
-def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
-    """The positions of each stream's commands, in order."""
-    queues: dict[str, deque[int]] = {}
-    for i, cmd in enumerate(body):
-        queues.setdefault(cmd.stream, deque()).append(i)
-    return queues
-
-
-def _released(cmd: Command, flags: list[set[int]], events: set[str]) -> bool:
-    if isinstance(cmd, WaitFlag):
-        return cmd.delta < 0 or cmd.slot in flags[cmd.peer]  # delta < 0: an earlier call's flag
-    if isinstance(cmd, WaitEvent):
-        return cmd.event in events
-    return True

@@ -71,9 +71,11 @@ class UnorderablePlan(ValueError):
     """No order of the plans' commands completes: the plans deadlock even stream by stream."""
 
 
-def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
+def serialized(plans: Sequence[Plan], waits_first: bool = False) -> tuple[Plan, ...]:
     """Every rank's plan (``plans[r]`` is rank ``r``'s, one call of one operator) with its commands
-    in an issue order that completes when all of a rank's streams share one queue."""
+    in an issue order that completes when all of a rank's streams share one queue.  ``waits_first``:
+    a ready flag wait goes before anything else, and a rank sets at most one flag per round (the
+    order :mod:`.graph_order` guards a CUDA graph's waits by: each wait after few flag sets)."""
     world = len(plans)
     if [p.rank for p in plans] != list(range(world)):
         raise ValueError(f"serialized needs one plan per rank, in rank order; got ranks {[p.rank for p in plans]}")
@@ -89,16 +91,18 @@ def serialized(plans: Sequence[Plan]) -> tuple[Plan, ...]:
         progressed = False
         seen = [set(f) for f in flags]
         for r in range(world):
-            while (i := _next_ready(bodies[r], heads[r], seen, events[r])) is not None:
+            while (i := _next_ready(bodies[r], heads[r], seen, events[r], waits_first)) is not None:
                 cmd = bodies[r][i]
                 heads[r][cmd.stream].popleft()
                 orders[r].append(cmd)
-                if isinstance(cmd, SetFlag):
-                    flags[r].add(cmd.slot)
-                elif isinstance(cmd, Record):
-                    events[r].add(cmd.event)
                 left -= 1
                 progressed = True
+                if isinstance(cmd, SetFlag):
+                    flags[r].add(cmd.slot)
+                    if waits_first:
+                        break
+                elif isinstance(cmd, Record):
+                    events[r].add(cmd.event)
         if not progressed:
             stuck = [f"rank {r}: {bodies[r][min(q[0] for q in heads[r].values() if q)]}"
                      for r in range(world) if any(heads[r].values())]
@@ -116,10 +120,12 @@ def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
 
 
 def _next_ready(body: tuple[Command, ...], heads: dict[str, deque[int]], flags: list[set[int]],
-                events: set[str]) -> int | None:
+                events: set[str], waits_first: bool = False) -> int | None:
     """Of the commands next on their streams and waiting for nothing still to come, the first in
-    the plan's order."""
+    the plan's order (``waits_first``: the first flag wait, if any is ready)."""
     ready = [q[0] for q in heads.values() if q and _released(body[q[0]], flags, events)]
+    if waits_first:
+        ready = [i for i in ready if isinstance(body[i], WaitFlag)] or ready
     return min(ready) if ready else None
 
 
