@@ -773,7 +773,7 @@ def test_a_replay_graph_without_guards_can_hang_on_a_shared_queue():
 
 
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
     """A CUDA graph of the guarded plans (graph_order.graph_plans; a replay's batched waits too)
     completes call after call with every result right, whatever order of its dependencies the
