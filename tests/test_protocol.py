@@ -716,24 +716,31 @@ def test_a_batched_run_waits_first_for_the_flag_its_peers_set_last(world):
     assert runs >= 2 * world
 
 
+def _dependencies(plan: pr.Plan) -> list[list[int]]:
+    """Per command of ``plan``, the positions it directly depends on in a CUDA graph captured from
+    it: the previous command on its stream and, for a ``WaitEvent``, the event's ``Record``."""
+    deps: list[list[int]] = []
+    last_on: dict[str, int] = {}
+    recorded: dict[str, int] = {}
+    for i, cmd in enumerate(plan.commands):
+        deps.append(([last_on[cmd.stream]] if cmd.stream in last_on else [])
+                    + ([recorded[cmd.event]] if isinstance(cmd, pr.WaitEvent) else []))
+        last_on[cmd.stream] = i
+        if isinstance(cmd, pr.Record):
+            recorded[cmd.event] = i
+    return deps
+
+
 def _in_dependency_order(plan: pr.Plan, rng) -> pr.Plan:
     """``plan`` with its commands in a random order of its dependencies alone (stream order and
     events), as a CUDA graph launch may hand a captured call's nodes to the hardware queues."""
     cmds = plan.commands
     after: dict[int, list[int]] = {i: [] for i in range(len(cmds))}
     needs = [0] * len(cmds)
-    last_on: dict[str, int] = {}
-    recorded: dict[str, int] = {}
-    for i, cmd in enumerate(cmds):
-        before = [last_on[cmd.stream]] if cmd.stream in last_on else []
-        if isinstance(cmd, pr.WaitEvent):
-            before.append(recorded[cmd.event])
+    for i, before in enumerate(_dependencies(plan)):
         for j in before:
             after[j].append(i)
-            needs[i] += 1
-        last_on[cmd.stream] = i
-        if isinstance(cmd, pr.Record):
-            recorded[cmd.event] = i
+        needs[i] = len(before)
     ready = [i for i in range(len(cmds)) if not needs[i]]
     order = []
     while ready:
@@ -813,20 +820,11 @@ def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_fla
                     assert [c for c in graph.commands if c.stream == stream and not _guard(c)] == \
                         [c for c in plan.commands if c.stream == stream], (op, world, host, stream)
                 ancestors: list[set[int]] = []
-                last_on: dict[str, int] = {}
-                recorded: dict[str, int] = {}
-                for i, cmd in enumerate(graph.commands):
-                    mine = set()
-                    for j in ([last_on[cmd.stream]] if cmd.stream in last_on else []) + (
-                            [recorded[cmd.event]] if isinstance(cmd, pr.WaitEvent) else []):
-                        mine |= ancestors[j] | {j}
-                    ancestors.append(mine)
-                    last_on[cmd.stream] = i
-                    if isinstance(cmd, pr.Record):
-                        recorded[cmd.event] = i
+                for i, (cmd, before) in enumerate(zip(graph.commands, _dependencies(graph))):
+                    ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
                     if isinstance(cmd, pr.WaitFlag):
                         earlier_sets = {j for j in range(i) if isinstance(graph.commands[j], pr.SetFlag)}
-                        assert earlier_sets <= mine, (op, world, host, i, earlier_sets - mine)
+                        assert earlier_sets <= ancestors[i], (op, world, host, i, earlier_sets - ancestors[i])
                         checked += 1
     assert checked > 100
 

@@ -207,8 +207,7 @@ class _Workspace:
         self.replays = None if captured or not replay.enabled() else replay.Replays(index)
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
         # from host memory (and, opted in, the flag waits) as kernels (replay.node_kinds)
-        self.replay_steps = self.steps if graph_plan is plan else [
-            [self._compile(c, phase, i) for i, c in enumerate(graph_plan.commands)] for phase in range(self.phases)]
+        self.replay_steps = self.steps
         self.watched = watchdog.Watched(self._diagnose, what=f"compass::{plan.op} on rank {plan.rank}")
         # a replay graph's last node counts the replays that finished (the watchdog reads the count
         # from host memory); without our kernels, a replayed call records an event from a pool
@@ -224,6 +223,9 @@ class _Workspace:
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
         elif self.replays is not None:
+            if graph_plan is not plan:
+                self.replay_steps = [[self._compile(c, phase, i) for i, c in enumerate(graph_plan.commands)]
+                                     for phase in range(self.phases)]
             self.dog.prefill(self.watched, 16)
 
     def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
