@@ -228,6 +228,8 @@ def _arena_case(rank):
         assert bool((g == peer + 1).all()), (rank, peer)
         assert int(arena.view(peer, layout.offsets["flags"], (5,), torch.int32)[2]) == 10 + peer
         assert arena.device_address(peer, 8) == arena.view(peer, 0, (1,), torch.uint8).data_ptr() + 8
+        # one stride from each rank's region to the next: a round of pulls is one 2D copy (copy_runs)
+        assert arena.device_address(peer) == arena.device_address(0) + peer * arena.stride
     with pytest.raises(ValueError, match="does not fit"):
         arena.view(rank, layout.nbytes - 2, (4,), torch.int32)
     dist.barrier()  # nobody unmaps while a peer still reads

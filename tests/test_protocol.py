@@ -656,7 +656,7 @@ def _waits_batched(plan: pr.Plan) -> pr.Plan:
     return replace(plan, commands=tuple(cmds))
 
 
-def test_wait_runs_are_a_streams_waits_for_one_slot_with_only_its_copies_between():
+def test_wait_runs_are_a_streams_waits_side_by_side_or_for_one_slot_with_only_its_copies_between():
     c = pr.Copy(pr.COMM, pr.Region("STAGE", 0, 1), pr.Region("P", 0, 1, owner=1))
     plan = pr.Plan("toy", 0, 4, (pr.WaitFlag(pr.COMM, 1, 0), c, pr.WaitFlag(pr.COMM, 2, 0), c,
                                  pr.WaitFlag(pr.COMM, 3, 0),  # run 0, 2, 4
@@ -664,24 +664,29 @@ def test_wait_runs_are_a_streams_waits_for_one_slot_with_only_its_copies_between
                                  pr.WaitFlag(pr.MAIN, 2, 1),  # another stream: no run with the one before
                                  pr.WaitFlag(pr.MAIN, 3, 1), pr.WaitFlag(pr.MAIN, 1, 2, delta=-1),  # run 8, 9
                                  pr.Copy(pr.MAIN, pr.Region("OUT", 0, 1), pr.Region("P", 0, 1)),
-                                 pr.WaitFlag(pr.MAIN, 1, 3), pr.WaitFlag(pr.MAIN, 1, 4),  # slots 3, 4: apart
-                                 pr.WaitFlag(pr.MAIN, 2, 4)), 5)  # run 13, 14
-    assert plan.wait_runs() == ((0, 2, 4), (8, 9), (13, 14))  # the earlier call's wait (delta -1) is no part of one
+                                 pr.WaitFlag(pr.MAIN, 1, 3), pr.WaitFlag(pr.MAIN, 1, 4),  # slots 3, 4 side by side
+                                 pr.WaitFlag(pr.MAIN, 2, 4),  # run 12, 13, 14
+                                 pr.WaitFlag(pr.COMM, 1, 5), c, pr.WaitFlag(pr.COMM, 2, 6), c), 7)  # slots 5, 6: a copy between, apart
+    assert plan.wait_runs() == ((0, 2, 4), (8, 9), (12, 13, 14))  # the earlier call's wait (delta -1) is no part of one
     # a host-staged all-reduce at two ranks waits for one peer's pieces, published one after
     # another: each copy keeps its overlap with the next piece's publication (no runs)
     assert call_plans("matmul_all_reduce", "direct", 2, 0, 8192, 4096, 1, 2, True)[0].wait_runs() == ()
     assert [len(r) for r in call_plans("matmul_all_reduce", "direct", 8, 0, 8192, 4096, 1, 2, False)[0].wait_runs()] \
         == [7, 7, 7, 7]  # each chunk's pulls from the 7 peers, reduced then gathered
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):  # each pull's own event follows it: no runs
-        for host in (False, True):
-            assert all(p.wait_runs() == () for p in call_plans(op, "direct", 8, 0, 4096, 4096, 1, 2, host))
+        assert all(p.wait_runs() == () for p in call_plans(op, "direct", 8, 0, 4096, 4096, 1, 2, False))
+    assert call_plans("matmul_reduce_scatter", "direct", 8, 0, 4096, 4096, 1, 2, True)[0].wait_runs() == ()
+    # host-staged, the gather pulls in rounds (grouped_pulls): one batch per part of the peers' blocks
+    gather = call_plans("all_gather_matmul", "direct", 4, 0, 4096, 4096, 1, 2, True)[0]
+    assert [len(r) for r in gather.wait_runs()] == [3] * 4
 
 
 @pytest.mark.parametrize("host", [False, True])
 def test_batched_waits_keep_every_result_and_never_deadlock(host):
     """The all-reduce's runs of waits waited for in full at the first (as a replay with batched
-    waits issues them), every rank so, late ranks and streams sharing one queue too: every call's
-    result right, no deadlock (the simulator raises on one)."""
+    waits issues them; host-staged, as the plans order them), every rank so, late ranks and
+    streams sharing one queue too: every call's result right, no deadlock (the simulator raises
+    on one)."""
     checked = 0
     worlds = (3, 4, 8)
     for world in worlds:
@@ -690,7 +695,9 @@ def test_batched_waits_keep_every_result_and_never_deadlock(host):
                     for r in range(world)]
         for stage, plans in enumerate(zip(*per_rank)):
             batched = [_waits_batched(p) for p in plans]
-            assert batched != list(plans) and all(len(b.commands) == len(p.commands) for b, p in zip(batched, plans))
+            # host-staged, the plans put a pull's waits first themselves (grouped_pulls): nothing to move
+            assert (batched == list(plans)) == host and all(len(b.commands) == len(p.commands)
+                                                            for b, p in zip(batched, plans))
             for one_queue in (False, True):
                 _run_stage(batched, rows, n_calls=12, seed=world + stage, one_queue=one_queue, lateness=0.5)
                 checked += 1

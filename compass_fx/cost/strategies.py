@@ -237,13 +237,17 @@ def replay_slow_nodes(plan, host: bool, batched_waits: bool = True) -> int:
     ``kernels/cuda/impl._compile_replay`` captures them by default): its flag waits (stream waits;
     with ``batched_waits``, as by default, each of the plan's runs of waits one node:
     ``Plan.wait_runs``) and, on the host-staged transport, its copies to or from host memory
-    (copy-engine copies)."""
+    (copy-engine copies; each run of pulls, ``Plan.copy_runs``, as at most two: the peers below
+    the rank and those above it, ``kernels/cuda/copy_runs``)."""
     from ..kernels.protocol import Copy, WaitFlag
 
     waits = sum(1 for c in plan.commands if isinstance(c, WaitFlag))
     if batched_waits:
         waits -= sum(len(run) - 1 for run in plan.wait_runs())
-    return waits + sum(1 for c in plan.commands if host and isinstance(c, Copy) and plan.crosses_symmetric(c))
+    if not host:
+        return waits
+    copies = sum(1 for c in plan.commands if isinstance(c, Copy) and plan.crosses_symmetric(c))
+    return waits + copies - sum(len(run) - min(2, len(run)) for run in plan.copy_runs())
 
 
 def _fused_plans(w: Workload, topo: Topology, schedule: str) -> tuple[list, bool]:

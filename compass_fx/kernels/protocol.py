@@ -176,8 +176,10 @@ class Plan:
         last), and no other command, stream, event or peer sees the points between the waits;
         whatever follows the run waited for every flag of it already, so the order stays as safe
         as it was (streams sharing a hardware queue too).  Waits for different slots (one peer's
-        consecutive pieces, or another stage's flags) are not joined: those flags are set one after
-        another, and a copy behind the later one would lose its overlap with it.
+        consecutive pieces, or another stage's flags) are joined only where they follow each other
+        with nothing between (a round of :func:`grouped_pulls`): the stream waits for all of them
+        there anyway.  With copies between they are not: those flags are set one after another,
+        and a copy behind the later one would lose its overlap with it.
         Kept with the plan after the first ask (plans are built once per shape and priced often)."""
         known = self.__dict__.get("_wait_runs")
         if known is not None:
@@ -186,8 +188,9 @@ class Plan:
         run: list[int] = []
         for i, cmd in enumerate(self.commands):
             same_stream = bool(run) and cmd.stream == self.commands[run[0]].stream
+            next_to_run = bool(run) and run[-1] == i - 1
             if (isinstance(cmd, WaitFlag) and cmd.delta == 0
-                    and (not run or same_stream and cmd.slot == self.commands[run[0]].slot)):
+                    and (not run or same_stream and (next_to_run or cmd.slot == self.commands[run[0]].slot))):
                 run.append(i)
                 continue
             if isinstance(cmd, Copy) and same_stream:
@@ -199,6 +202,31 @@ class Plan:
             runs.append(tuple(run))
         object.__setattr__(self, "_wait_runs", tuple(runs))  # frozen: not a field, not compared
         return self._wait_runs
+
+
+    def copy_runs(self) -> tuple[tuple[int, ...], ...]:
+        """Positions of two or more copies out of peers' buffers, of one size, on one stream, that
+        follow each other with nothing between in the plan's order (a round of
+        :func:`grouped_pulls`): each reads what its own flag wait, earlier on the stream, allowed,
+        and none reads what another writes, so they may be issued in any order or as one
+        (:mod:`.cuda.copy_runs`).  Kept with the plan after the first ask."""
+        known = self.__dict__.get("_copy_runs")
+        if known is not None:
+            return known
+        runs: list[tuple[int, ...]] = []
+        run: list[int] = []
+        for i, cmd in enumerate(self.commands):
+            pull = isinstance(cmd, Copy) and cmd.src.owner != SELF
+            if pull and run and (cmd.stream, cmd.src.rows) == (self.commands[run[0]].stream, self.commands[run[0]].src.rows):
+                run.append(i)
+                continue
+            if len(run) > 1:
+                runs.append(tuple(run))
+            run = [i] if pull else []
+        if len(run) > 1:
+            runs.append(tuple(run))
+        object.__setattr__(self, "_copy_runs", tuple(runs))
+        return self._copy_runs
 
 
 def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
@@ -259,7 +287,7 @@ def consumer_groups(spans: "list[tuple[int, int]]", min_rows: int) -> list[list[
 
 @lru_cache(maxsize=256)
 def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_weights: int,
-                    split: int = 1, group_rows: int = 0) -> Plan:
+                    split: int = 1, group_rows: int = 0, grouped: bool = False) -> Plan:
     """``GATHERED = all_gather(A)``; ``OUT[j] = GATHERED @ W[j]``, own rows first.
 
     The own block is copied into ``G`` (symmetric) and published; each received piece is pulled
@@ -267,7 +295,11 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     rank pulls from this one (a ring relay) lands in ``G`` and is published again; others land
     straight in ``GATHERED``.  ``split`` cuts every piece further (:func:`.schedules.refined`);
     ``group_rows``: the received pieces are multiplied in groups of at least that many rows
-    (:func:`consumer_groups`), each once its last piece has arrived."""
+    (:func:`consumer_groups`), each once its last piece has arrived.  ``grouped`` (the direct
+    schedule only): the pulls go in rounds, one part of every peer's block each, the round's
+    flag waits first, then its copies (:func:`grouped_pulls` says why)."""
+    if grouped and schedule != "direct":
+        raise ValueError(f"grouped pulls need the direct schedule, got {schedule!r}")
     sched = refined(all_gather_schedule(schedule, world, rank), split)
     parts = sched.parts
     slot = {Piece(b, p): b * parts + p for b in range(world) for p in range(parts)}
@@ -283,19 +315,21 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     cmds += [SetFlag(COMM, slot[Piece(rank, p)], Region("G", *piece_rows(blocks, parts, Piece(rank, p))))
              for p in range(parts)]
     cmds += [Matmul(MAIN, Region("OUT", own_lo, own_hi, index=j), own, j) for j in range(n_weights)]
-    for step in sched.steps:
-        for t in step.recvs:
+    recvs = [t for step in sched.steps for t in step.recvs]
+    rounds = grouped_pulls(recvs, parts) if grouped else [[t] for t in recvs]
+    for pulls in rounds:
+        cmds += [WaitFlag(COMM, t.peer, slot[t.piece]) for t in pulls]
+        for t in pulls:
             lo, hi = piece_rows(blocks, parts, t.piece)
-            cmds.append(WaitFlag(COMM, t.peer, slot[t.piece]))
             if t.piece in relayed:
                 cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
                          SetFlag(COMM, slot[t.piece], Region("G", lo, hi)),
                          Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi))]
             else:
                 cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
-            cmds.append(Record(COMM, f"got{slot[t.piece]}"))
+        cmds += [Record(COMM, f"got{slot[t.piece]}") for t in pulls]
     cmds.append(Copy(COMM, Region("GATHERED", own_lo, own_hi), own))
-    arrivals = sched.order[parts:]
+    arrivals = tuple(t.piece for pulls in rounds for t in pulls)
     spans = [piece_rows(blocks, parts, piece) for piece in arrivals]
     for group in consumer_groups(spans, group_rows):
         lo, hi = min(spans[i][0] for i in group), max(spans[i][1] for i in group)
@@ -304,6 +338,22 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
                  for j in range(n_weights)]
     return Plan("all_gather_matmul", rank, world, _framed(cmds), len(slot),
                 {"G": world * block_rows}, n_weights=n_weights, slot_names=_piece_names(slot, "rows"))
+
+
+def grouped_pulls(recvs: "list", parts: int) -> list[list]:
+    """The direct all-gather's pulls (``Transfer``s, in the schedule's order) as rounds: part
+    ``p`` of every peer's block, in the schedule's order of peers, round after round.
+
+    Why: through host memory every pull is a copy-engine copy whose node a replay graph's launch
+    pays ~1.3-2 us for (``graph_node_probe``), and a rank pulls ``world - 1`` of them per part.  In
+    a round the copies follow each other with nothing between, so the CUDA path issues those whose
+    addresses step evenly (the peers' mirrors lie at one stride in the arena,
+    :mod:`.cuda.host_memory`) as one 2D copy, and the round's flag waits as one batch
+    (:meth:`Plan.wait_runs`): the launch pays per part, not per part and peer.  In the direct
+    schedule every rank publishes its own block's parts in order at the call's start, so a round's
+    pieces become ready together, and pulling part by part (rather than peer by peer) is also the
+    order in which they appear."""
+    return [[t for t in recvs if t.piece.part == p] for p in range(parts)]
 
 
 @lru_cache(maxsize=256)
@@ -375,14 +425,15 @@ def reduce_scatter_plan(schedule: str, world: int, rank: int, block_rows: int, s
 
 
 @lru_cache(maxsize=256)
-def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
+def all_reduce_plan(world: int, rank: int, rows: int, chunks: int, grouped: bool = False) -> Plan:
     """``OUT = all_reduce(A @ W)`` by direct pulls, pipelined over ``chunks`` row chunks.
 
     Chunk ``c`` is cut into ``world`` blocks; rank ``b`` reduces block ``b`` of every chunk (pulls
     the peers' partials of it, sums them into its ``P``) and publishes the sum; every rank then
     pulls the reduced blocks into ``OUT``.  The GEMM of chunk ``c + 1`` runs while chunk ``c``
     travels, and chunk ``c`` is summed after it.  Flags: ``world * chunks`` partial slots, then
-    ``chunks`` reduced slots."""
+    ``chunks`` reduced slots.  ``grouped``: each pull from every peer (a chunk's partials, its
+    reduced blocks) waits for all of their flags first, then copies (as :func:`grouped_pulls`)."""
     if rows % (world * chunks):
         raise ValueError(f"{rows} rows do not split into {chunks} chunks of {world} blocks")
     block = rows // (world * chunks)
@@ -400,10 +451,10 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
             if b != rank:
                 cmds.append(SetFlag(MAIN, c * world + b, Region("P", lo, hi)))
         lo, hi = span(c, rank)
-        for n, peer in enumerate(peers):
-            cmds += [WaitFlag(COMM, peer, c * world + rank),
-                     Copy(COMM, Region("STAGE", 0, block, index=c * len(peers) + n), Region("P", lo, hi, owner=peer))]
-        return cmds + [Record(COMM, f"pulled{c}")]
+        waits = [WaitFlag(COMM, peer, c * world + rank) for peer in peers]
+        copies = [Copy(COMM, Region("STAGE", 0, block, index=c * len(peers) + n), Region("P", lo, hi, owner=peer))
+                  for n, peer in enumerate(peers)]
+        return cmds + pulls_of(waits, copies) + [Record(COMM, f"pulled{c}")]
 
     def reduce_and_gather(c: int) -> list[Command]:
         lo, hi = span(c, rank)
@@ -412,11 +463,14 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int) -> Plan:
                                Reduce(MAIN, Region("P", lo, hi), (Region("P", lo, hi), *stages)),
                                SetFlag(MAIN, world * chunks + c, Region("P", lo, hi)), Record(MAIN, f"reduced{c}"),
                                WaitEvent(COMM, f"reduced{c}"), Copy(COMM, Region("OUT", lo, hi), Region("P", lo, hi))]
-        for peer in peers:
-            plo, phi = span(c, peer)
-            cmds += [WaitFlag(COMM, peer, world * chunks + c),
-                     Copy(COMM, Region("OUT", plo, phi), Region("P", plo, phi, owner=peer))]
-        return cmds
+        waits = [WaitFlag(COMM, peer, world * chunks + c) for peer in peers]
+        copies = [Copy(COMM, Region("OUT", *span(c, peer)), Region("P", *span(c, peer), owner=peer)) for peer in peers]
+        return cmds + pulls_of(waits, copies)
+
+    def pulls_of(waits: list[WaitFlag], copies: list[Copy]) -> list[Command]:
+        if grouped:
+            return [*waits, *copies]
+        return [cmd for pair in zip(waits, copies) for cmd in pair]
 
     cmds: list[Command] = []
     for c in range(chunks):
@@ -600,16 +654,17 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
             return 1
         return host_split(block_rows * cols * itemsize, piece_bytes, host_most_pieces(world, most_pieces))
 
+    grouped = host and schedule == "direct"  # see grouped_pulls
     if op == "all_gather_matmul":
         return (staged(all_gather_plan(schedule, world, rank, rows, matmuls, split(rows),
-                                       0 if host else group_rows)),)
+                                       0 if host else group_rows, grouped)),)
     if op == "matmul_reduce_scatter":
         return (staged(reduce_scatter_plan(schedule, world, rank, rows // world, split(rows // world))),)
     if op != "matmul_all_reduce":
         raise ValueError(f"unknown fused operator {op!r}")
     chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes, most_pieces)
     if chunks:
-        return (staged(all_reduce_plan(world, rank, rows, chunks)),)
+        return (staged(all_reduce_plan(world, rank, rows, chunks, grouped)),)
     return (stream_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host,
                          piece_bytes, detach, most_pieces=most_pieces)
             + stream_plans("all_gather_matmul", schedule, world, rank, rows // world, cols, 0, itemsize, host,

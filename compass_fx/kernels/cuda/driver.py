@@ -46,6 +46,7 @@ def _lib() -> dict:
 
     return {
         "memcpy": fn(("cuMemcpyAsync",), [_u64, _u64, ctypes.c_size_t, _ptr]),
+        "memcpy_2d": fn(("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync"), [ctypes.c_void_p, _ptr]),
         "wait": fn(("cuStreamWaitValue32_v2", "cuStreamWaitValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
         "batch": fn(("cuStreamBatchMemOp_v2", "cuStreamBatchMemOp"), [_ptr, ctypes.c_uint, _ptr, ctypes.c_uint]),
         "write": fn(("cuStreamWriteValue32_v2", "cuStreamWriteValue32"), [_ptr, _u64, _u32, ctypes.c_uint]),
@@ -86,6 +87,31 @@ def raw(name: str):
 def memcpy(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Copy ``nbytes`` from device address ``src`` to ``dst`` on ``stream`` (copy engine)."""
     check(_lib()["memcpy"](dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D``: both ends as unified addresses (device memory, or host memory mapped for
+    the device), so only the ``*Device`` fields and the pitches matter."""
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", _u64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
+                ("dstHost", ctypes.c_void_p), ("dstDevice", _u64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+_UNIFIED = 4  # CU_MEMORYTYPE_UNIFIED
+
+
+def memcpy_lines(dst: int, src: int, width: int, height: int, dst_pitch: int, src_pitch: int, stream: int) -> None:
+    """``height`` copies of ``width`` bytes, line ``i`` from ``src + i * src_pitch`` to
+    ``dst + i * dst_pitch``, as one copy-engine copy on ``stream`` (one node of a captured graph)."""
+    if height == 1:
+        check(_lib()["memcpy"](dst, src, width, stream), "cuMemcpyAsync")
+        return
+    params = _Memcpy2D(srcMemoryType=_UNIFIED, srcDevice=src, srcPitch=src_pitch,
+                       dstMemoryType=_UNIFIED, dstDevice=dst, dstPitch=dst_pitch, WidthInBytes=width, Height=height)
+    check(_lib()["memcpy_2d"](ctypes.addressof(params), stream), "cuMemcpy2DAsync")
 
 
 def wait_at_least(addr: int, value: int, stream: int) -> None:

@@ -1,12 +1,14 @@
 """Host memory that every rank of a group on one machine maps: where GPUs without peer access meet.
 
-Each rank creates one file in ``/dev/shm`` (its flags and the host mirrors of its symmetric
-buffers), maps it, and maps every peer's file; once all have mapped, the files are unlinked, so
-nothing outlives the processes.  On a GPU machine every mapping is then page-locked and mapped
-for the device (``register``), after which the copy engines move data between any GPU and any
-rank's region, and stream memory operations read and write the flags in place.
+Rank 0 creates one file in ``/dev/shm`` holding a region per rank (its flags and the host mirrors
+of its symmetric buffers), every rank maps the whole file; once all have mapped, the file is
+unlinked, so nothing outlives the processes.  On a GPU machine the mapping is then page-locked
+and mapped for the device (``register``), after which the copy engines move data between any GPU
+and any rank's region, and stream memory operations read and write the flags in place.  One file
+puts every rank's region at one stride from the previous one (``stride``), so the same buffer of
+consecutive ranks can be read by one 2D copy (:mod:`.copy_runs`).
 
-Creating an arena is collective (two object all-gathers on the group), like symmetric memory's
+Creating an arena is collective (three object all-gathers on the group), like symmetric memory's
 rendezvous; the ranks must share one host, which is checked.
 """
 from __future__ import annotations
@@ -42,31 +44,29 @@ class SharedHostArena:
             raise RuntimeError(f"host-staged fused operators need every rank of the group on one machine; "
                                f"the group spans {hosts}")
         token = seen[0][1]  # rank 0's: one name for the whole group
-        paths = [os.path.join(directory, f"compass-fx-{token}-{r}") for r in range(self.world)]
-        fd = os.open(paths[self.rank], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path = os.path.join(directory, f"compass-fx-{token}")
+        if self.rank == 0:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, self.world * self.nbytes)
+            finally:
+                os.close(fd)
+        dist.all_gather_object([None] * self.world, True, group=group)  # the file exists
         try:
-            os.ftruncate(fd, self.nbytes)
-            own = mmap.mmap(fd, self.nbytes)
-        finally:
-            os.close(fd)
-        dist.all_gather_object([None] * self.world, True, group=group)  # every file exists
-        self._maps: list[mmap.mmap] = []
-        try:
-            for r, path in enumerate(paths):
-                if r == self.rank:
-                    self._maps.append(own)
-                    continue
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    self._maps.append(mmap.mmap(fd, self.nbytes))
-                finally:
-                    os.close(fd)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, self.world * self.nbytes)
+            finally:
+                os.close(fd)
         finally:
             dist.all_gather_object([None] * self.world, True, group=group)  # every rank has mapped
-            os.unlink(paths[self.rank])
-        self.bytes = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
-        hosts_addr = [t.data_ptr() for t in self.bytes]
-        self.device_addresses = [register(a, self.nbytes) if register else a for a in hosts_addr]
+            if self.rank == 0:
+                os.unlink(path)
+        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.bytes = [whole[r * self.nbytes:(r + 1) * self.nbytes] for r in range(self.world)]
+        base = register(whole.data_ptr(), self.world * self.nbytes) if register else whole.data_ptr()
+        self.device_addresses = [base + r * self.nbytes for r in range(self.world)]
+        self.stride = self.nbytes  # bytes from one rank's region to the next, host and device alike
 
     def view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """``rank``'s region from byte ``offset`` as a CPU tensor of ``shape`` (shared memory)."""

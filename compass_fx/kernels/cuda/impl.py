@@ -44,7 +44,7 @@ from .. import flag_codes
 from ..graph_order import graph_plans
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
+from . import copy_runs, driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -182,8 +182,8 @@ class _Workspace:
             self._peer_memory(group, group_name, peers, cols, dtype, device)
         self.private = {name: torch.empty((self.copies, rows, cols), dtype=dtype, device=device)
                         for name, rows in plan.private_rows.items()}
-        self.stage = [torch.empty((plan.stage_rows, cols), dtype=dtype, device=device)
-                      for _ in range(plan.stage_slots)]
+        # one tensor, so that the slots step evenly (a round of pulls fills several: copy_runs)
+        self.stage = list(torch.empty((plan.stage_slots, plan.stage_rows, cols), dtype=dtype, device=device))
         self.events = {c.event: torch.cuda.Event() for c in graph_plan.commands if isinstance(c, Record)}
         if captured:
             self.device_epoch = torch.zeros(1, dtype=torch.int32, device=device)
@@ -203,6 +203,9 @@ class _Workspace:
         self.phases = self.copies if captured else flag_codes.PERIOD
         self.steps = [[self._compile(c, phase, i) for i, c in enumerate(plan.commands)]
                       for phase in range(self.phases)]
+        if not captured:  # a captured call's copies may be kernels (graph_flags.engines)
+            for phase, steps in enumerate(self.steps):
+                self._join_copies(plan, steps, phase)
         self.join_at = join_start(plan)
         self.replays = None if captured or not replay.enabled() else replay.Replays(index)
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
@@ -219,6 +222,9 @@ class _Workspace:
             if replay.wait_batches():
                 for phase, steps in enumerate(self.replay_steps):
                     self._batch_waits(graph_plan, steps, phase)
+            if not replay.host_copies_as_kernels():
+                for phase, steps in enumerate(self.replay_steps):
+                    self._join_copies(graph_plan, steps, phase)
             self.progress = watchdog.Progress()
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
@@ -433,6 +439,29 @@ class _Workspace:
                                       for c in waits])
             stream_of = self._stream_of(waits[0].stream)
             steps[run[0]] = lambda tensors, epoch, streams, launch=launch, stream_of=stream_of: launch(stream_of(streams))
+            for i in run[1:]:
+                steps[i] = _issue_nothing
+
+    def _join_copies(self, plan: Plan, steps: list[Step], phase: int) -> None:
+        """A call's runs of pulls out of the peers' host mirrors (:meth:`..protocol.Plan.copy_runs`)
+        as the fewest copies their addresses allow (:func:`.copy_runs.strided`: one 2D copy per
+        progression), issued at the run's first position (the run's other copies issue nothing).
+        The addresses are the call's (its output's rows may be among them), worked out per call."""
+        if self.transport != "host":
+            return
+        parity = phase % self.copies
+        for run in plan.copy_runs():
+            cmds = [plan.commands[i] for i in run]
+            ends = [(self._address(c.dst, parity), self._address(c.src, parity), c.dst.rows, self._row_bytes(c))
+                    for c in cmds]
+            stream_of = self._stream_of(cmds[0].stream)
+
+            def copy_all(tensors, epoch, streams, ends=ends, stream_of=stream_of):
+                stream = stream_of(streams)
+                for s in copy_runs.strided([(dst(tensors), src(tensors), rows * row_bytes(tensors))
+                                            for dst, src, rows, row_bytes in ends]):
+                    driver.memcpy_lines(s.dst, s.src, s.width, s.height, s.dst_pitch, s.src_pitch, stream)
+            steps[run[0]] = copy_all
             for i in run[1:]:
                 steps[i] = _issue_nothing
 

@@ -1,0 +1,82 @@
+"""A round of host-staged pulls as few copy-engine copies as its addresses allow (copy_runs)."""
+import itertools
+
+import pytest
+
+from compass_fx.kernels import protocol as pr
+from compass_fx.kernels.cuda.copy_runs import MAX_PITCH, Strided, strided
+from compass_fx.kernels.issue_order import call_plans
+
+
+def test_an_even_progression_is_one_copy_whatever_the_order_given():
+    copies = [(1000 + 300 * i, 50_000 + 7000 * i, 200) for i in range(5)]
+    for order in itertools.permutations(copies):
+        assert strided(list(order)) == [Strided(1000, 50_000, 200, 5, 300, 7000)]
+
+
+def test_a_break_in_the_progression_starts_another_copy():
+    # the peers below and above this rank: sources at one stride, a gap where the own rank lies
+    below = [(100 * i, 10_000 * i, 64) for i in range(2)]
+    above = [(100 * i, 10_000 * i, 64) for i in range(3, 6)]
+    assert strided(below + above) == [Strided(0, 0, 64, 2, 100, 10_000), Strided(300, 30_000, 64, 3, 100, 10_000)]
+
+
+def test_copies_that_cannot_be_lines_of_one_stay_apart():
+    assert strided([(0, 0, 64), (64, 100, 32)]) == [Strided(0, 0, 64), Strided(64, 100, 32)]  # sizes differ
+    assert strided([(0, 0, 64), (32, 100, 64)]) == [Strided(0, 0, 64), Strided(32, 100, 64)]  # lines would overlap
+    assert strided([(0, 0, 64), (100, 40, 64)]) == [Strided(0, 0, 64), Strided(100, 40, 64)]  # sources too
+    far = MAX_PITCH + 1
+    assert strided([(0, 0, 64), (100, far, 64)]) == [Strided(0, 0, 64), Strided(100, far, 64)]  # pitch too long
+    assert strided([(5, 9, 64)]) == [Strided(5, 9, 64)]
+    assert strided([]) == []
+
+
+def test_every_byte_of_every_copy_is_moved_once():
+    copies = [(1 << 20) * d + 7 * i for i, d in enumerate((3, 1, 4, 1, 5, 9, 2, 6))]
+    copies = [(dst, 1_000_000 * i, 16) for i, dst in enumerate(copies)]
+    moved = sorted((s.dst + line * s.dst_pitch, s.src + line * s.src_pitch)
+                   for s in strided(copies) for line in range(s.height))
+    assert moved == sorted((d, s) for d, s, _ in copies)
+
+
+STRIDE, ROW = 1 << 30, 8192  # an arena region per rank, bytes per row
+
+
+def _address(region: pr.Region, stage_rows: int) -> int:
+    """Where the CUDA path puts a region (host_memory, impl): every rank's mirror one arena stride
+    after the previous rank's; the staging slots one tensor; each call tensor a base of its own."""
+    bases = {"HG": 1 << 20, "HP": 1 << 20, "GATHERED": 1 << 50, "OUT": 1 << 51, "STAGE": 1 << 52}
+    base = bases[region.buf] + (region.owner * STRIDE if region.buf in ("HG", "HP") else 0)
+    return base + (region.index * stage_rows + region.start) * ROW
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_a_host_staged_round_of_pulls_is_at_most_two_copies(world):
+    """Every host-staged gather's and all-reduce's round pulls from all peers in one or two copies
+    (the peers below the rank and those above it), at every rank: what the replay graph's launch
+    pays for now, instead of one copy per peer."""
+    for op, rows in (("all_gather_matmul", 1024), ("matmul_all_reduce", 2048 * world)):
+        for rank in range(world):
+            plan = call_plans(op, "direct", world, rank, rows, 4096, 1, 2, True, piece_bytes=1 << 20)[0]
+            runs = plan.copy_runs()
+            pulls = [i for i, c in enumerate(plan.commands) if isinstance(c, pr.Copy) and c.src.owner != pr.SELF]
+            assert sorted(i for run in runs for i in run) == (pulls if world > 2 else []), (op, world, rank)
+            for run in runs:
+                cmds = [plan.commands[i] for i in run]
+                lines = strided([(_address(c.dst, plan.stage_rows), _address(c.src, plan.stage_rows), c.dst.rows * ROW)
+                                 for c in cmds])
+                ends = rank not in (0, world - 1)
+                assert len(lines) == 1 + ends and sum(s.height for s in lines) == world - 1, (op, world, rank, lines)
+
+
+def test_pulls_that_wait_in_between_or_read_the_own_rank_make_no_run():
+    """The peer transport's pulls each follow their own wait, the reduce-scatter's too, and a copy
+    of the rank's own rows is no pull: no runs."""
+    for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        assert call_plans(op, "direct", 8, 3, 4096, 4096, 1, 2, False)[0].copy_runs() == ()
+    assert call_plans("matmul_reduce_scatter", "direct", 8, 3, 8192, 4096, 1, 2, True)[0].copy_runs() == ()
+    c = pr.Copy(pr.COMM, pr.Region("OUT", 0, 4), pr.Region("HP", 0, 4, owner=1))
+    own = pr.Copy(pr.COMM, pr.Region("OUT", 4, 8), pr.Region("HP", 4, 8))
+    other_size = pr.Copy(pr.COMM, pr.Region("OUT", 8, 10), pr.Region("HP", 8, 10, owner=2))
+    plan = pr.Plan("toy", 0, 3, (c, c, own, c, other_size, c, c, pr.Record(pr.COMM, "x"), c), 1)
+    assert plan.copy_runs() == ((0, 1), (5, 6))
