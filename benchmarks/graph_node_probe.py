@@ -20,6 +20,9 @@
 * ``hostmap``: copies between device memory and registered host memory, device memory, or host
   memory made with ``cuMemCreate`` and mapped as device memory is: launch cost and device time
   alone and beside a GEMM (is a host copy node's launch cost about host memory, or the address?).
+* ``lines``: 7 or 16 pulls of 1 MiB out of host memory regions one stride apart (a round of
+  host-staged pulls, ``kernels/cuda/copy_runs``) as separate copies, one 2D copy or two: launch
+  cost, and the device time and content of the 16.
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -628,12 +631,54 @@ def memset_section() -> list[dict]:
     return rows
 
 
+def lines_section() -> list[dict]:
+    """A round of pulls out of host memory as separate copies or as 2D copies (copy_runs): the
+    launch's host us, and the device ms and content of the copies (issue 27)."""
+    from compass_fx.kernels.cuda import driver
+
+    n, count, stride = 1 << 20, 16, 5 << 20  # 1 MiB lines, an arena region every 5 MiB
+    dst = torch.empty(count * n, device="cuda", dtype=torch.uint8)  # the context first: then register
+    host = host_buffer(count * stride)
+    host[1].view(torch.int32).copy_(torch.arange(count * stride // 4, dtype=torch.int32))
+    cap = torch.cuda.Stream()
+    base, out = host[2], dst.data_ptr()
+
+    def pulls(lines: int, heights: tuple[int, ...]):
+        def fn(h):
+            first = 0
+            for height in heights:
+                driver.memcpy_lines(out + first * n, base + first * stride, n, height, n, stride, h)
+                first += height
+            assert first == lines
+        return fn
+
+    def separate(lines: int):
+        return pulls(lines, (1,) * lines)
+
+    cases = {}
+    for lines in (7, 16):
+        cases[f"h2d{lines}_separate"] = separate(lines)
+        cases[f"h2d{lines}_one_2d"] = pulls(lines, (lines,))
+        cases[f"h2d{lines}_two_2d"] = pulls(lines, (lines // 2, lines - lines // 2))
+    rows = launch_rows(cases, cap)
+    expected = torch.cat([host[1][i * stride:i * stride + n] for i in range(count)]).cuda()
+    for name in ("h2d16_separate", "h2d16_one_2d", "h2d16_two_2d"):
+        dst.zero_()
+        fn = cases[name]
+        ms = device_ms(lambda fn=fn: fn(torch.cuda.current_stream().cuda_stream))
+        torch.cuda.synchronize()
+        rows.append({"case": name + "_device", "ms": ms, "gb_s": count * n / ms / 1e6,
+                     "content_right": bool(torch.equal(dst, expected))})
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
