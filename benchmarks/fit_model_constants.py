@@ -31,6 +31,7 @@ replayed from captured CUDA graphs at those constants.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -153,9 +154,26 @@ def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pie
     from compass_fx.kernels.issue_order import call_plans
 
     cols = row["k"] if row["op"] == "all_gather_matmul" else row["n"]
-    return sum(replay_slow_nodes(plan, host, batched_waits)
-               for plan in call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host,
-                                      most_pieces=most_pieces))
+    plans = call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host, most_pieces=most_pieces)
+    if row["op"] == "matmul_all_reduce" and host and world == 2 and row.get("commands") not in (None, _census(plans)):
+        plans = (_reduce_scatter_then_gather(row["rows"], cols, most_pieces),)  # what runs before 2026-12-04 captured
+    return sum(replay_slow_nodes(plan, host, batched_waits) for plan in plans)
+
+
+def _census(plans) -> dict[str, int]:
+    """Commands by kind, as ``fused_host_time`` records them per case."""
+    return dict(collections.Counter(type(c).__name__ for plan in plans for c in plan.commands))
+
+
+def _reduce_scatter_then_gather(rows: int, cols: int, most_pieces: int):
+    """The two-rank host-staged all-reduce as it was before it became one round
+    (``protocol.all_reduce_pair_plan``): a reduce-scatter then a gather of the sums, chunks whose
+    blocks are one host piece each."""
+    from compass_fx.kernels import protocol as pr
+
+    most = pr.host_most_pieces(2, most_pieces)
+    chunks = pr.all_reduce_chunks(rows, 2, most, rows * cols * 2, 2 * pr.host_piece_bytes())
+    return pr.host_staged(pr.all_reduce_plan(2, 0, rows, chunks))
 
 
 def _run_most_pieces(run: dict, world: int) -> int:

@@ -856,3 +856,28 @@ def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_i
     sets_before = [c.slot for c in graph.commands[:first_wait] if isinstance(c, pr.SetFlag)]
     assert sets_before == [0]
     assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]
+
+
+def test_a_two_rank_host_staged_all_reduce_pulls_the_peers_whole_partial_in_one_round():
+    """At two ranks through host memory the all-reduce moves the same bytes each way in one round
+    (all_reduce_pair_plan): per chunk one publication, one wait and one pull, half the copies
+    through host memory of the reduce-scatter-then-gather plan, and every result right with late
+    ranks, streams apart or on one queue."""
+    def census(plan: pr.Plan) -> tuple[int, int]:
+        copies = sum(1 for c in plan.commands if isinstance(c, pr.Copy) and plan.crosses_symmetric(c))
+        return copies, sum(1 for c in plan.commands if isinstance(c, pr.WaitFlag))
+
+    for rank in range(2):
+        plan = call_plans("matmul_all_reduce", "direct", 2, rank, 8192, 4096, 1, 2, True)[0]
+        chunks = plan.n_flags
+        assert chunks == 4 and census(plan) == (2 * chunks, chunks)
+        before = pr.host_staged(pr.all_reduce_plan(2, rank, 8192, chunks))
+        assert census(before) == (4 * chunks, 2 * chunks)
+    assert pr.all_reduce_pair_plan(0, 64, 4).stage_rows * 4 == 64  # the peer's whole partial is staged
+    with pytest.raises(ValueError, match="do not split"):
+        pr.all_reduce_pair_plan(0, 10, 4)
+    rows = 32
+    plans = [call_plans("matmul_all_reduce", "direct", 2, r, rows, K, 1, 8, True, piece_bytes=64)[0] for r in range(2)]
+    assert plans[0].n_flags > 1
+    for one_queue in (False, True):
+        _run_stage(plans, rows, n_calls=8, seed=3 + one_queue, one_queue=one_queue, lateness=0.5)

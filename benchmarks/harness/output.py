@@ -38,14 +38,23 @@ def git_commit() -> str:
         return ""
 
 
+def imported_package() -> Path:
+    """Where the ``compass_fx`` this process imports lives (an editable install's import hook can
+    win over ``PYTHONPATH``: only the imported module says which code ran)."""
+    import compass_fx
+
+    return Path(compass_fx.__file__).resolve().parent
+
+
 def source_digest() -> str:
-    """SHA-1 of the package's Python sources: which code ran, even where the checkout's git HEAD is
-    stale (a copied working tree keeps the ``.git`` it was first copied with)."""
+    """SHA-1 of the imported package's Python sources: which code ran, even where the checkout's git
+    HEAD is stale (a copied working tree keeps the ``.git`` it was first copied with)."""
     import hashlib
 
+    package = imported_package()
     digest = hashlib.sha1()
-    for path in sorted((ROOT / "compass_fx").rglob("*.py")):
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    for path in sorted(package.rglob("*.py")):
+        digest.update(("compass_fx/" + str(path.relative_to(package))).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
 
@@ -53,7 +62,8 @@ def environment(dry_run: bool) -> dict:
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "commit": git_commit(), "source_sha1": source_digest(), "dry_run": dry_run,
+        "commit": git_commit(), "source_sha1": source_digest(), "package": str(imported_package()),
+        "dry_run": dry_run,
         "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT",
                                            "CUDA_DEVICE_MAX_CONNECTIONS")},
         "teardown_warnings": list(TEARDOWN_WARNINGS),

@@ -368,7 +368,8 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     so the busier direction sets the pace after the first piece.  The GEMMs run beside it on every
     SM: all_gather's own rows first and the last piece's rows after it arrives; reduce_scatter's
     first piece before anything can travel, the sum of the own block after the last arrival;
-    all_reduce moves each chunk's partial products and then its reduced blocks."""
+    all_reduce moves each chunk's partial products and then its reduced blocks (at two ranks, each
+    rank the peer's whole partial of a chunk in one round)."""
     bw, per_piece = topo.host_copy(w.group_size)
     spec = gpu_spec(topo.gpu)
     g, elt = w.group_size, dtype_bytes(w.dtype)
@@ -377,7 +378,8 @@ def host_staged_breakdown(w: Workload, topo: Topology) -> FusedBreakdown:
     pieces = host_staged_pieces(w) or 1  # an all-reduce's 0: the fallback, priced as one
     if w.kind == "matmul_all_reduce":
         out_bytes, in_bytes = total_bytes, 2 * (g - 1) / g * total_bytes
-        first = total_bytes / pieces / g
+        # two ranks pull each other's whole partial, a chunk at a time (protocol.all_reduce_pair_plan)
+        first = total_bytes / pieces / (1 if g == 2 else g)
     else:
         out_bytes = block if w.kind == "all_gather_matmul" else (g - 1) * block
         in_bytes = (g - 1) * block

@@ -484,6 +484,42 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int, grouped: bool
                                   for b in range(world)] + [f"reduced block of chunk {c}" for c in range(chunks)]))
 
 
+@lru_cache(maxsize=256)
+def all_reduce_pair_plan(rank: int, rows: int, chunks: int) -> Plan:
+    """``OUT = all_reduce(A @ W)`` between two ranks: each pulls the peer's whole partial product,
+    chunk by chunk, and adds it to its own (the host-staged transport's plan at two ranks).
+
+    Why: the reduce-scatter-then-gather plan (:func:`all_reduce_plan`) moves half a rank's
+    partials out and its reduced half back, N bytes each way per rank, in two rounds of a flag, a
+    publication and a pull per chunk, the second round after the first's sum.  At two ranks,
+    pulling the peer's whole partial moves the same N bytes each way in one round: a chunk costs
+    one publication, one wait and one pull (half the copies through host memory that a replay
+    graph's launch pays for), and nothing waits for a peer's sum at the end.  Each rank adds the
+    two partials in its own order; a + b is b + a in floating point, so both hold the same bits.
+    The staging slots hold the peer's whole partial (N bytes, against N / 2).  Beyond two ranks
+    each rank would pull every peer's whole partial: more bytes than the reduce-scatter."""
+    if rows % chunks:
+        raise ValueError(f"{rows} rows do not split into {chunks} chunks")
+    peer, size = 1 - rank, rows // chunks
+
+    def reduce(c: int) -> list[Command]:
+        lo, hi = c * size, (c + 1) * size
+        return [WaitEvent(MAIN, f"pulled{c}"),
+                Reduce(MAIN, Region("OUT", lo, hi), (Region("P", lo, hi), Region("STAGE", 0, size, index=c)))]
+
+    cmds: list[Command] = []
+    for c in range(chunks):
+        lo, hi = c * size, (c + 1) * size
+        cmds += [Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)), SetFlag(MAIN, c, Region("P", lo, hi)),
+                 WaitFlag(COMM, peer, c), Copy(COMM, Region("STAGE", 0, size, index=c), Region("P", lo, hi, owner=peer)),
+                 Record(COMM, f"pulled{c}")]
+        if c:  # the previous chunk's sum after this chunk's GEMM is issued: it overlaps the GEMM
+            cmds += reduce(c - 1)
+    cmds += reduce(chunks - 1)
+    return Plan("matmul_all_reduce", rank, 2, _framed(cmds), chunks, {"P": rows}, stage_slots=chunks,
+                stage_rows=size, n_weights=1, slot_names=tuple(f"partial product of chunk {c}" for c in range(chunks)))
+
+
 CHUNK_BYTES = 32 << 20  # about one chunk per 32 MiB of output, at most 4 (see all_reduce_chunks)
 
 
@@ -624,8 +660,14 @@ def host_split(piece_bytes: int, target: int = HOST_PIECE_BYTES, most: int = HOS
 def host_all_reduce_chunks(rows: int, world: int, out_bytes: int, piece_bytes: int = HOST_PIECE_BYTES,
                            most_pieces: int = 0) -> int:
     """Host-staged all-reduce: chunks whose blocks are one host piece each, at most
-    :func:`host_most_pieces` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`)."""
-    return all_reduce_chunks(rows, world, host_most_pieces(world, most_pieces), out_bytes, world * piece_bytes)
+    :func:`host_most_pieces` (0 when no such count splits ``rows``, as :func:`all_reduce_chunks`).
+    At two ranks a chunk travels whole (:func:`all_reduce_pair_plan`), so a chunk is one piece:
+    with the chunks of the reduce-scatter plan the pieces were twice as large, and the 2048-row
+    call's period 1.16x the reduce-scatter plan's (``fused_host_time-h200-pair-allreduce-ab*``)."""
+    most = host_most_pieces(world, most_pieces)
+    if world == 2:
+        return all_reduce_chunks(rows, 1, most, out_bytes, piece_bytes)
+    return all_reduce_chunks(rows, world, most, out_bytes, world * piece_bytes)
 
 
 def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
@@ -639,7 +681,8 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
     transport (pieces cut by :func:`host_split`, at most :func:`host_most_pieces` a block, which
     ``most_pieces`` sets where non-zero; plans rewritten by :func:`host_staged`).
     ``matmul_all_reduce`` pulls in chunks where it can (``"direct"`` and a chunk count that
-    splits the rows), else runs the fused reduce-scatter and then the gather of its result.
+    splits the rows; host-staged at two ranks, the peer's whole partial: :func:`all_reduce_pair_plan`),
+    else runs the fused reduce-scatter and then the gather of its result.
     ``detach``: the reductions' plans :func:`detached` (not an all-gather's GEMMs: they need what
     arrives; the all-reduce's gather of its sums has none).  ``group_rows``: the all-gather's
     consumer GEMMs over peer-to-peer pulls multiply arrivals in groups of that many rows
@@ -663,6 +706,8 @@ def stream_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols:
     if op != "matmul_all_reduce":
         raise ValueError(f"unknown fused operator {op!r}")
     chunks = all_reduce_pull_chunks(schedule, world, rows, rows * cols * itemsize, host, piece_bytes, most_pieces)
+    if chunks and host and world == 2:
+        return (staged(all_reduce_pair_plan(rank, rows, chunks)),)
     if chunks:
         return (staged(all_reduce_plan(world, rank, rows, chunks, grouped)),)
     return (stream_plans("matmul_reduce_scatter", schedule, world, rank, rows, cols, 1, itemsize, host,
