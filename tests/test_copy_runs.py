@@ -80,3 +80,17 @@ def test_pulls_that_wait_in_between_or_read_the_own_rank_make_no_run():
     other_size = pr.Copy(pr.COMM, pr.Region("OUT", 8, 10), pr.Region("HP", 8, 10, owner=2))
     plan = pr.Plan("toy", 0, 3, (c, c, own, c, other_size, c, c, pr.Record(pr.COMM, "x"), c), 1)
     assert plan.copy_runs() == ((0, 1), (5, 6))
+
+
+def test_the_2d_copy_parameters_are_laid_out_as_the_driver_reads_them():
+    """``CUDA_MEMCPY2D`` (cuda.h): the source's seven fields, the destination's, then width and
+    height; an enum padded to eight bytes before the pointers."""
+    import ctypes
+
+    from compass_fx.kernels.cuda.driver import _Memcpy2D
+
+    assert ctypes.sizeof(_Memcpy2D) == 128
+    offsets = {name: getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_}
+    assert offsets["srcMemoryType"] == 16 and offsets["srcDevice"] == 32 and offsets["srcPitch"] == 48
+    assert offsets["dstXInBytes"] == 56 and offsets["dstDevice"] == 88 and offsets["dstPitch"] == 104
+    assert offsets["WidthInBytes"] == 112 and offsets["Height"] == 120

@@ -109,6 +109,7 @@ def memcpy_lines(dst: int, src: int, width: int, height: int, dst_pitch: int, sr
     if height == 1:
         check(_lib()["memcpy"](dst, src, width, stream), "cuMemcpyAsync")
         return
+    assert ctypes.sizeof(_Memcpy2D) == 128, "CUDA_MEMCPY2D is 128 bytes"
     params = _Memcpy2D(srcMemoryType=_UNIFIED, srcDevice=src, srcPitch=src_pitch,
                        dstMemoryType=_UNIFIED, dstDevice=dst, dstPitch=dst_pitch, WidthInBytes=width, Height=height)
     check(_lib()["memcpy_2d"](ctypes.addressof(params), stream), "cuMemcpy2DAsync")
