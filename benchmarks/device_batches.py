@@ -37,7 +37,9 @@ RESULTS = "{results}"      # replaced by OUT/results in the arguments
 @dataclass(frozen=True)
 class Step:
     """One run: ``script`` is a path under benchmarks/ or ``compass-fx``; ``ranks`` > 1 runs it under
-    torchrun with that many processes (scripts that spawn their own ranks leave it at 1)."""
+    torchrun with that many processes (scripts that spawn their own ranks leave it at 1); ``root``:
+    a snapshot of another commit under the repository to run the script from, with that commit's
+    package (``benchmarks/snapshot.py``; empty: this checkout)."""
 
     name: str
     script: str
@@ -45,14 +47,15 @@ class Step:
     deadline_s: int
     env: dict[str, str] = field(default_factory=dict)
     ranks: int = 1
+    root: str = ""
 
     def command(self, results: Path) -> list[str]:
         args = [a.replace(RESULTS, str(results)) for a in self.args]
         if self.script == "compass-fx":
             program = ["compass-fx"] if self.ranks == 1 else ["--no-python", "compass-fx"]
         else:
-            program = [sys.executable, str(ROOT / "benchmarks" / self.script)] if self.ranks == 1 else [
-                str(ROOT / "benchmarks" / self.script)]
+            path = ROOT / self.root / "benchmarks" / self.script
+            program = [sys.executable, str(path)] if self.ranks == 1 else [str(path)]
         if self.ranks > 1:
             return ["torchrun", "--standalone", f"--nproc-per-node={self.ranks}", *program, *args]
         return [*program, *args]
@@ -136,6 +139,21 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              {**HALF_THE_SMS, "COMPASS_GRAPH_GUARDS": "0"}),
         Step("stress-w4-w8", "fused_host_stress.py",
              ("--worlds", "4,8", "--calls", "60", "--tag", "h200-graph-guards-mps", "--out-dir", RESULTS), 250),
+    ),
+    # Issue 27, in turns with snapshots of earlier commits (benchmarks/snapshot.py; carry scratch; MPS
+    # started first): the two-rank host-staged all-reduce in one round with one-piece chunks against the
+    # reduce-scatter plan (`snapshot.py 402bf49`), and the grouped pulls' whole call at 4 and 8 ranks
+    # against one copy per peer (`snapshot.py 659b7f9 --out scratch/snapshot-ungrouped`).
+    "h200-pair-allreduce-ab": tuple(
+        Step(f"host_time-{side}{run}", "fused_host_time.py",
+             ("--worlds", "2", "--pin", "--tag", f"h200-{side}-allreduce-ab{run}-host-pin-mps50", "--out-dir", RESULTS),
+             45, HALF_THE_SMS, root=root)
+        for run in (3, 4) for side, root in (("rs-ag", "scratch/snapshot"), ("pair", ""))
+    ) + tuple(
+        Step(f"host_time-w{world}-{side}", "fused_host_time.py",
+             ("--worlds", str(world), "--pin", "--tag", f"h200-{side}-w{world}-ab-host-pin-mps", "--out-dir", RESULTS),
+             {4: 50, 8: 115}[world], {}, root=root)
+        for world in (4, 8) for side, root in (("ungrouped", "scratch/snapshot-ungrouped"), ("grouped", ""))
     ),
 }
 

@@ -91,3 +91,28 @@ def test_runner_kills_a_step_at_its_deadline_and_goes_on(tmp_path, monkeypatch):
     summary = json.loads((out / "batch-probe.json").read_text())
     assert [s["step"] for s in summary["steps"]] == ["stalls", "quick"]
     assert (out / "logs" / "quick.log").read_text().startswith("$ ")
+
+
+def test_a_step_runs_from_the_snapshot_it_names(tmp_path):
+    """A step with ``root`` runs its script from that snapshot, whose harness imports the snapshot's
+    package (benchmarks/snapshot.py); without one, from this checkout."""
+    mine = Step("x", "fused_host_time.py", ("--worlds", "2"), 10)
+    theirs = Step("y", "fused_host_time.py", ("--worlds", "2"), 10, root="scratch/snapshot")
+    assert mine.command(tmp_path)[1] == str(ROOT / "benchmarks" / "fused_host_time.py")
+    assert theirs.command(tmp_path)[1] == str(ROOT / "scratch" / "snapshot" / "benchmarks" / "fused_host_time.py")
+
+
+def test_a_snapshot_holds_a_commits_package_and_scripts_without_results(tmp_path):
+    import subprocess
+
+    import snapshot
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    out = snapshot.snapshot("HEAD", tmp_path / "snap")
+    assert (out / "compass_fx" / "__init__.py").is_file() and (out / "benchmarks" / "harness" / "__init__.py").is_file()
+    assert (out / "benchmarks" / "fused_host_time.py").is_file() and not (out / "benchmarks" / "results").exists()
+    assert (out / "COMMIT").read_text().strip() == head.stdout.strip()
+    with pytest.raises(SystemExit, match="git archive"):
+        snapshot.snapshot("no-such-commit-anywhere", tmp_path / "bad")
