@@ -170,7 +170,7 @@ def test_a_host_staged_fused_decision_says_into_how_many_pieces_and_why():
             assert d.strategy == "fuse"
             said[g, kind] = d.reason.split(", through host memory: ")[1]
     assert said == {(2, "all_gather_matmul"): "each block in 4 pieces (at most 4 a block at 2 ranks)",
-                    (2, "matmul_all_reduce"): "in 4 chunks (at most 4 at 2 ranks)",
+                    (2, "matmul_all_reduce"): "in 4 chunks, each pulled whole from the peer (at most 4 at 2 ranks)",
                     (4, "all_gather_matmul"): "each block in 4 pieces (at most 4 a block at 4 ranks)",
                     (4, "matmul_all_reduce"): "in 4 chunks (at most 4 at 4 ranks)",
                     (8, "all_gather_matmul"): "each block in 2 pieces (at most 2 a block at 8 ranks)",

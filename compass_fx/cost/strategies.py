@@ -356,7 +356,8 @@ def host_staged_in_pieces(w: Workload) -> str:
     if w.kind == "matmul_all_reduce":
         if not pieces:
             return "a reduce-scatter, then a gather of its sums"
-        return f"in {pieces} chunk{'s' * (pieces > 1)} (at most {most} {why})"
+        whole = ", each pulled whole from the peer" if g == 2 else ""  # protocol.all_reduce_pair_plan
+        return f"in {pieces} chunk{'s' * (pieces > 1)}{whole} (at most {most} {why})"
     return f"each block in {pieces} piece{'s' * (pieces > 1)} (at most {most} a block {why})"
 
 
