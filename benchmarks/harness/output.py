@@ -39,8 +39,9 @@ def git_commit() -> str:
 
 
 def imported_package() -> Path:
-    """Where the ``compass_fx`` this process imports lives (an editable install's import hook can
-    win over ``PYTHONPATH``: only the imported module says which code ran)."""
+    """Where the ``compass_fx`` this process imports lives: only the imported module says which code
+    ran (the harness puts its own repository first on ``sys.path``, so ``PYTHONPATH`` cannot swap
+    it; :mod:`snapshot` can)."""
     import compass_fx
 
     return Path(compass_fx.__file__).resolve().parent

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import Literal, Union
+from functools import lru_cache, wraps
+from typing import Callable, Literal, Union
 
 from .schedules import Piece, all_gather_schedule, piece_rows, reduce_scatter_schedule, refined
 
@@ -145,6 +145,22 @@ class WaitEvent:
 Command = Union[WaitFlag, SetFlag, Copy, Matmul, Reduce, Record, WaitEvent]
 
 
+def _kept(method: Callable[["Plan"], tuple]) -> Callable[["Plan"], tuple]:
+    """A plan's answer derived from its commands, worked out at the first ask and kept with the
+    plan (frozen: kept beside its fields, not compared; plans are built once per shape and asked
+    often)."""
+    name = f"_{method.__name__}"
+
+    @wraps(method)
+    def ask(self: "Plan") -> tuple:
+        known = self.__dict__.get(name)
+        if known is None:
+            known = method(self)
+            object.__setattr__(self, name, known)
+        return known
+    return ask
+
+
 @dataclass(frozen=True)
 class Plan:
     """One rank's commands for one call, plus the sizes of what they address."""
@@ -166,6 +182,7 @@ class Plan:
         a copy to or from host memory (the copy engines' work a replay graph launches dearly)."""
         return cmd.src.buf in self.symmetric_rows or cmd.dst.buf in self.symmetric_rows
 
+    @_kept
     def wait_runs(self) -> tuple[tuple[int, ...], ...]:
         """Positions of flag waits that may wait as one: two or more waits for the call's own epoch
         on one stream, for the same flag slot of different peers (one chunk or piece from every
@@ -179,11 +196,7 @@ class Plan:
         consecutive pieces, or another stage's flags) are joined only where they follow each other
         with nothing between (a round of :func:`grouped_pulls`): the stream waits for all of them
         there anyway.  With copies between they are not: those flags are set one after another,
-        and a copy behind the later one would lose its overlap with it.
-        Kept with the plan after the first ask (plans are built once per shape and priced often)."""
-        known = self.__dict__.get("_wait_runs")
-        if known is not None:
-            return known
+        and a copy behind the later one would lose its overlap with it."""
         runs: list[tuple[int, ...]] = []
         run: list[int] = []
         for i, cmd in enumerate(self.commands):
@@ -200,19 +213,15 @@ class Plan:
             run = [i] if isinstance(cmd, WaitFlag) and cmd.delta == 0 else []
         if len(run) > 1:
             runs.append(tuple(run))
-        object.__setattr__(self, "_wait_runs", tuple(runs))  # frozen: not a field, not compared
-        return self._wait_runs
+        return tuple(runs)
 
-
+    @_kept
     def copy_runs(self) -> tuple[tuple[int, ...], ...]:
         """Positions of two or more copies out of peers' buffers, of one size, on one stream, that
         follow each other with nothing between in the plan's order (a round of
         :func:`grouped_pulls`): each reads what its own flag wait, earlier on the stream, allowed,
         and none reads what another writes, so they may be issued in any order or as one
-        (:mod:`.cuda.copy_runs`).  Kept with the plan after the first ask."""
-        known = self.__dict__.get("_copy_runs")
-        if known is not None:
-            return known
+        (:mod:`.cuda.copy_runs`)."""
         runs: list[tuple[int, ...]] = []
         run: list[int] = []
         for i, cmd in enumerate(self.commands):
@@ -225,8 +234,7 @@ class Plan:
             run = [i] if pull else []
         if len(run) > 1:
             runs.append(tuple(run))
-        object.__setattr__(self, "_copy_runs", tuple(runs))
-        return self._copy_runs
+        return tuple(runs)
 
 
 def _equal_blocks(world: int, block_rows: int) -> tuple[tuple[int, int], ...]:
