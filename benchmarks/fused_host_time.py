@@ -337,7 +337,7 @@ def pin(rank: int) -> list[int]:
 
 
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
-           pinned: bool = False, carveout: int = 0, transport: str = "host") -> None:
+           pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None) -> None:
     cpus = pin(rank) if pinned else []
     if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
         torch._C._set_sm_carveout_experimental(carveout)
@@ -349,7 +349,7 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
     payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus}
-    for case in CASES:
+    for case in cases or CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
                       profile and case in (CASES[0], CASES[4]), split)
         payload["rows"].append(row)
@@ -424,6 +424,18 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def selected_cases(ops: str) -> list:
+    """The cases of the operators named in ``ops`` (comma-separated; empty: every case)."""
+    if not ops:
+        return list(CASES)
+    wanted = [op.strip() for op in ops.split(",") if op.strip()]
+    known = sorted({case[0] for case in CASES})
+    unknown = [op for op in wanted if op not in known]
+    if unknown:
+        raise SystemExit(f"--ops: unknown operator(s) {unknown}; the cases' operators are {known}")
+    return [case for case in CASES if case[0] in wanted]
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -438,9 +450,12 @@ def main(argv=None) -> int:
                    help="how the ranks meet: pinned host memory (default) or each other's GPU buffers (CUDA IPC)")
     p.add_argument("--carveout", type=int, default=0,
                    help="SMs every rank's cuBLAS GEMMs leave free (torch._C._set_sm_carveout_experimental)")
+    p.add_argument("--ops", default="",
+                   help="only these operators' cases, comma-separated (e.g. all_gather_matmul); default: all")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
+    cases = selected_cases(args.ops)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
     payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag,
@@ -448,6 +463,8 @@ def main(argv=None) -> int:
     if args.carveout:
         payload["settings"]["sm_carveout"] = args.carveout
     payload["transport"] = args.transport
+    if args.ops:
+        payload["ops"] = args.ops
     from compass_fx.kernels.cuda import replay
 
     payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
@@ -461,7 +478,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
-                                   args.pin, args.carveout, args.transport), nprocs=world)
+                                   args.pin, args.carveout, args.transport, cases), nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
         payload.setdefault("rank0_cpus", {})[world] = got["cpus"]

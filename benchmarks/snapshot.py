@@ -9,6 +9,11 @@ git-ignored ``scratch/`` and travels to the device with ``carry``; a device batc
 with ``root`` (``device_batches.Step``).
 
     python benchmarks/snapshot.py 402bf49            # writes scratch/snapshot
+    python benchmarks/snapshot.py 659b7f9 --scripts HEAD   # 659b7f9's package, today's scripts
+
+``--scripts``: the benchmark scripts (and their harness) of another revision, so that an older
+package runs under options added since (``fused_host_time.py --ops``); the package is still the
+commit's, which the results record.
 """
 from __future__ import annotations
 
@@ -24,20 +29,33 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "scratch" / "snapshot"
 
 
-def snapshot(commit: str, out: Path = DEFAULT_OUT) -> Path:
-    """``commit``'s ``compass_fx`` and ``benchmarks`` (less its results) written to ``out``, which is
-    replaced; its commit is kept in ``out/COMMIT``."""
-    archive = subprocess.run(["git", "archive", "--format=tar", commit, "compass_fx", "benchmarks",
-                              ":(exclude)benchmarks/results"], cwd=ROOT, capture_output=True, check=False)
+def _archive(revision: str, paths: list[str]) -> bytes:
+    archive = subprocess.run(["git", "archive", "--format=tar", revision, *paths], cwd=ROOT, capture_output=True,
+                             check=False)
     if archive.returncode:
-        raise SystemExit(f"git archive {commit} failed: {archive.stderr.decode().strip()}")
+        raise SystemExit(f"git archive {revision} failed: {archive.stderr.decode().strip()}")
+    return archive.stdout
+
+
+def _short(revision: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def snapshot(commit: str, out: Path = DEFAULT_OUT, scripts: str | None = None) -> Path:
+    """``commit``'s ``compass_fx`` and the ``benchmarks`` (less their results) of ``scripts`` (default:
+    the same commit) written to ``out``, which is replaced; the revisions are kept in ``out/COMMIT``."""
+    scripts = scripts or commit
+    package = _archive(commit, ["compass_fx"])
+    benchmarks = _archive(scripts, ["benchmarks", ":(exclude)benchmarks/results"])
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(out, filter="data")
-    sha = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, capture_output=True, text=True).stdout
-    (out / "COMMIT").write_text(sha.strip() + "\n")
+    for archive in (package, benchmarks):
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(out, filter="data")
+    line = _short(commit) if scripts == commit else f"{_short(commit)} (scripts of {_short(scripts)})"
+    (out / "COMMIT").write_text(line + "\n")
     return out
 
 
@@ -45,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("commit", help="the commit to snapshot (any git revision)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where (replaced; default scratch/snapshot)")
+    p.add_argument("--scripts", help="the benchmark scripts of this revision instead (default: the commit's)")
     args = p.parse_args(argv)
-    out = snapshot(args.commit, args.out)
+    out = snapshot(args.commit, args.out, args.scripts)
     print(f"{out}: {(out / 'COMMIT').read_text().strip()}")
     return 0
 

@@ -407,3 +407,21 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
     assert row["status"] == "clean" and row["gathers_per_call"] == 3 and row["gathers"] == 3 * 101
     assert data["gathers_clean"] == 303
     assert (tmp_path / "gloo_gather_soak-cpu.md").read_text().startswith("# gloo_gather_soak")
+
+
+def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
+    """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
+    name is an error that lists the known ones."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fused_host_time
+    finally:
+        sys.path.remove(str(BENCH))
+    gathers = fused_host_time.selected_cases("all_gather_matmul")
+    assert gathers and all(c[0] == "all_gather_matmul" for c in gathers)
+    assert gathers == [c for c in fused_host_time.CASES if c[0] == "all_gather_matmul"]
+    both = fused_host_time.selected_cases("matmul_all_reduce, all_gather_matmul")
+    assert both == [c for c in fused_host_time.CASES if c[0] in ("all_gather_matmul", "matmul_all_reduce")]
+    assert fused_host_time.selected_cases("") == fused_host_time.CASES
+    with pytest.raises(SystemExit, match="unknown operator.*all_gather_matmul"):
+        fused_host_time.selected_cases("all_gather")

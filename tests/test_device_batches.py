@@ -116,3 +116,25 @@ def test_a_snapshot_holds_a_commits_package_and_scripts_without_results(tmp_path
     assert (out / "COMMIT").read_text().strip() == head.stdout.strip()
     with pytest.raises(SystemExit, match="git archive"):
         snapshot.snapshot("no-such-commit-anywhere", tmp_path / "bad")
+
+
+def test_a_snapshot_may_take_its_scripts_from_another_revision(tmp_path):
+    """``--scripts``: an older package under today's benchmark scripts (options added since)."""
+    import subprocess
+
+    import snapshot
+
+    revs = subprocess.run(["git", "rev-list", "--max-count=2", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if revs.returncode or len(revs.stdout.split()) < 2:
+        pytest.skip("not a git checkout with history")
+    head, parent = revs.stdout.split()
+    out = snapshot.snapshot(parent, tmp_path / "snap", scripts=head)
+    short = [subprocess.run(["git", "rev-parse", "--short", r], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+             for r in (parent, head)]
+    assert (out / "COMMIT").read_text().strip() == f"{short[0]} (scripts of {short[1]})"
+    shown = subprocess.run(["git", "show", f"{head}:benchmarks/fused_host_time.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout
+    assert (out / "benchmarks" / "fused_host_time.py").read_text() == shown
+    shown = subprocess.run(["git", "show", f"{parent}:compass_fx/__init__.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout
+    assert (out / "compass_fx" / "__init__.py").read_text() == shown
