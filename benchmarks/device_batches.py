@@ -155,6 +155,25 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              {4: 50, 8: 115}[world], {}, root=root)
         for world in (4, 8) for side, root in (("ungrouped", "scratch/snapshot-ungrouped"), ("grouped", ""))
     ),
+    # Issue 27: the gather's last round of pulls cut in halves (protocol.drain_segments) against whole
+    # rounds (`snapshot.py c8829a9 --scripts HEAD --out scratch/snapshot-rounds`) and one copy per peer
+    # (`snapshot.py 659b7f9 --scripts HEAD --out scratch/snapshot-peers`), the gathers only, in turns
+    # (carry scratch; MPS started first); then the halves' stress at four and eight ranks.
+    "h200-drain-ab": tuple(
+        Step(f"host_time-w{world}-{side}{turn}", "fused_host_time.py",
+             ("--worlds", str(world), "--pin", "--ops", "all_gather_matmul",
+              "--tag", f"h200-{side}-w{world}-gather-ab{turn}-host-pin-mps", "--out-dir", RESULTS),
+             {4: 30, 8: 75}[world], {}, root=root)
+        for world, order in ((8, ("drain1", "rounds1", "peers1", "drain2")), (4, ("drain1", "rounds1", "peers1")))
+        for side, turn, root in ((name[:-1], name[-1], {"drain": "", "rounds": "scratch/snapshot-rounds",
+                                                        "peers": "scratch/snapshot-peers"}[name[:-1]])
+                                 for name in order)
+    ) + (
+        Step("stress-drain-w4-w8", "fused_host_stress.py",
+             ("--worlds", "4,8", "--schedules", "direct", "--calls", "200",
+              "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
+              "--tag", "h200-drain-gathers-mps", "--out-dir", RESULTS), 95),
+    ),
 }
 
 

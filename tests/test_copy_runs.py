@@ -52,21 +52,42 @@ def _address(region: pr.Region, stage_rows: int) -> int:
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
 def test_a_host_staged_round_of_pulls_is_at_most_two_copies(world):
-    """Every host-staged gather's and all-reduce's round pulls from all peers in one or two copies
-    (the peers below the rank and those above it), at every rank: what the replay graph's launch
-    pays for now, instead of one copy per peer."""
+    """Every host-staged all-reduce's round pulls from all peers in one or two copies (the peers
+    below the rank and those above it), at every rank, and so does every gather's round but the
+    last, whose halves (drain_segments) are one or two copies each: what the replay graph's
+    launch pays for now, instead of one copy per peer."""
     for op, rows in (("all_gather_matmul", 1024), ("matmul_all_reduce", 2048 * world)):
         for rank in range(world):
             plan = call_plans(op, "direct", world, rank, rows, 4096, 1, 2, True, piece_bytes=1 << 20)[0]
             runs = plan.copy_runs()
             pulls = [i for i, c in enumerate(plan.commands) if isinstance(c, pr.Copy) and c.src.owner != pr.SELF]
-            assert sorted(i for run in runs for i in run) == (pulls if world > 2 else []), (op, world, rank)
+            if op == "matmul_all_reduce":
+                assert [len(r) for r in runs] == ([world - 1] * (len(pulls) // (world - 1)) if world > 2 else [])
+            else:
+                parts = len(pulls) // (world - 1)
+                last = [len(s) for s in pr.drain_segments(list(range(world - 1)))]
+                assert parts > 1 and [len(r) for r in runs] == ([world - 1] * (parts - 1) + [n for n in last if n > 1]
+                                                                if world > 2 else []), (world, rank, runs)
             for run in runs:
                 cmds = [plan.commands[i] for i in run]
                 lines = strided([(_address(c.dst, plan.stage_rows), _address(c.src, plan.stage_rows), c.dst.rows * ROW)
                                  for c in cmds])
-                ends = rank not in (0, world - 1)
-                assert len(lines) == 1 + ends and sum(s.height for s in lines) == world - 1, (op, world, rank, lines)
+                assert len(lines) <= 2 and sum(s.height for s in lines) == len(run), (op, world, rank, lines)
+                if len(run) == world - 1:  # a whole round: two copies where the rank has peers on both sides
+                    assert len(lines) == 1 + (rank not in (0, world - 1)), (op, world, rank, lines)
+
+
+def test_the_last_round_of_a_gather_is_cut_in_halves_each_announced_once_copied():
+    """After the last round's bytes arrive one piece's GEMM is left, not the round's (drain_segments):
+    each half's arrivals are recorded right after its copies, before the next half is copied."""
+    assert [len(s) for s in pr.drain_segments(list(range(7)))] == [4, 2, 1]
+    assert [len(s) for s in pr.drain_segments(list(range(3)))] == [2, 1]
+    assert pr.drain_segments([]) == [] and pr.drain_segments([5]) == [[5]]
+    plan = call_plans("all_gather_matmul", "direct", 8, 3, 4096, 4096, 1, 2, True)[0]
+    comm = [c for c in plan.commands if c.stream == pr.COMM]
+    kinds = "".join({pr.WaitFlag: "w", pr.Copy: "c", pr.Record: "r"}.get(type(c), "") for c in comm)
+    last = kinds[kinds.rindex("w") + 1:]  # after the last round's waits
+    assert last.startswith("ccccrrrrccrrcr"), kinds
 
 
 def test_pulls_that_wait_in_between_or_read_the_own_rank_make_no_run():

@@ -325,17 +325,18 @@ def all_gather_plan(schedule: str, world: int, rank: int, block_rows: int, n_wei
     cmds += [Matmul(MAIN, Region("OUT", own_lo, own_hi, index=j), own, j) for j in range(n_weights)]
     recvs = [t for step in sched.steps for t in step.recvs]
     rounds = grouped_pulls(recvs, parts) if grouped else [[t] for t in recvs]
-    for pulls in rounds:
+    for r, pulls in enumerate(rounds):
         cmds += [WaitFlag(COMM, t.peer, slot[t.piece]) for t in pulls]
-        for t in pulls:
-            lo, hi = piece_rows(blocks, parts, t.piece)
-            if t.piece in relayed:
-                cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
-                         SetFlag(COMM, slot[t.piece], Region("G", lo, hi)),
-                         Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi))]
-            else:
-                cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
-        cmds += [Record(COMM, f"got{slot[t.piece]}") for t in pulls]
+        for segment in (drain_segments(pulls) if r == len(rounds) - 1 else [pulls]):
+            for t in segment:
+                lo, hi = piece_rows(blocks, parts, t.piece)
+                if t.piece in relayed:
+                    cmds += [Copy(COMM, Region("G", lo, hi), Region("G", lo, hi, owner=t.peer)),
+                             SetFlag(COMM, slot[t.piece], Region("G", lo, hi)),
+                             Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi))]
+                else:
+                    cmds.append(Copy(COMM, Region("GATHERED", lo, hi), Region("G", lo, hi, owner=t.peer)))
+            cmds += [Record(COMM, f"got{slot[t.piece]}") for t in segment]
     cmds.append(Copy(COMM, Region("GATHERED", own_lo, own_hi), own))
     arrivals = tuple(t.piece for pulls in rounds for t in pulls)
     spans = [piece_rows(blocks, parts, piece) for piece in arrivals]
@@ -362,6 +363,27 @@ def grouped_pulls(recvs: "list", parts: int) -> list[list]:
     pieces become ready together, and pulling part by part (rather than peer by peer) is also the
     order in which they appear."""
     return [[t for t in recvs if t.piece.part == p] for p in range(parts)]
+
+
+def drain_segments(pulls: list) -> list[list]:
+    """The last round of :func:`grouped_pulls` cut in halves (7 pulls: 4, 2, 1), each segment's
+    arrivals announced once its copies are done.
+
+    Why: a piece's GEMM waits for the event after its round's copies, and a round's copies are
+    one or two 2D copies, so after the last round's bytes arrive all ``world - 1`` of its GEMMs
+    would still be to run (at eight ranks on one H200, the whole round's GEMMs after the last copy
+    made the largest gathers' period 1.11-1.19x that of one copy per peer:
+    ``fused_host_time-h200-*-w8-ab-*``).  Halved, each segment's GEMMs run while the later,
+    smaller segments travel, as long as a piece's GEMM is shorter than half its copy (the regime
+    of a host-staged call, whose bytes cross PCIe twice), and one piece's GEMM is left after the
+    last byte, as with one copy per peer; the round costs the launch one or two copies per
+    segment, about log2 of the peers, instead of one or two in all."""
+    segments = []
+    while pulls:
+        half = (len(pulls) + 1) // 2
+        segments.append(pulls[:half])
+        pulls = pulls[half:]
+    return segments
 
 
 @lru_cache(maxsize=256)
