@@ -163,7 +163,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         Step(f"host_time-w{world}-{side}{turn}", "fused_host_time.py",
              ("--worlds", str(world), "--pin", "--ops", "all_gather_matmul",
               "--tag", f"h200-{side}-w{world}-gather-ab{turn}-host-pin-mps", "--out-dir", RESULTS),
-             {4: 30, 8: 75}[world], {}, root=root)
+             {4: 45, 8: 75}[world], {}, root=root)
         for world, order in ((8, ("drain1", "rounds1", "peers1", "drain2")), (4, ("drain1", "rounds1", "peers1")))
         for side, turn, root in ((name[:-1], name[-1], {"drain": "", "rounds": "scratch/snapshot-rounds",
                                                         "peers": "scratch/snapshot-peers"}[name[:-1]])
@@ -173,6 +173,38 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "4,8", "--schedules", "direct", "--calls", "200",
               "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
               "--tag", "h200-drain-gathers-mps", "--out-dir", RESULTS), 95),
+    ),
+    # Issue 27 (carry scratch; MPS started first; `python -m pytest -q -m gpu tests` before it): the
+    # two-rank all-reduce's pulls in two staging slots, stressed at 4 and 8 chunks (half the SMs per
+    # rank), its period in turns against the whole partial staged (`snapshot.py de54a4f --scripts
+    # HEAD --out scratch/snapshot-whole-stage`); the world-4 gathers of h200-drain-ab that ran out of
+    # time; the last round in halves at 500 calls, worlds 4 and 8.
+    "h200-slot-reuse": (
+        Step("stress-pair-slots", "fused_host_stress.py",
+             ("--worlds", "2", "--schedules", "direct", "--calls", "200", "--shapes",
+              "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168,matmul_all_reduce:2048:512:256",
+              "--tag", "h200-pair-slots-mps50", "--out-dir", RESULTS), 60, HALF_THE_SMS),
+        Step("stress-pair-slots-8chunks", "fused_host_stress.py",
+             ("--worlds", "2", "--schedules", "direct", "--calls", "200", "--shapes",
+              "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168",
+              "--tag", "h200-pair-slots-cap8-mps50", "--out-dir", RESULTS), 60,
+             {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "8"}),
+    ) + tuple(
+        Step(f"host_time-w2-{side}{turn}", "fused_host_time.py",
+             ("--worlds", "2", "--pin", "--ops", "matmul_all_reduce",
+              "--tag", f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", "--out-dir", RESULTS), 20, HALF_THE_SMS,
+             root=root)
+        for turn in (1, 2) for side, root in (("two-slots", ""), ("whole-stage", "scratch/snapshot-whole-stage"))
+    ) + tuple(
+        Step(f"host_time-w4-{side}1", "fused_host_time.py",
+             ("--worlds", "4", "--pin", "--ops", "all_gather_matmul",
+              "--tag", f"h200-{side}-w4-gather-ab1-host-pin-mps", "--out-dir", RESULTS), 45, {}, root=root)
+        for side, root in (("drain", ""), ("rounds", "scratch/snapshot-rounds"), ("peers", "scratch/snapshot-peers"))
+    ) + (
+        Step("stress-drain-500", "fused_host_stress.py",
+             ("--worlds", "4,8", "--schedules", "direct", "--calls", "500",
+              "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
+              "--tag", "h200-drain-gathers-500-mps", "--out-dir", RESULTS), 100),
     ),
 }
 

@@ -425,3 +425,27 @@ def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     assert fused_host_time.selected_cases("") == fused_host_time.CASES
     with pytest.raises(SystemExit, match="unknown operator.*all_gather_matmul"):
         fused_host_time.selected_cases("all_gather")
+
+
+def test_the_fit_prices_each_two_rank_all_reduce_run_with_the_plan_it_captured():
+    """``fit_model_constants`` rebuilds a run's two-rank host-staged all-reduce from the commands it
+    recorded: a run of the one-round plan (before or after its slot reuse added events) as today's
+    plan, a run before it as the reduce-scatter-then-gather plan."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fit_model_constants as fit
+    finally:
+        sys.path.remove(str(BENCH))
+    from compass_fx.cost.strategies import replay_slow_nodes
+    from compass_fx.kernels.issue_order import call_plans
+
+    results = BENCH / "results" / "fused_host_time"
+    for name, one_round in (("fused_host_time-h200-pair-allreduce-ab3-host-pin-mps50.json", True),
+                            ("fused_host_time-h200-rs-ag-allreduce-ab3-host-pin-mps50.json", False)):
+        run = json.loads((results / name).read_text())
+        for row in (r for r in run["rows"] if r["op"] == "matmul_all_reduce"):
+            today = call_plans("matmul_all_reduce", "direct", 2, 0, row["rows"], row["n"], 1, 2, True)
+            before = (fit._reduce_scatter_then_gather(row["rows"], row["n"], 0),)
+            want = today if one_round else before
+            assert fit._slow_nodes(row, 2, True, True) == sum(replay_slow_nodes(p, True) for p in want), (name, row["rows"])
+            assert fit._census(want) == fit._census_of(row["commands"]), (name, row["rows"])

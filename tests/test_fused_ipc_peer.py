@@ -15,10 +15,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want).abs().max() / want.abs().max())
 
 
-def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str) -> None:
+def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transport: str = "peer",
+                          our_kernels: bool = True) -> None:
     """Six calls of each fused operator through the ``.graph`` overloads (issued, captured, then
     replayed), on new seeded values each time, against references from every rank's inputs (at
-    four ranks the all-reduce's replay waits for each chunk's three peers as one batch)."""
+    four ranks the all-reduce's replay waits for each chunk's three peers as one batch).
+    ``transport``: "host" for the host-staged plans; ``our_kernels`` False: replay graphs as where
+    the flag and copy kernels do not load (stream operations and copy-engine copies only)."""
     import json
     import os
 
@@ -27,7 +30,11 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str) -> Non
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
     from compass_fx.kernels.cuda import impl
 
-    os.environ["COMPASS_FUSED_TRANSPORT"] = "peer"
+    os.environ["COMPASS_FUSED_TRANSPORT"] = transport
+    if not our_kernels:
+        from compass_fx.kernels.cuda import replay
+
+        replay.kernel_nodes = lambda device_index: False
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -58,12 +65,16 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str) -> Non
             worst = max(worst, _close(reduced, total))
             del reduced
         torch.cuda.synchronize()
-        mapped = [ws for ws in impl._workspaces.values() if ws.transport == "peer"]
+        mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
         from compass_fx.kernels.cuda import replay
 
         result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
-                  "ipc": all(isinstance(ws.memory[1], dict) for ws in mapped)}
+                  "ipc": transport == "peer" and all(isinstance(ws.memory[1], dict) for ws in mapped),
+                  "counted_on_gpu": sum(ws.progress is not None for ws in mapped),
+                  # replay steps that issue a run of pulls as 2D copies (impl._join_copies)
+                  "joined_replay_copies": sum(getattr(step, "__name__", "") == "copy_all"
+                                              for ws in mapped for step in ws.replay_steps[0])}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
@@ -101,3 +112,23 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         assert r["worst"] < TOLERANCE, r
         assert r["replayed"] >= 3 * 4, r  # calls 2-6 of each operator (a set captured on its second sighting)
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
+
+
+@pytest.mark.gpu
+def test_host_staged_replays_without_our_kernels_on_one_gpu(tmp_path):
+    """Where the flag and copy kernels cannot load, host-staged replays keep the stream operations
+    and copy-engine copies an issued call makes, in the guarded order, their rounds of pulls joined
+    into 2D copies as the issued calls' are: every result right at four ranks."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    world = 4
+    mp.spawn(_peer_transport_calls, args=(world, f"file://{tmp_path}/store", str(tmp_path), "host", False),
+             nprocs=world)
+    for rank in range(world):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["workspaces"] >= 3 and r["counted_on_gpu"] == 0, r  # no kernel counts a replay done
+        assert r["worst"] < TOLERANCE, r
+        assert r["replayed"] >= 3 * 4, r
+        assert r["joined_replay_copies"] > 0, r

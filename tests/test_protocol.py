@@ -873,11 +873,32 @@ def test_a_two_rank_host_staged_all_reduce_pulls_the_peers_whole_partial_in_one_
         assert chunks == 4 and census(plan) == (2 * chunks, chunks)
         before = pr.host_staged(pr.all_reduce_plan(2, rank, 8192, chunks))
         assert census(before) == (4 * chunks, 2 * chunks)
-    assert pr.all_reduce_pair_plan(0, 64, 4).stage_rows * 4 == 64  # the peer's whole partial is staged
     with pytest.raises(ValueError, match="do not split"):
         pr.all_reduce_pair_plan(0, 10, 4)
     rows = 32
-    plans = [call_plans("matmul_all_reduce", "direct", 2, r, rows, K, 1, 8, True, piece_bytes=64)[0] for r in range(2)]
-    assert plans[0].n_flags > 1
-    for one_queue in (False, True):
-        _run_stage(plans, rows, n_calls=8, seed=3 + one_queue, one_queue=one_queue, lateness=0.5)
+    for most in (0, 8):  # 4 and 8 chunks: from the third, a pull reuses the slot of the chunk two before
+        plans = [call_plans("matmul_all_reduce", "direct", 2, r, rows, K, 1, 8, True, piece_bytes=64,
+                            most_pieces=most)[0] for r in range(2)]
+        assert plans[0].n_flags == (most or 4)
+        for seed in range(3):
+            for one_queue in (False, True):
+                _run_stage(plans, rows, n_calls=8, seed=3 * seed + one_queue, one_queue=one_queue, lateness=0.5)
+
+
+def test_a_two_rank_all_reduce_stages_two_chunks_of_the_peers_partial():
+    """The one-round all-reduce's pulls take turns in two staging slots (half the peer's partial
+    from four chunks on, as the reduce-scatter plan staged): a pull into a slot first waits for the
+    sum that read it two chunks before (without that wait the simulator's results go wrong)."""
+    plan = pr.all_reduce_pair_plan(0, 64, 4)
+    assert (plan.stage_slots, plan.stage_rows) == (2, 16)
+    assert pr.all_reduce_pair_plan(0, 64, 1).stage_slots == 1
+    cmds = plan.commands
+    for c in range(4):
+        pull = next(i for i, x in enumerate(cmds) if isinstance(x, pr.Copy) and x.src.owner != pr.SELF
+                    and x.src.start == 16 * c)
+        assert cmds[pull].dst.index == c % 2
+        if c >= 2:
+            assert cmds[pull - 1] == pr.WaitEvent(pr.COMM, f"summed{c - 2}")
+            summed = cmds.index(pr.Record(pr.MAIN, f"summed{c - 2}"))
+            read = summed - 1
+            assert isinstance(cmds[read], pr.Reduce) and cmds[read].srcs[1].index == c % 2

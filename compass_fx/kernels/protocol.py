@@ -526,28 +526,42 @@ def all_reduce_pair_plan(rank: int, rows: int, chunks: int) -> Plan:
     one publication, one wait and one pull (half the copies through host memory that a replay
     graph's launch pays for), and nothing waits for a peer's sum at the end.  Each rank adds the
     two partials in its own order; a + b is b + a in floating point, so both hold the same bits.
-    The staging slots hold the peer's whole partial (N bytes, against N / 2).  Beyond two ranks
-    each rank would pull every peer's whole partial: more bytes than the reduce-scatter."""
+    Two staging slots take turns (chunk ``c`` in slot ``c % 2``): a pull into a slot waits for the
+    sum that read it two chunks before (an event of the caller's stream), so the slots hold two
+    chunks of the peer's partial, N / 2 bytes from four chunks on, as the reduce-scatter's did.
+    That wait costs no overlap: the peer publishes chunk ``c`` after its GEMM of chunk ``c - 1``,
+    and this rank's sum of chunk ``c - 2`` is issued right after its own GEMM of chunk ``c - 1``.
+    Beyond two ranks each rank would pull every peer's whole partial: more bytes than the
+    reduce-scatter."""
     if rows % chunks:
         raise ValueError(f"{rows} rows do not split into {chunks} chunks")
     peer, size = 1 - rank, rows // chunks
+    slots = min(chunks, PAIR_STAGE_SLOTS)
 
     def reduce(c: int) -> list[Command]:
         lo, hi = c * size, (c + 1) * size
+        summed = [Record(MAIN, f"summed{c}")] if c + slots < chunks else []  # a later pull reuses the slot
         return [WaitEvent(MAIN, f"pulled{c}"),
-                Reduce(MAIN, Region("OUT", lo, hi), (Region("P", lo, hi), Region("STAGE", 0, size, index=c)))]
+                Reduce(MAIN, Region("OUT", lo, hi), (Region("P", lo, hi), Region("STAGE", 0, size, index=c % slots))),
+                *summed]
 
     cmds: list[Command] = []
     for c in range(chunks):
         lo, hi = c * size, (c + 1) * size
+        reused = [WaitEvent(COMM, f"summed{c - slots}")] if c >= slots else []
         cmds += [Matmul(MAIN, Region("P", lo, hi), Region("A", lo, hi)), SetFlag(MAIN, c, Region("P", lo, hi)),
-                 WaitFlag(COMM, peer, c), Copy(COMM, Region("STAGE", 0, size, index=c), Region("P", lo, hi, owner=peer)),
+                 WaitFlag(COMM, peer, c), *reused,
+                 Copy(COMM, Region("STAGE", 0, size, index=c % slots), Region("P", lo, hi, owner=peer)),
                  Record(COMM, f"pulled{c}")]
         if c:  # the previous chunk's sum after this chunk's GEMM is issued: it overlaps the GEMM
             cmds += reduce(c - 1)
     cmds += reduce(chunks - 1)
-    return Plan("matmul_all_reduce", rank, 2, _framed(cmds), chunks, {"P": rows}, stage_slots=chunks,
-                stage_rows=size, n_weights=1, slot_names=tuple(f"partial product of chunk {c}" for c in range(chunks)))
+    return Plan("matmul_all_reduce", rank, 2, _framed(cmds), chunks, {"P": rows}, stage_slots=slots,
+                stage_rows=size, n_weights=1,
+                slot_names=tuple(f"partial product of chunk {c}" for c in range(chunks)))
+
+
+PAIR_STAGE_SLOTS = 2  # staging slots of the two-rank all-reduce's pulls (all_reduce_pair_plan)
 
 
 CHUNK_BYTES = 32 << 20  # about one chunk per 32 MiB of output, at most 4 (see all_reduce_chunks)

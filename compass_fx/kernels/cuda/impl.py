@@ -229,9 +229,11 @@ class _Workspace:
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
         elif self.replays is not None:
-            if graph_plan is not plan:
+            if graph_plan is not plan:  # the guarded order's steps, their pulls joined as the eager steps'
                 self.replay_steps = [[self._compile(c, phase, i) for i, c in enumerate(graph_plan.commands)]
                                      for phase in range(self.phases)]
+                for phase, steps in enumerate(self.replay_steps):
+                    self._join_copies(graph_plan, steps, phase)
             self.dog.prefill(self.watched, 16)
 
     def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
