@@ -192,7 +192,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     ) + tuple(
         Step(f"host_time-w2-{side}{turn}", "fused_host_time.py",
              ("--worlds", "2", "--pin", "--ops", "matmul_all_reduce",
-              "--tag", f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", "--out-dir", RESULTS), 20, HALF_THE_SMS,
+              "--tag", f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", "--out-dir", RESULTS), 35, HALF_THE_SMS,
              root=root)
         for turn in (1, 2) for side, root in (("two-slots", ""), ("whole-stage", "scratch/snapshot-whole-stage"))
     ) + tuple(
