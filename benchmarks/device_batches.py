@@ -206,6 +206,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
               "--tag", "h200-drain-gathers-500-mps", "--out-dir", RESULTS), 100),
     ),
+    # Issue 27: where the host-staged goals stand with every change of the day (MPS started first):
+    # world 2 with the breakdown of a replayed call's microseconds, then worlds 4 and 8.
+    "h200-host-state": (
+        Step("host_time-w2-breakdown", "fused_host_time.py",
+             ("--worlds", "2", "--pin", "--breakdown", "--tag", "h200-state-w2-breakdown-host-pin-mps",
+              "--out-dir", RESULTS), 90),
+        Step("host_time-w4-w8", "fused_host_time.py",
+             ("--worlds", "4,8", "--pin", "--tag", "h200-state-w48-host-pin-mps", "--out-dir", RESULTS), 190),
+    ),
 }
 
 
