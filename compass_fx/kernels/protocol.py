@@ -373,11 +373,12 @@ def drain_segments(pulls: list) -> list[list]:
     one or two 2D copies, so after the last round's bytes arrive all ``world - 1`` of its GEMMs
     would still be to run (at eight ranks on one H200, the whole round's GEMMs after the last copy
     made the largest gathers' period 1.11-1.19x that of one copy per peer:
-    ``fused_host_time-h200-*-w8-ab-*``).  Halved, each segment's GEMMs run while the later,
-    smaller segments travel, as long as a piece's GEMM is shorter than half its copy (the regime
-    of a host-staged call, whose bytes cross PCIe twice), and one piece's GEMM is left after the
-    last byte, as with one copy per peer; the round costs the launch one or two copies per
-    segment, about log2 of the peers, instead of one or two in all."""
+    ``fused_host_time-h200-*-w8-ab-*``; halved, 0.93-1.04x: ``*-drain-w8-gather-ab*``).  Halved,
+    each segment's GEMMs run while the later, smaller segments travel, as long as a piece's GEMM
+    is shorter than half its copy (the regime of a host-staged call, whose bytes cross PCIe
+    twice), and one piece's GEMM is left after the last byte, as with one copy per peer; the
+    round costs the launch one or two copies per segment, about log2 of the peers, instead of
+    one or two in all."""
     segments = []
     while pulls:
         half = (len(pulls) + 1) // 2
@@ -529,8 +530,10 @@ def all_reduce_pair_plan(rank: int, rows: int, chunks: int) -> Plan:
     Two staging slots take turns (chunk ``c`` in slot ``c % 2``): a pull into a slot waits for the
     sum that read it two chunks before (an event of the caller's stream), so the slots hold two
     chunks of the peer's partial, N / 2 bytes from four chunks on, as the reduce-scatter's did.
-    That wait costs no overlap: the peer publishes chunk ``c`` after its GEMM of chunk ``c - 1``,
-    and this rank's sum of chunk ``c - 2`` is issued right after its own GEMM of chunk ``c - 1``.
+    That wait costs no overlap where the ranks keep pace: the peer publishes chunk ``c`` after its
+    GEMM of chunk ``c``, while this rank's sum of chunk ``c - 2`` runs right after its own GEMM of
+    chunk ``c - 1`` (on one H200, period 1.00-1.01x of the whole partial staged:
+    ``fused_host_time-h200-two-slots-allreduce-ab*``).
     Beyond two ranks each rank would pull every peer's whole partial: more bytes than the
     reduce-scatter."""
     if rows % chunks:
