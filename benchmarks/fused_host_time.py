@@ -245,6 +245,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
     from compass_fx.kernels.cuda import replay
+    from compass_fx.kernels.graph_order import graph_plans
     from compass_fx.kernels.issue_order import call_plans
     from compass_fx.kernels.protocol import host_most_pieces_setting, host_piece_bytes
 
@@ -316,6 +317,9 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         for c in plan.commands:
             counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
     res["commands"] = counts
+    res["plan_digest"] = plan_digest(plans + graph_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host,
+                                                         piece_bytes=host_piece_bytes(),
+                                                         most_pieces=host_most_pieces_setting()))
     m = rows * world if op == "all_gather_matmul" else rows
     w = Workload(op, m, n, k, "bfloat16", world)
     topo = Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8")
@@ -422,6 +426,15 @@ def markdown(payload: dict) -> str:
                                                 ("alloc_us", "outputs us"),
                                                 ("rest_us", "rest us"), ("nodes", "replay graph nodes")])]
     return "\n".join(lines)
+
+
+def plan_digest(plans) -> str:
+    """A fingerprint of a case's plans, commands in order (the eager call's and its replay graph's):
+    runs of two packages tell apart the cases whose plans changed (``host_time_ab.py``), order
+    alone included, which the commands by kind do not show."""
+    import hashlib
+
+    return hashlib.sha1(repr(tuple(plan.commands for plan in plans)).encode()).hexdigest()[:12]
 
 
 def selected_cases(ops: str) -> list:

@@ -449,3 +449,48 @@ def test_the_fit_prices_each_two_rank_all_reduce_run_with_the_plan_it_captured()
             want = today if one_round else before
             assert fit._slow_nodes(row, 2, True, True) == sum(replay_slow_nodes(p, True) for p in want), (name, row["rows"])
             assert fit._census(want) == fit._census_of(row["commands"]), (name, row["rows"])
+
+
+def test_host_time_ab_sets_changed_cases_against_the_spread_of_the_unchanged():
+    """``host_time_ab.py`` on a committed A/B (the two-rank all-reduce's one-round plan against the
+    reduce-scatter plan): the all-reduce cases changed (their commands differ), the others give the
+    run's noise; ``--changed`` names the touched operators instead; a plan digest, where both runs
+    have one, decides."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import host_time_ab
+    finally:
+        sys.path.remove(str(BENCH))
+    runs = [host_time_ab.load(t) for t in ("h200-rs-ag-allreduce-ab3-host-pin-mps50",
+                                           "h200-pair-allreduce-ab3-host-pin-mps50")]
+    result = host_time_ab.compare(runs)
+    changed = {r["rows"] for r in result["rows"] if r["changed"][0]}
+    assert {r["op"] for r in result["rows"] if r["changed"][0]} == {"matmul_all_reduce"} and changed == {512, 2048, 8192}
+    low, median, high = result["unchanged"][0]["period"]
+    assert 0.98 < low <= median <= high < 1.07
+    two_k = next(r for r in result["rows"] if r["op"] == "matmul_all_reduce" and r["rows"] == 2048)
+    assert abs(two_k["period_ratio"][0] - two_k["period_us"][1] / two_k["period_us"][0]) < 1e-12
+    named = host_time_ab.compare(runs, frozenset({"all_gather_matmul"}))
+    assert {r["op"] for r in named["rows"] if r["changed"][0]} == {"all_gather_matmul"}
+    same = {"op": "x", "commands": {"Copy": 1}, "plan_digest": "a"}
+    assert host_time_ab.plan_changed(same, dict(same, plan_digest="b"))  # order alone: the digest tells
+    assert not host_time_ab.plan_changed(same, dict(same))
+    assert "the noise between these runs" in host_time_ab.markdown(result)
+
+
+def test_fused_host_time_fingerprints_a_cases_plans_in_order():
+    """``plan_digest``: the same plans give the same digest; the gather's pulls in rounds or one per
+    peer (the same commands by kind, in another order) give different ones."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fused_host_time
+    finally:
+        sys.path.remove(str(BENCH))
+    from compass_fx.kernels import protocol as pr
+
+    rounds = pr.all_gather_plan("direct", 8, 3, 64, 1, 2, grouped=True)
+    peers = pr.all_gather_plan("direct", 8, 3, 64, 1, 2, grouped=False)
+    census = [sorted(type(c).__name__ for c in p.commands) for p in (rounds, peers)]
+    assert census[0] == census[1]
+    assert fused_host_time.plan_digest((rounds,)) == fused_host_time.plan_digest((rounds,))
+    assert fused_host_time.plan_digest((rounds,)) != fused_host_time.plan_digest((peers,))
