@@ -53,10 +53,11 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
 
 
 BUSY_S = 2e-3  # the GPU's sleep before a "GPU busy" form's calls: longer than their issue
+WARM_S = 3e-3  # the host's spin before a "warm host" form's calls (the GPU sleeps through it and BUSY_S)
 
 
 def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset(),
-            in_turn: frozenset = frozenset()) -> dict[str, float]:
+            in_turn: frozenset = frozenset(), warm: frozenset = frozenset()) -> dict[str, float]:
     """Median over rounds of the host microseconds per call of ``calls`` calls of each function,
     issued after the device went idle (few enough that no launch queue fills); the forms named in
     ``busy`` are issued while the GPU sleeps ``BUSY_S`` first instead, so the host issues them with
@@ -67,7 +68,11 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
     named in ``in_turn`` are issued by one rank at a time, the others waiting at a barrier (rank 0
     from an idle GPU, each later one beside the earlier ranks' calls, which wait on the GPU for
     its flags): the host time of a call that no other process issues at the same moment, as on a
-    machine with a GPU per rank, where the ranks' launches do not meet in one GPU's driver."""
+    machine with a GPU per rank, where the ranks' launches do not meet in one GPU's driver.  The
+    forms named in ``warm`` are issued, the GPU busy as for ``busy``, after the host spun for
+    ``WARM_S`` (a host that has just waited ~10 ms for the GPU is up to 1.5-2x slower for a while,
+    and a large call's forms each follow a wait that long for the form before: a step's host,
+    issuing without pause, is warm)."""
     from compass_fx.tools.timing import H200_CLOCK_HZ
 
     per_round: dict[str, list[float]] = {name: [] for name in fns}
@@ -76,6 +81,9 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
             torch.cuda.synchronize()
             if name in busy:
                 torch.cuda._sleep(int(BUSY_S * H200_CLOCK_HZ))
+            if name in warm:
+                torch.cuda._sleep(int((BUSY_S + WARM_S) * H200_CLOCK_HZ))
+                spin(WARM_S)
             if name not in in_turn:
                 per_round[name].append(host_us_per_call(fn, calls))
                 continue
@@ -85,6 +93,13 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
                 dist.barrier()
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in per_round.items()}
+
+
+def spin(seconds: float) -> None:
+    """Keep the host busy for ``seconds`` (no sleep: a waiting core clocks down)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def period_us(fn, calls: int = 16, rounds: int = 5) -> float:
@@ -230,11 +245,16 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     del gathered, outs
     dist.barrier()
     times = host_us({"call": lambda: graph_op(a, *args), "alloc_launch": alloc_launch, "alloc": alloc,
-                     "alloc_launch_in_turn": alloc_launch}, rounds=rounds, in_turn=frozenset({"alloc_launch_in_turn"}))
+                     "alloc_launch_in_turn": alloc_launch, "call_warm": lambda: graph_op(a, *args),
+                     "alloc_launch_warm": alloc_launch, "alloc_warm": alloc}, rounds=rounds,
+                    in_turn=frozenset({"alloc_launch_in_turn"}),
+                    warm=frozenset({"call_warm", "alloc_launch_warm", "alloc_warm"}))
     res.update({f"{name}_us": v for name, v in times.items()})
     res["launch_us"] = times["alloc_launch"] - times["alloc"]
     res["launch_in_turn_us"] = times["alloc_launch_in_turn"] - times["alloc"]
     res["rest_us"] = times["call"] - times["alloc_launch"]
+    res["launch_warm_us"] = times["alloc_launch_warm"] - times["alloc_warm"]
+    res["rest_warm_us"] = times["call_warm"] - times["alloc_launch_warm"]
     res["not_replayed"] = len(missing)
     return res
 
@@ -278,6 +298,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
            "issued_relative_error": checked(f"{op}.graph issued", issued)}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
              "host_us_graph_busy": lambda: graph_op(a, *args), "host_us_graph_in_turn": lambda: graph_op(a, *args),
+             "host_us_graph_warm": lambda: graph_op(a, *args),
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
@@ -295,7 +316,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     dist.barrier()
     # every rank runs the same sequence of calls: they are collective
     res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"}),
-                       in_turn=frozenset({"host_us_graph_in_turn"})))
+                       in_turn=frozenset({"host_us_graph_in_turn"}), warm=frozenset({"host_us_graph_warm"})))
     dist.barrier()
     res["period_us"] = period_us(lambda: graph_op(a, *args))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
@@ -382,6 +403,8 @@ def markdown(payload: dict) -> str:
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
+             ".graph, warm host: the same after the host spun 3 ms, the GPU busy (a host that just waited ~10 ms for "
+             "the GPU runs slower for a while, and each form of a large case follows such a wait); "
              ".graph, ranks in turn: the same issued by one rank at a time while the others wait at a barrier "
              "(no other process launches at that moment, as where each rank has a GPU of its own); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
@@ -408,6 +431,7 @@ def markdown(payload: dict) -> str:
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
+         ("host_us_graph_warm", "host us (.graph, warm host)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
@@ -419,12 +443,16 @@ def markdown(payload: dict) -> str:
     if split:
         lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "
-                  "the call less that: checks, key, workspace lookup, replay bookkeeping):", "",
+                  "the call less that: checks, key, workspace lookup, replay bookkeeping; warm: the same forms "
+                  "issued after the host spun WARM_S, the GPU busy):", "",
                   output.markdown_table(split, ["world", "op", "rows", ("call_us", "call us"),
                                                 ("launch_us", "cuGraphLaunch us"),
                                                 ("launch_in_turn_us", "cuGraphLaunch us, ranks in turn"),
                                                 ("alloc_us", "outputs us"),
-                                                ("rest_us", "rest us"), ("nodes", "replay graph nodes")])]
+                                                ("rest_us", "rest us"), ("call_warm_us", "call us, warm"),
+                                                ("launch_warm_us", "cuGraphLaunch us, warm"),
+                                                ("alloc_warm_us", "outputs us, warm"), ("rest_warm_us", "rest us, warm"),
+                                                ("nodes", "replay graph nodes")])]
     return "\n".join(lines)
 
 
