@@ -102,20 +102,23 @@ def spin(seconds: float) -> None:
         pass
 
 
-def period_us(fn, calls: int = 16, rounds: int = 5) -> float:
+def period_us(fn, calls: int = 16, rounds: int = 5) -> tuple[float, float]:
     """Microseconds per call of ``calls`` back-to-back calls, from an idle device until the last one
     finished (median over rounds): the pace the device sets for a large call, the host for a small
     one.  Every rank shares the one GPU, so this is no device time of a rank alone; it compares the
-    ways of launching a call (say COMPASS_REPLAY_LAUNCH) measured alike."""
-    per_round = []
+    ways of launching a call (say COMPASS_REPLAY_LAUNCH) measured alike.  Also the host's
+    microseconds per call while it issues them (median over rounds): calls issued one after the
+    other with no wait between, as a step issues them, the host warm from the second on."""
+    per_round, issue = [], []
     for _ in range(rounds):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        issue.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
         per_round.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(per_round)
+    return statistics.median(per_round), statistics.median(issue)
 
 
 def launch_costs() -> dict[str, float]:
@@ -318,7 +321,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"}),
                        in_turn=frozenset({"host_us_graph_in_turn"}), warm=frozenset({"host_us_graph_warm"})))
     dist.barrier()
-    res["period_us"] = period_us(lambda: graph_op(a, *args))
+    res["period_us"], res["host_us_back_to_back"] = period_us(lambda: graph_op(a, *args))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
@@ -405,6 +408,8 @@ def markdown(payload: dict) -> str:
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
              ".graph, warm host: the same after the host spun 3 ms, the GPU busy (a host that just waited ~10 ms for "
              "the GPU runs slower for a while, and each form of a large case follows such a wait); "
+             ".graph, 16 back to back: the host's time per call while it issues the period's 16 calls one after "
+             "another (as a step issues them); "
              ".graph, ranks in turn: the same issued by one rank at a time while the others wait at a barrier "
              "(no other process launches at that moment, as where each rank has a GPU of its own); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
@@ -432,6 +437,7 @@ def markdown(payload: dict) -> str:
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_graph_warm", "host us (.graph, warm host)"),
+         ("host_us_back_to_back", "host us (.graph, 16 back to back)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
