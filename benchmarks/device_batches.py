@@ -215,6 +215,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         Step("host_time-w4-w8", "fused_host_time.py",
              ("--worlds", "4,8", "--pin", "--tag", "h200-state-w48-host-pin-mps", "--out-dir", RESULTS), 190),
     ),
+    # Issue 27 (MPS started first): where the graph guards' ~1.1-1.2x of the small two-rank reductions'
+    # period goes, rank 0's device work traced over replayed calls, guarded against unguarded, half the
+    # SMs per rank as when it was measured.
+    "h200-guard-trace": tuple(
+        Step(f"trace-{op}", "replay_trace.py",
+             ("--op", op, "--rows", "512", "--variants", "guards,no-guards",
+              "--tag", f"h200-{short}512-guards-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
+        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
+    ),
 }
 
 

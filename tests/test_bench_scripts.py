@@ -494,3 +494,56 @@ def test_fused_host_time_fingerprints_a_cases_plans_in_order():
     assert census[0] == census[1]
     assert fused_host_time.plan_digest((rounds,)) == fused_host_time.plan_digest((rounds,))
     assert fused_host_time.plan_digest((rounds,)) != fused_host_time.plan_digest((peers,))
+
+
+def test_replay_trace_cuts_a_trace_into_calls_and_times_each_kind_of_work():
+    """``replay_trace.py``'s summary of a Chrome trace (what torch.profiler exports): the device events
+    cut into calls at each replay graph's ``compass_count`` kernel, each kind's first start and last
+    end from the call's first event, the span and the idle time in it; host events ignored; a trace
+    with no device events (a CPU run) has no calls."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import replay_trace
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X"}
+
+    def call(t):  # a GEMM, its publication, the peer's piece pulled, the sum, the count
+        return [ev("nvjet_tst_128x256_h_bz_TNT", t, 50), ev("Memcpy DtoH (Device -> Pinned)", t + 50, 30, "gpu_memcpy"),
+                ev("compass_set_flag", t + 80, 2), ev("Memcpy HtoD (Pinned -> Device)", t + 90, 30, "gpu_memcpy"),
+                ev("vectorized_elementwise_kernel<add>", t + 125, 5), ev("compass_count", t + 130, 1)]
+
+    trace = call(0) + call(200) + call(400) + [ev("cudaGraphLaunch", 5, 3, "cuda_runtime"), ev("stray", 600, 1)]
+    calls = replay_trace.calls_of(trace)
+    assert len(calls) == 3 and [len(c) for c in calls] == [6, 6, 6]  # the unfinished tail dropped
+    one = replay_trace.call_summary(calls[1])
+    assert one["span_us"] == 131 and one["idle_us"] == 131 - (80 + 2 + 30 + 5 + 1)  # gaps at 82-90, 120-125
+    assert one["kinds"]["h2d"]["first_start"] == 90 and one["kinds"]["sum"]["last_end"] == 130
+    assert one["kinds"]["gemm"]["busy"] == 50 and one["kinds"]["flag"]["n"] == 1
+    summary = replay_trace.summarize(trace, skip=1)
+    assert summary["calls"] == 2 and summary["span_us"] == 131 and summary["kinds"]["d2h"]["first_start"] == 50
+    assert replay_trace.summarize([ev("aten::mm", 0, 10, "cpu_op")]) == {"calls": 0}
+    assert replay_trace.kind_of("Memcpy DtoD (Device -> Device)") == "d2d"
+    assert replay_trace.kind_of("compass_wait_flag") == "wait"
+    payload = {"tag": "t", "calls": 3, "op": "matmul_reduce_scatter", "rows": 512, "k": 8, "n": 8, "world": 2,
+               "variants": {"guards": {"settings": {}, **summary}, "no-guards": {"settings": {"X": "0"}, "calls": 0}}}
+    md = replay_trace.markdown(payload)
+    assert "span 131.0 us" in md and "| h2d |" in md and "no calls traced" in md
+
+
+def test_replay_trace_reads_what_torch_profiler_exports(tmp_path):
+    """A Chrome trace torch.profiler writes (on the CPU: host events only) parses, and has no calls."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import replay_trace
+    finally:
+        sys.path.remove(str(BENCH))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert events and replay_trace.summarize(events) == {"calls": 0}
