@@ -81,8 +81,21 @@ def _calibrate(regime: str, env: dict[str, str]) -> Step:
                 ("calibrate", "--collectives", "--out", f"{RESULTS}/calibration-h200x2.json"), 180, env, ranks=2)
 
 
+def _host_time(name: str, worlds: int | str, tag: str, deadline_s: int, env: dict[str, str] | None = None,
+               root: str = "", ops: str = "", extra: tuple[str, ...] = ()) -> Step:
+    """One ``fused_host_time.py`` run, each rank pinned to a core: of ``ops``'s cases where named, from
+    the snapshot at ``root`` where given (an A/B's turn)."""
+    only = ("--ops", ops) if ops else ()
+    return Step(name, "fused_host_time.py", ("--worlds", str(worlds), "--pin", *only, *extra, "--tag", tag,
+                                             "--out-dir", RESULTS), deadline_s, env or {}, root=root)
+
+
 GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
 HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MPS: a PCIe pair at half speed
+# the gather's pulls, one package per way (h200-drain-ab, h200-slot-reuse): the halves (this checkout),
+# whole rounds and one pull per peer (snapshots of earlier commits, benchmarks/snapshot.py)
+GATHER_PULLS = {"drain": "", "rounds": "scratch/snapshot-rounds", "peers": "scratch/snapshot-peers"}
+DRAIN_GATHERS = "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096"  # one piece a block; 2-4
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
 BATCHES: dict[str, tuple[Step, ...]] = {
     # Issues 9-11: the operator grid replayed from CUDA graphs (no host issue per part or per fused
@@ -131,12 +144,9 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "2", "--schedules", "direct", "--shapes", REPLAY_ORDER_CASES, "--calls", "60",
               "--tag", "h200-graph-guards-mps50", "--out-dir", RESULTS), 110,
              {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "2"}),
-        Step("host_time-guards", "fused_host_time.py",
-             ("--worlds", "2", "--pin", "--tag", "h200-graph-guards-host-pin-mps50", "--out-dir", RESULTS), 70,
-             HALF_THE_SMS),
-        Step("host_time-no-guards", "fused_host_time.py",
-             ("--worlds", "2", "--pin", "--tag", "h200-no-graph-guards-host-pin-mps50", "--out-dir", RESULTS), 70,
-             {**HALF_THE_SMS, "COMPASS_GRAPH_GUARDS": "0"}),
+        _host_time("host_time-guards", 2, "h200-graph-guards-host-pin-mps50", 70, HALF_THE_SMS),
+        _host_time("host_time-no-guards", 2, "h200-no-graph-guards-host-pin-mps50", 70,
+                   {**HALF_THE_SMS, "COMPASS_GRAPH_GUARDS": "0"}),
         Step("stress-w4-w8", "fused_host_stress.py",
              ("--worlds", "4,8", "--calls", "60", "--tag", "h200-graph-guards-mps", "--out-dir", RESULTS), 250),
     ),
@@ -145,14 +155,11 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # reduce-scatter plan (`snapshot.py 402bf49`), and the grouped pulls' whole call at 4 and 8 ranks
     # against one copy per peer (`snapshot.py 659b7f9 --out scratch/snapshot-ungrouped`).
     "h200-pair-allreduce-ab": tuple(
-        Step(f"host_time-{side}{run}", "fused_host_time.py",
-             ("--worlds", "2", "--pin", "--tag", f"h200-{side}-allreduce-ab{run}-host-pin-mps50", "--out-dir", RESULTS),
-             45, HALF_THE_SMS, root=root)
+        _host_time(f"host_time-{side}{run}", 2, f"h200-{side}-allreduce-ab{run}-host-pin-mps50", 45, HALF_THE_SMS, root)
         for run in (3, 4) for side, root in (("rs-ag", "scratch/snapshot"), ("pair", ""))
     ) + tuple(
-        Step(f"host_time-w{world}-{side}", "fused_host_time.py",
-             ("--worlds", str(world), "--pin", "--tag", f"h200-{side}-w{world}-ab-host-pin-mps", "--out-dir", RESULTS),
-             {4: 50, 8: 115}[world], {}, root=root)
+        _host_time(f"host_time-w{world}-{side}", world, f"h200-{side}-w{world}-ab-host-pin-mps", {4: 50, 8: 115}[world],
+                   root=root)
         for world in (4, 8) for side, root in (("ungrouped", "scratch/snapshot-ungrouped"), ("grouped", ""))
     ),
     # Issue 27: the gather's last round of pulls cut in halves (protocol.drain_segments) against whole
@@ -160,18 +167,14 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # (`snapshot.py 659b7f9 --scripts HEAD --out scratch/snapshot-peers`), the gathers only, in turns
     # (carry scratch; MPS started first); then the halves' stress at four and eight ranks.
     "h200-drain-ab": tuple(
-        Step(f"host_time-w{world}-{side}{turn}", "fused_host_time.py",
-             ("--worlds", str(world), "--pin", "--ops", "all_gather_matmul",
-              "--tag", f"h200-{side}-w{world}-gather-ab{turn}-host-pin-mps", "--out-dir", RESULTS),
-             {4: 45, 8: 75}[world], {}, root=root)
-        for world, order in ((8, ("drain1", "rounds1", "peers1", "drain2")), (4, ("drain1", "rounds1", "peers1")))
-        for side, turn, root in ((name[:-1], name[-1], {"drain": "", "rounds": "scratch/snapshot-rounds",
-                                                        "peers": "scratch/snapshot-peers"}[name[:-1]])
-                                 for name in order)
+        _host_time(f"host_time-w{world}-{side}{turn}", world, f"h200-{side}-w{world}-gather-ab{turn}-host-pin-mps",
+                   {4: 45, 8: 75}[world], root=GATHER_PULLS[side], ops="all_gather_matmul")
+        for world, turns in ((8, (("drain", 1), ("rounds", 1), ("peers", 1), ("drain", 2))),
+                             (4, (("drain", 1), ("rounds", 1), ("peers", 1))))
+        for side, turn in turns
     ) + (
         Step("stress-drain-w4-w8", "fused_host_stress.py",
-             ("--worlds", "4,8", "--schedules", "direct", "--calls", "200",
-              "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
+             ("--worlds", "4,8", "--schedules", "direct", "--calls", "200", "--shapes", DRAIN_GATHERS,
               "--tag", "h200-drain-gathers-mps", "--out-dir", RESULTS), 95),
     ),
     # Issue 27 (carry scratch; MPS started first; `python -m pytest -q -m gpu tests` before it): the
@@ -190,30 +193,23 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--tag", "h200-pair-slots-cap8-mps50", "--out-dir", RESULTS), 60,
              {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "8"}),
     ) + tuple(
-        Step(f"host_time-w2-{side}{turn}", "fused_host_time.py",
-             ("--worlds", "2", "--pin", "--ops", "matmul_all_reduce",
-              "--tag", f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", "--out-dir", RESULTS), 35, HALF_THE_SMS,
-             root=root)
+        _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", 35, HALF_THE_SMS,
+                   root, "matmul_all_reduce")
         for turn in (1, 2) for side, root in (("two-slots", ""), ("whole-stage", "scratch/snapshot-whole-stage"))
     ) + tuple(
-        Step(f"host_time-w4-{side}1", "fused_host_time.py",
-             ("--worlds", "4", "--pin", "--ops", "all_gather_matmul",
-              "--tag", f"h200-{side}-w4-gather-ab1-host-pin-mps", "--out-dir", RESULTS), 45, {}, root=root)
-        for side, root in (("drain", ""), ("rounds", "scratch/snapshot-rounds"), ("peers", "scratch/snapshot-peers"))
+        _host_time(f"host_time-w4-{side}1", 4, f"h200-{side}-w4-gather-ab1-host-pin-mps", 45, root=root,
+                   ops="all_gather_matmul")
+        for side, root in GATHER_PULLS.items()
     ) + (
         Step("stress-drain-500", "fused_host_stress.py",
-             ("--worlds", "4,8", "--schedules", "direct", "--calls", "500",
-              "--shapes", "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096",
+             ("--worlds", "4,8", "--schedules", "direct", "--calls", "500", "--shapes", DRAIN_GATHERS,
               "--tag", "h200-drain-gathers-500-mps", "--out-dir", RESULTS), 100),
     ),
     # Issue 27: where the host-staged goals stand with every change of the day (MPS started first):
     # world 2 with the breakdown of a replayed call's microseconds, then worlds 4 and 8.
     "h200-host-state": (
-        Step("host_time-w2-breakdown", "fused_host_time.py",
-             ("--worlds", "2", "--pin", "--breakdown", "--tag", "h200-state-w2-breakdown-host-pin-mps",
-              "--out-dir", RESULTS), 90),
-        Step("host_time-w4-w8", "fused_host_time.py",
-             ("--worlds", "4,8", "--pin", "--tag", "h200-state-w48-host-pin-mps", "--out-dir", RESULTS), 190),
+        _host_time("host_time-w2-breakdown", 2, "h200-state-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-w4-w8", "4,8", "h200-state-w48-host-pin-mps", 190),
     ),
     # Issue 27 (MPS started first): where the graph guards' ~1.1-1.2x of the small two-rank reductions'
     # period goes, rank 0's device work traced over replayed calls, guarded against unguarded, half the
