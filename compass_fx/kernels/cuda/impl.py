@@ -204,8 +204,7 @@ class _Workspace:
         self.steps = [[self._compile(c, phase, i) for i, c in enumerate(plan.commands)]
                       for phase in range(self.phases)]
         if not captured:  # a captured call's copies may be kernels (graph_flags.engines)
-            for phase, steps in enumerate(self.steps):
-                self._join_copies(plan, steps, phase)
+            self._join_copies(plan, self.steps)
         self.join_at = join_start(plan)
         self.replays = None if captured or not replay.enabled() else replay.Replays(index)
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
@@ -223,8 +222,7 @@ class _Workspace:
                 for phase, steps in enumerate(self.replay_steps):
                     self._batch_waits(graph_plan, steps, phase)
             if not replay.host_copies_as_kernels():
-                for phase, steps in enumerate(self.replay_steps):
-                    self._join_copies(graph_plan, steps, phase)
+                self._join_copies(graph_plan, self.replay_steps)
             self.progress = watchdog.Progress()
             self.count = graph_flags.count(index, self.progress.address)
             self.dog.watch_progress(self.watched, self.progress)
@@ -232,8 +230,7 @@ class _Workspace:
             if graph_plan is not plan:  # the guarded order's steps, their pulls joined as the eager steps'
                 self.replay_steps = [[self._compile(c, phase, i) for i, c in enumerate(graph_plan.commands)]
                                      for phase in range(self.phases)]
-                for phase, steps in enumerate(self.replay_steps):
-                    self._join_copies(graph_plan, steps, phase)
+                self._join_copies(graph_plan, self.replay_steps)
             self.dog.prefill(self.watched, 16)
 
     def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
@@ -444,14 +441,19 @@ class _Workspace:
             for i in run[1:]:
                 steps[i] = _issue_nothing
 
-    def _join_copies(self, plan: Plan, steps: list[Step], phase: int) -> None:
+    def _join_copies(self, plan: Plan, steps_by_phase: list[list[Step]]) -> None:
         """A call's runs of pulls out of the peers' host mirrors (:meth:`..protocol.Plan.copy_runs`)
         as the fewest copies their addresses allow (:func:`.copy_runs.strided`: one 2D copy per
-        progression), issued at the run's first position (the run's other copies issue nothing).
-        The addresses are the call's (its output's rows may be among them), worked out per call."""
+        progression), issued at the run's first position (the run's other copies issue nothing), in
+        the steps of every phase.  The addresses are the call's (its output's rows may be among
+        them), worked out per call."""
         if self.transport != "host":
             return
-        parity = phase % self.copies
+        for phase, steps in enumerate(steps_by_phase):
+            self._join_phase_copies(plan, steps, phase % self.copies)
+
+    def _join_phase_copies(self, plan: Plan, steps: list[Step], parity: int) -> None:
+        """:meth:`_join_copies` for one phase's steps, whose buffers are those of ``parity``."""
         for run in plan.copy_runs():
             cmds = [plan.commands[i] for i in run]
             ends = [(self._address(c.dst, parity), self._address(c.src, parity), c.dst.rows, self._row_bytes(c))
