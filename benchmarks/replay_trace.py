@@ -24,6 +24,7 @@ import re
 import statistics
 import sys
 import tempfile
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,19 +196,11 @@ def main(argv=None) -> int:
     payload = {"benchmark": NAME, "tag": args.tag, "op": args.op, "rows": args.rows, "k": args.k, "n": args.n,
                "world": args.world, "calls": args.calls, "variants": {}}
     for name in names:
-        saved = {key: os.environ.get(key) for key in VARIANTS[name]}
-        os.environ.update(VARIANTS[name])  # the spawned ranks inherit them
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(worker, args=(args.world, f"file://{os.path.join(tmp, 'store')}", tmp, args.op, args.rows,
-                                       args.k, args.n, args.calls), nprocs=args.world)
-                got = json.load(open(os.path.join(tmp, "rank0.json")))
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # the spawned ranks inherit the variant's settings; the parent's return after it
+        with mock.patch.dict(os.environ, VARIANTS[name]), tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(worker, args=(args.world, f"file://{os.path.join(tmp, 'store')}", tmp, args.op, args.rows,
+                                   args.k, args.n, args.calls), nprocs=args.world)
+            got = json.load(open(os.path.join(tmp, "rank0.json")))
         payload["variants"][name] = {"settings": VARIANTS[name], **got}
         print(f"{name}: span {got.get('span_us', 0):.1f} us, idle {got.get('idle_us', 0):.1f} us over "
               f"{got.get('calls', 0)} calls", flush=True)

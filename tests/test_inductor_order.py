@@ -139,17 +139,10 @@ def _one_call_errors(rank: int, world: int) -> list[float]:
 
 def _notes_with(rank: int, world: int, options: dict, env: dict) -> list[str]:
     import os
+    from unittest import mock
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         return _generated_order(rank, world, "reduce_scatter", options)[1]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_the_report_says_when_streams_share_hardware_queues(ranks):
