@@ -36,6 +36,18 @@ def _main_on_rank(rank: int, script: str, argv: list[str]) -> int:
     return importlib.import_module(script.removesuffix(".py")).main(argv)
 
 
+def _bench(module: str):
+    """A module of benchmarks/ (a script, or ``harness.*``), imported with benchmarks/ on ``sys.path``
+    for the import only."""
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 def _run(script: str, out: Path, *extra: str, ranks=None) -> dict:
     """A script's dry run and the files it wrote: on ``ranks`` (the pool fixture: its 2 ranks) or,
     without, in a subprocess."""
@@ -352,11 +364,7 @@ def _fresh_rank(rank: int, world: int, how: str, init: str, out_path: str) -> No
 def test_fresh_ranks_reports_every_rank(tmp_path):
     """The GPU stress scripts' launcher (``harness.launch.fresh_ranks``): every rank's result, a
     rank that wrote none as an error with its exit code, a rank past the deadline killed."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        from harness.launch import fresh_ranks
-    finally:
-        sys.path.remove(str(BENCH))
+    fresh_ranks = _bench("harness.launch").fresh_ranks
     ranks, killed = fresh_ranks(_fresh_rank, 2, ("answers",), str(tmp_path), 0, 60)
     assert [r["rank"] for r in ranks] == [0, 1] and killed == []
     ranks, killed = fresh_ranks(_fresh_rank, 2, ("dies",), str(tmp_path), 1, 60)
@@ -412,11 +420,7 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fused_host_time
-    finally:
-        sys.path.remove(str(BENCH))
+    fused_host_time = _bench("fused_host_time")
     gathers = fused_host_time.selected_cases("all_gather_matmul")
     assert gathers and all(c[0] == "all_gather_matmul" for c in gathers)
     assert gathers == [c for c in fused_host_time.CASES if c[0] == "all_gather_matmul"]
@@ -431,11 +435,7 @@ def test_the_fit_prices_each_two_rank_all_reduce_run_with_the_plan_it_captured()
     """``fit_model_constants`` rebuilds a run's two-rank host-staged all-reduce from the commands it
     recorded: a run of the one-round plan (before or after its slot reuse added events) as today's
     plan, a run before it as the reduce-scatter-then-gather plan."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fit_model_constants as fit
-    finally:
-        sys.path.remove(str(BENCH))
+    fit = _bench("fit_model_constants")
     from compass_fx.cost.strategies import replay_slow_nodes
     from compass_fx.kernels.issue_order import call_plans
 
@@ -456,11 +456,7 @@ def test_host_time_ab_sets_changed_cases_against_the_spread_of_the_unchanged():
     reduce-scatter plan): the all-reduce cases changed (their commands differ), the others give the
     run's noise; ``--changed`` names the touched operators instead; a plan digest, where both runs
     have one, decides."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import host_time_ab
-    finally:
-        sys.path.remove(str(BENCH))
+    host_time_ab = _bench("host_time_ab")
     runs = [host_time_ab.load(t) for t in ("h200-rs-ag-allreduce-ab3-host-pin-mps50",
                                            "h200-pair-allreduce-ab3-host-pin-mps50")]
     result = host_time_ab.compare(runs)
@@ -481,11 +477,7 @@ def test_host_time_ab_sets_changed_cases_against_the_spread_of_the_unchanged():
 def test_fused_host_time_fingerprints_a_cases_plans_in_order():
     """``plan_digest``: the same plans give the same digest; the gather's pulls in rounds or one per
     peer (the same commands by kind, in another order) give different ones."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import fused_host_time
-    finally:
-        sys.path.remove(str(BENCH))
+    fused_host_time = _bench("fused_host_time")
     from compass_fx.kernels import protocol as pr
 
     rounds = pr.all_gather_plan("direct", 8, 3, 64, 1, 2, grouped=True)
@@ -501,11 +493,7 @@ def test_replay_trace_cuts_a_trace_into_calls_and_times_each_kind_of_work():
     cut into calls at each replay graph's ``compass_count`` kernel, each kind's first start and last
     end from the call's first event, the span and the idle time in it; host events ignored; a trace
     with no device events (a CPU run) has no calls."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import replay_trace
-    finally:
-        sys.path.remove(str(BENCH))
+    replay_trace = _bench("replay_trace")
 
     def ev(name, ts, dur, cat="kernel"):
         return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X"}
@@ -535,11 +523,7 @@ def test_replay_trace_cuts_a_trace_into_calls_and_times_each_kind_of_work():
 
 def test_replay_trace_reads_what_torch_profiler_exports(tmp_path):
     """A Chrome trace torch.profiler writes (on the CPU: host events only) parses, and has no calls."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import replay_trace
-    finally:
-        sys.path.remove(str(BENCH))
+    replay_trace = _bench("replay_trace")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
