@@ -515,6 +515,9 @@ def all_reduce_plan(world: int, rank: int, rows: int, chunks: int, grouped: bool
                                   for b in range(world)] + [f"reduced block of chunk {c}" for c in range(chunks)]))
 
 
+PAIR_STAGE_SLOTS = 2  # staging slots of the two-rank all-reduce's pulls (all_reduce_pair_plan)
+
+
 @lru_cache(maxsize=256)
 def all_reduce_pair_plan(rank: int, rows: int, chunks: int) -> Plan:
     """``OUT = all_reduce(A @ W)`` between two ranks: each pulls the peer's whole partial product,
@@ -562,9 +565,6 @@ def all_reduce_pair_plan(rank: int, rows: int, chunks: int) -> Plan:
     return Plan("matmul_all_reduce", rank, 2, _framed(cmds), chunks, {"P": rows}, stage_slots=slots,
                 stage_rows=size, n_weights=1,
                 slot_names=tuple(f"partial product of chunk {c}" for c in range(chunks)))
-
-
-PAIR_STAGE_SLOTS = 2  # staging slots of the two-rank all-reduce's pulls (all_reduce_pair_plan)
 
 
 CHUNK_BYTES = 32 << 20  # about one chunk per 32 MiB of output, at most 4 (see all_reduce_chunks)
