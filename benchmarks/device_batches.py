@@ -208,16 +208,27 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # Issue 27: where the host-staged goals stand with every change of the day (MPS started first):
     # world 2 with the breakdown of a replayed call's microseconds, then worlds 4 and 8.
     "h200-host-state": (
-        _host_time("host_time-w2-breakdown", 2, "h200-state-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
-        _host_time("host_time-w4-w8", "4,8", "h200-state-w48-host-pin-mps", 190),
+        _host_time("host_time-w2-breakdown", 2, "h200-warmstate-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-w4-w8", "4,8", "h200-warmstate-w48-host-pin-mps", 190),
+    ),
+    # Issue 27, run with MPS off (ranks time-slice the GPU; host-staged flag waits are stream waits, no
+    # spin): how much of a call's host time is MPS's (every rank's launches pass through one server's
+    # context), how much would be paid where each rank has a GPU of its own.  Then h200-mps-w2 with
+    # MPS started: the same world-2 rows on the same machine, for ratios of one run.
+    "h200-no-mps": (
+        _host_time("host_time-w2-breakdown", 2, "h200-nomps-w2-breakdown-host-pin", 90, extra=("--breakdown",)),
+        _host_time("host_time-w4", 4, "h200-nomps-w4-host-pin", 150),
+    ),
+    "h200-mps-w2": (
+        _host_time("host_time-w2-breakdown", 2, "h200-mpsagain-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
     ),
     # Issue 27 (MPS started first): where the graph guards' ~1.1-1.2x of the small two-rank reductions'
-    # period goes, rank 0's device work traced over replayed calls, guarded against unguarded, half the
-    # SMs per rank as when it was measured.
+    # period goes, every rank's device work traced over replayed calls, guarded against unguarded, half
+    # the SMs per rank as when it was measured (rank 0's alone first: -mps50; every rank: -peers-mps50).
     "h200-guard-trace": tuple(
         Step(f"trace-{op}", "replay_trace.py",
              ("--op", op, "--rows", "512", "--variants", "guards,no-guards",
-              "--tag", f"h200-{short}512-guards-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
+              "--tag", f"h200-{short}512-guards-peers-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
         for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
     ),
 }

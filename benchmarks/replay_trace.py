@@ -3,7 +3,8 @@
 Why: the graph guards (``kernels/graph_order.py``: each flag wait of a replay graph after every flag
 its rank set before it) cost the small two-rank reductions ~1.1-1.2x of their period on one H200
 against an unguarded replay, and the period alone does not say where.  This traces rank 0's device
-work (torch.profiler's CUDA activities, exported as a Chrome trace) over back-to-back replayed calls
+work (torch.profiler's CUDA activities, exported as a Chrome trace; every rank traced, so the peers'
+calls are placed against rank 0's on the machine's clock) over back-to-back replayed calls
 of one case in each variant (a set of settings, its own processes: a setting is read when a
 workspace is built), cuts the trace into calls at each replay graph's last node (``compass_count``:
 replays of one stream run one after another) and gives, per kind of work (GEMMs, copies to and from
@@ -94,6 +95,38 @@ def call_summary(events: list[dict]) -> dict:
     return {"span_us": t1 - t0, "idle_us": (t1 - t0) - busy, "kinds": kinds}
 
 
+def timeline(trace_events: list[dict], base_us: float = 0.0, skip: int = 2) -> list[dict]:
+    """Each traced call (the first ``skip`` left out) on the machine's clock (``base_us``: the
+    trace's ``baseTimeNanoseconds`` / 1000, which its events' times count from): its start and, per
+    kind, its first start and last end; the ranks' timelines compare call by call."""
+    out = []
+    for events in calls_of(trace_events)[skip:]:
+        t0 = min(e["ts"] for e in events)
+        one = call_summary(events)
+        out.append({"start": base_us + t0, "kinds": {k: (base_us + t0 + f["first_start"], base_us + t0 + f["last_end"])
+                                                      for k, f in one["kinds"].items()}})
+    return out
+
+
+def peer_lags(mine: list[dict], peer: list[dict]) -> dict:
+    """How a peer's calls lie against this rank's (medians over this rank's calls, each matched with
+    the peer's call that started nearest it): the peer's start after this rank's, and this rank's
+    first pull (``h2d``) after the peer's last flag set (the peer's publication it waits for; near
+    0: the pull waited for the peer, well above 0: something else held it back)."""
+    if not mine or not peer:
+        return {}
+    lags, pulls = [], []
+    for call in mine:
+        near = min(peer, key=lambda c: abs(c["start"] - call["start"]))
+        lags.append(near["start"] - call["start"])
+        if "h2d" in call["kinds"] and "flag" in near["kinds"]:
+            pulls.append(call["kinds"]["h2d"][0] - near["kinds"]["flag"][1])
+    res = {"start_lag_us": statistics.median(lags)}
+    if pulls:
+        res["pull_after_peer_flag_us"] = statistics.median(pulls)
+    return res
+
+
 def summarize(trace_events: list[dict], skip: int = 2) -> dict:
     """Medians over the traced calls (the first ``skip`` left out: the profiler's start) of
     :func:`call_summary`'s figures."""
@@ -131,23 +164,20 @@ def worker(rank: int, world: int, init: str, out_dir: str, op: str, rows: int, k
             raise RuntimeError(f"{op} rows={rows}: replayed result off by {err:.3g} (rank {rank})")
         torch.cuda.synchronize()
         dist.barrier()
-        if rank == 0:
-            from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    graph_op(a, *args)
-                torch.cuda.synchronize()
-            path = os.path.join(out_dir, "trace.json")
-            prof.export_chrome_trace(path)
-            events = json.load(open(path)).get("traceEvents", [])
-            result = {"relative_error": err, "replayed": replay.stats["replayed"], **summarize(events)}
-            with open(os.path.join(out_dir, "rank0.json"), "w") as f:
-                json.dump(result, f)
-        else:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # every rank: their calls compare
             for _ in range(calls):
                 graph_op(a, *args)
             torch.cuda.synchronize()
+        path = os.path.join(out_dir, f"trace{rank}.json")
+        prof.export_chrome_trace(path)
+        trace = json.load(open(path))
+        events = trace.get("traceEvents", [])
+        result = {"relative_error": err, "replayed": replay.stats["replayed"], **summarize(events),
+                  "timeline": timeline(events, trace.get("baseTimeNanoseconds", 0) / 1e3)}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -169,6 +199,12 @@ def markdown(payload: dict) -> str:
                   output.markdown_table([dict(kind=k, **f) for k, f in v["kinds"].items()],
                                         ["kind", ("n", "events"), ("first_start", "first start us"),
                                          ("last_end", "last end us"), ("busy", "busy us")]), ""]
+        for peer, lag in v.get("peers", {}).items():
+            if lag:
+                pull = lag.get("pull_after_peer_flag_us")
+                lines += [f"Rank {peer}'s calls start {lag['start_lag_us']:.1f} us after rank 0's"
+                          + (f"; rank 0's first pull starts {pull:.1f} us after rank {peer}'s last flag set" if pull is not None
+                             else "") + ".", ""]
     return "\n".join(lines)
 
 
@@ -200,7 +236,9 @@ def main(argv=None) -> int:
         with mock.patch.dict(os.environ, VARIANTS[name]), tempfile.TemporaryDirectory() as tmp:
             mp.spawn(worker, args=(args.world, f"file://{os.path.join(tmp, 'store')}", tmp, args.op, args.rows,
                                    args.k, args.n, args.calls), nprocs=args.world)
-            got = json.load(open(os.path.join(tmp, "rank0.json")))
+            ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.world)]
+        got = {key: v for key, v in ranks[0].items() if key != "timeline"}
+        got["peers"] = {str(r): peer_lags(ranks[0]["timeline"], ranks[r]["timeline"]) for r in range(1, args.world)}
         payload["variants"][name] = {"settings": VARIANTS[name], **got}
         print(f"{name}: span {got.get('span_us', 0):.1f} us, idle {got.get('idle_us', 0):.1f} us over "
               f"{got.get('calls', 0)} calls", flush=True)

@@ -521,6 +521,32 @@ def test_replay_trace_cuts_a_trace_into_calls_and_times_each_kind_of_work():
     assert "span 131.0 us" in md and "| h2d |" in md and "no calls traced" in md
 
 
+def test_replay_trace_places_a_peers_calls_against_rank_0s():
+    """Every rank's calls on the machine's clock (the trace's base time + its events' times): each of
+    rank 0's calls matched with the peer's nearest, the peer's start lag and rank 0's first pull after
+    the peer's flag set, as medians; a peer with no calls gives nothing."""
+    replay_trace = _bench("replay_trace")
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"name": name, "ts": ts, "dur": dur, "cat": cat, "ph": "X"}
+
+    def call(t, pull_at):  # a GEMM, its flag set, the peer's piece pulled at pull_at, the count
+        return [ev("nvjet_gemm", t, 50), ev("compass_set_flag", t + 50, 4),
+                ev("Memcpy HtoD (Pinned -> Device)", t + pull_at, 20, "gpu_memcpy"), ev("compass_count", t + pull_at + 20, 1)]
+
+    mine = replay_trace.timeline(call(0, 60) + call(200, 60) + call(400, 90), base_us=1000.0, skip=0)
+    assert [c["start"] for c in mine] == [1000.0, 1200.0, 1400.0] and mine[2]["kinds"]["h2d"] == (1490.0, 1510.0)
+    # the peer's trace counts from another base; on the machine's clock its calls start 30 us later
+    peer = replay_trace.timeline(call(0, 60) + call(200, 60) + call(400, 60), base_us=1030.0, skip=0)
+    lags = replay_trace.peer_lags(mine, peer)
+    assert lags == {"start_lag_us": 30.0, "pull_after_peer_flag_us": 60 - (30 + 54)}  # median of -24, -24, 6
+    assert replay_trace.peer_lags(mine, []) == {}
+    payload = {"tag": "t", "calls": 3, "op": "matmul_reduce_scatter", "rows": 512, "k": 8, "n": 8, "world": 2,
+               "variants": {"guards": {"settings": {}, **replay_trace.summarize(call(0, 60), skip=0),
+                                       "peers": {"1": lags}}}}
+    assert "Rank 1's calls start 30.0 us after rank 0's; rank 0's first pull starts -24.0 us" in replay_trace.markdown(payload)
+
+
 def test_replay_trace_reads_what_torch_profiler_exports(tmp_path):
     """A Chrome trace torch.profiler writes (on the CPU: host events only) parses, and has no calls."""
     replay_trace = _bench("replay_trace")
