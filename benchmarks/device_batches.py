@@ -231,6 +231,21 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--tag", f"h200-{short}512-guards-peers-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
         for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
     ),
+    # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
+    # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
+    # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a
+    # kernel node launches for less host than a stream-wait node: the host time and the period at
+    # worlds 2 and 8, each way once, in turns.
+    "h200-kernel-waits": tuple(
+        Step(f"trace-{op}", "replay_trace.py",
+             ("--op", op, "--rows", "512", "--variants", "guards,kernel-waits,no-guards",
+              "--tag", f"h200-{short}512-waits-peers-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
+        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
+    ) + tuple(
+        _host_time(f"host_time-w{world}-{waits}", world, f"h200-{waits}-waits-w{world}-host-pin-mps",
+                   {2: 55, 8: 110}[world], {"COMPASS_REPLAY_WAITS": waits})
+        for world in (2, 8) for waits in ("batch", "kernel")
+    ),
 }
 
 
