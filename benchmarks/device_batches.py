@@ -231,6 +231,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--tag", f"h200-{short}512-guards-peers-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
         for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
     ),
+    # Issue 27 (MPS started first): h200-guard-trace again with every rank's own summary in the
+    # results: in guarded replays rank 1's calls start 30-70 us after rank 0's; does rank 1 idle
+    # between its calls, or start its call's work late?
+    "h200-guard-ranks": tuple(
+        Step(f"trace-{op}", "replay_trace.py",
+             ("--op", op, "--rows", "512", "--variants", "guards,no-guards",
+              "--tag", f"h200-{short}512-guards-ranks-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
+        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
+    ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a

@@ -201,6 +201,11 @@ def markdown(payload: dict) -> str:
                   output.markdown_table([dict(kind=k, **f) for k, f in v["kinds"].items()],
                                         ["kind", ("n", "events"), ("first_start", "first start us"),
                                          ("last_end", "last end us"), ("busy", "busy us")]), ""]
+        for peer, summary in v.get("peer_summaries", {}).items():
+            if summary.get("calls"):
+                lines += [f"Rank {peer}: span {summary['span_us']:.1f} us, idle {summary['idle_us']:.1f} us; "
+                          + ", ".join(f"{k} {f['first_start']:.0f}-{f['last_end']:.0f}" for k, f in summary["kinds"].items())
+                          + " us after its call's first event.", ""]
         for peer, lag in v.get("peers", {}).items():
             if lag:
                 pull = lag.get("pull_after_peer_flag_us")
@@ -241,6 +246,8 @@ def main(argv=None) -> int:
             ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.world)]
         got = {key: v for key, v in ranks[0].items() if key != "timeline"}
         got["peers"] = {str(r): peer_lags(ranks[0]["timeline"], ranks[r]["timeline"]) for r in range(1, args.world)}
+        got["peer_summaries"] = {str(r): {key: v for key, v in ranks[r].items() if key != "timeline"}
+                                 for r in range(1, args.world)}
         payload["variants"][name] = {"settings": VARIANTS[name], **got}
         print(f"{name}: span {got.get('span_us', 0):.1f} us, idle {got.get('idle_us', 0):.1f} us over "
               f"{got.get('calls', 0)} calls", flush=True)

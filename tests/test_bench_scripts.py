@@ -543,8 +543,11 @@ def test_replay_trace_places_a_peers_calls_against_rank_0s():
     assert replay_trace.peer_lags(mine, []) == {}
     payload = {"tag": "t", "calls": 3, "op": "matmul_reduce_scatter", "rows": 512, "k": 8, "n": 8, "world": 2,
                "variants": {"guards": {"settings": {}, **replay_trace.summarize(call(0, 60), skip=0),
-                                       "peers": {"1": lags}}}}
-    assert "Rank 1's calls start 30.0 us after rank 0's; rank 0's first pull starts -24.0 us" in replay_trace.markdown(payload)
+                                       "peers": {"1": lags},
+                                       "peer_summaries": {"1": replay_trace.summarize(call(0, 60), skip=0)}}}}
+    md = replay_trace.markdown(payload)
+    assert "Rank 1's calls start 30.0 us after rank 0's; rank 0's first pull starts -24.0 us" in md
+    assert "Rank 1: span 81.0 us" in md and "h2d 60-80" in md
 
 
 def test_replay_trace_reads_what_torch_profiler_exports(tmp_path):
