@@ -240,6 +240,26 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--tag", f"h200-{short}512-guards-ranks-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
         for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
     ),
+    # Issue 27 (MPS started first): in guarded replays a pull whose peer's flag is already set starts
+    # 70-90 us after its own rank's flag set (the guard: a graph edge from the flag-set kernel to the
+    # wait), against ~9 us when the peer's flag releases it (h200-guard-ranks).  Is it the edge out of
+    # a kernel into a copy's queue?  The flag sets as stream memory writes (the node an issued call
+    # uses) traced, their host time and period against the kernels in turns, and a short stress.
+    "h200-guard-flags": tuple(
+        Step(f"trace-{op}", "replay_trace.py",
+             ("--op", op, "--rows", "512", "--variants", "guards,stream-flag-writes,no-guards",
+              "--tag", f"h200-{short}512-flag-writes-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
+        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
+    ) + tuple(
+        _host_time(f"host_time-w2-{writes}", 2, f"h200-{writes}-flags-w2-host-pin-mps50", 55,
+                   {**HALF_THE_SMS, "COMPASS_REPLAY_FLAG_WRITES": writes})
+        for writes in ("kernel", "stream")
+    ) + (
+        Step("stress-stream-flags", "fused_host_stress.py",
+             ("--worlds", "2,4", "--schedules", "direct", "--calls", "100", "--shapes",
+              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168,all_gather_matmul:4096:4096:7168",
+              "--tag", "h200-stream-flags-mps", "--out-dir", RESULTS), 90, {"COMPASS_REPLAY_FLAG_WRITES": "stream"}),
+    ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a

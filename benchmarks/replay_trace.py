@@ -38,7 +38,8 @@ import torch.multiprocessing as mp  # noqa: E402
 NAME = "replay_trace"
 VARIANTS = {"guards": {}, "no-guards": {"COMPASS_GRAPH_GUARDS": "0"}, "stream-waits": {"COMPASS_REPLAY_WAITS": "stream"},
             "kernel-waits": {"COMPASS_REPLAY_WAITS": "kernel"},
-            "kernel-waits-no-guards": {"COMPASS_REPLAY_WAITS": "kernel", "COMPASS_GRAPH_GUARDS": "0"}}
+            "kernel-waits-no-guards": {"COMPASS_REPLAY_WAITS": "kernel", "COMPASS_GRAPH_GUARDS": "0"},
+            "stream-flag-writes": {"COMPASS_REPLAY_FLAG_WRITES": "stream"}}
 KINDS = (  # (kind, how a device event's name shows it), first match wins
     ("count", re.compile(r"compass_count")),
     ("flag", re.compile(r"compass_(set_flag|write_code|bump_epoch)")),
