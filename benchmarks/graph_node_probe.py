@@ -23,6 +23,8 @@
 * ``lines``: 7 or 16 pulls of 1 MiB out of host memory regions one stride apart (a round of
   host-staged pulls, ``kernels/cuda/copy_runs``) as separate copies, one 2D copy or two: launch
   cost, and the device time and content of the 16.
+* ``guard``: device time of a graph shaped like a two-rank reduce-scatter of one host-staged piece,
+  its pull after the graph guard's edge from the flag kernel or not (one process, no MPS).
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -673,12 +675,90 @@ def lines_section() -> list[dict]:
     return rows
 
 
+def guard_section(reps: int = 50) -> list[dict]:
+    """Device us per replay of graphs shaped like a two-rank host-staged reduce-scatter of one piece
+    (a GEMM on the caller's stream; its piece published to host memory and a flag kernel on a
+    publication stream; a stream wait for the peer's flag, already set, and a pull out of host
+    memory on a pull stream; the sum after the pull), the pull stream's first node placed four ways:
+    ``unguarded`` (forked at the graph's start), ``guarded`` (after an event recorded after the flag
+    kernel: :mod:`compass_fx.kernels.graph_order`'s guard), ``guarded_no_wait`` (the same without
+    the stream wait), ``serial`` (wait and pull on the publication stream after the flag, no edge).
+    Two ranks sharing one H200 under MPS started a guarded pull 75-87 us after its flag kernel
+    (``replay_trace-h200-*-guards-ranks-*``); one process alone: is it the edge?"""
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    dev = torch.cuda.current_device()
+    memcpy = driver.raw("memcpy")
+    rows, k, n = 512, 7168, 4096
+    a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    part = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    stage = torch.empty_like(part)
+    nbytes = part.numel() * part.element_size()
+    host = host_buffer(nbytes)[2]
+    flags = host_buffer(4096)
+    flags[1].view(torch.int32).fill_(1)  # the peer's flag: set
+    write = graph_flags.write_code(dev, flags[2] + 64, 1)
+    wait = _batch_waits([flags[2]], 1)
+    cap, pub, pull = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+
+    def fork(to: torch.cuda.Stream, frm: torch.cuda.Stream) -> None:
+        ev = torch.cuda.Event()
+        ev.record(frm)
+        to.wait_event(ev)
+
+    def case(how: str):
+        def capture(h):
+            main = torch.cuda.current_stream()
+            if how == "unguarded":
+                fork(pull, main)
+            torch.mm(a, b, out=part)
+            fork(pub, main)
+            driver.check(memcpy(host, part.data_ptr(), nbytes, pub.cuda_stream), "memcpy")
+            write(pub.cuda_stream)
+            if how == "serial":
+                wait(pub.cuda_stream)
+                driver.check(memcpy(stage.data_ptr(), host, nbytes, pub.cuda_stream), "memcpy")
+                fork(main, pub)
+            else:
+                if how != "unguarded":
+                    fork(pull, pub)
+                if how != "guarded_no_wait":
+                    wait(pull.cuda_stream)
+                driver.check(memcpy(stage.data_ptr(), host, nbytes, pull.cuda_stream), "memcpy")
+                fork(main, pull)
+                fork(main, pub)
+            part.add_(stage)
+        return capture
+
+    rows_out = []
+    for how in ("unguarded", "guarded", "guarded_no_wait", "serial"):
+        try:
+            g = graph_of(case(how), cap)
+            g.replay()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    g.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / reps)
+            rows_out.append({"case": how, "nodes": _node_kinds(g.raw_cuda_graph()), "device_us": statistics.median(times)})
+        except Exception as e:  # noqa: BLE001
+            rows_out.append({"case": how, "error": f"{type(e).__name__}: {e}"[:300]})
+        print(rows_out[-1], flush=True)
+    return rows_out
+
+
 def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines, guard")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
