@@ -701,6 +701,10 @@ def guard_section(reps: int = 50) -> list[dict]:
     write = graph_flags.write_code(dev, flags[2] + 64, 1)
     wait = _batch_waits([flags[2]], 1)
     cap, pub, pull = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(cap):  # cuBLAS's handle and workspace for this stream, before any capture
+        torch.mm(a, b, out=part)
+        part.add_(stage)
+    torch.cuda.synchronize()
 
     def fork(to: torch.cuda.Stream, frm: torch.cuda.Stream) -> None:
         ev = torch.cuda.Event()
