@@ -261,16 +261,18 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "--tag", "h200-stream-flags-mps", "--out-dir", RESULTS), 90, {"COMPASS_REPLAY_FLAG_WRITES": "stream"}),
     ),
     # Issue 27 (carry scratch; MPS started first): a four-rank gather's round of three pulls one pull at
-    # a time (protocol.SINGLE_PULLS_UP_TO) against halves of 2 and 1 (`snapshot.py 81e83c2 --out
-    # scratch/snapshot-halves`), the gathers only, in turns; then the new rule stressed.
+    # a time (the candidate 13b0595, protocol.SINGLE_PULLS_UP_TO: `snapshot.py 13b0595 --out
+    # scratch/snapshot-single`) against halves of 2 and 1 (this checkout; run first from `snapshot.py
+    # 81e83c2 --out scratch/snapshot-halves` with the candidate checked out), the gathers only, in
+    # turns; then the candidate stressed.  Period 0.98-1.03x of the halves: not kept.
     "h200-single-pulls": tuple(
         _host_time(f"host_time-w4-{side}{turn}", 4, f"h200-{side}-w4-gather-ab{turn}-host-pin-mps", 45,
                    root=root, ops="all_gather_matmul")
-        for turn in (1, 2) for side, root in (("single", ""), ("halves", "scratch/snapshot-halves"))
+        for turn in (1, 2) for side, root in (("single", "scratch/snapshot-single"), ("halves", ""))
     ) + (
         Step("stress-single-pulls-w4", "fused_host_stress.py",
              ("--worlds", "4", "--schedules", "direct", "--calls", "100", "--shapes", DRAIN_GATHERS,
-              "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40),
+              "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40, root="scratch/snapshot-single"),
     ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against

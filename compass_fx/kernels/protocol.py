@@ -365,9 +365,6 @@ def grouped_pulls(recvs: "list", parts: int) -> list[list]:
     return [[t for t in recvs if t.piece.part == p] for p in range(parts)]
 
 
-SINGLE_PULLS_UP_TO = 3  # see drain_segments
-
-
 def drain_segments(pulls: list) -> list[list]:
     """The last round of :func:`grouped_pulls` cut in halves (7 pulls: 4, 2, 1), each segment's
     arrivals announced once its copies are done.
@@ -381,11 +378,7 @@ def drain_segments(pulls: list) -> list[list]:
     is shorter than half its copy (the regime of a host-staged call, whose bytes cross PCIe
     twice), and one piece's GEMM is left after the last byte, as with one copy per peer; the
     round costs the launch one or two copies per segment, about log2 of the peers, instead of
-    one or two in all.  A round of at most ``SINGLE_PULLS_UP_TO`` pulls (four ranks) goes one pull
-    at a time instead: its halves would be 2 and 1, so the first GEMMs of a call whose only round it
-    is (a block of one piece) would wait for two pulls, not one."""
-    if len(pulls) <= SINGLE_PULLS_UP_TO:
-        return [[t] for t in pulls]
+    one or two in all."""
     segments = []
     while pulls:
         half = (len(pulls) + 1) // 2
