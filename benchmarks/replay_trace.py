@@ -2,14 +2,15 @@
 
 Why: the graph guards (``kernels/graph_order.py``: each flag wait of a replay graph after every flag
 its rank set before it) cost the small two-rank reductions ~1.1-1.2x of their period on one H200
-against an unguarded replay, and the period alone does not say where.  This traces rank 0's device
-work (torch.profiler's CUDA activities, exported as a Chrome trace; every rank traced, so the peers'
-calls are placed against rank 0's on the machine's clock) over back-to-back replayed calls
-of one case in each variant (a set of settings, its own processes: a setting is read when a
+against an unguarded replay, and the period alone does not say where.  This traces every rank's
+device work (torch.profiler's CUDA activities, exported as a Chrome trace) over back-to-back replayed
+calls of one case in each variant (a set of settings, its own processes: a setting is read when a
 workspace is built), cuts the trace into calls at each replay graph's last node (``compass_count``:
 replays of one stream run one after another) and gives, per kind of work (GEMMs, copies to and from
 host memory, the sums, the flag kernels), the median offsets of its first start and last end from
-the call's first event, the call's span, and the time in it when nothing of the call ran.
+the call's first event, the call's span, and the time in it when nothing of the call ran: rank 0's
+in a table, the others' in a line each, and where the peers' calls lie against rank 0's on the
+machine's clock (each trace's base time plus its events' times).
 
     python benchmarks/replay_trace.py --op matmul_reduce_scatter --rows 512   # guards against none
 
@@ -245,10 +246,9 @@ def main(argv=None) -> int:
             mp.spawn(worker, args=(args.world, f"file://{os.path.join(tmp, 'store')}", tmp, args.op, args.rows,
                                    args.k, args.n, args.calls), nprocs=args.world)
             ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.world)]
-        got = {key: v for key, v in ranks[0].items() if key != "timeline"}
-        got["peers"] = {str(r): peer_lags(ranks[0]["timeline"], ranks[r]["timeline"]) for r in range(1, args.world)}
-        got["peer_summaries"] = {str(r): {key: v for key, v in ranks[r].items() if key != "timeline"}
-                                 for r in range(1, args.world)}
+        timelines = [rank.pop("timeline") for rank in ranks]
+        got = {**ranks[0], "peers": {str(r): peer_lags(timelines[0], timelines[r]) for r in range(1, args.world)},
+               "peer_summaries": {str(r): ranks[r] for r in range(1, args.world)}}
         payload["variants"][name] = {"settings": VARIANTS[name], **got}
         print(f"{name}: span {got.get('span_us', 0):.1f} us, idle {got.get('idle_us', 0):.1f} us over "
               f"{got.get('calls', 0)} calls", flush=True)
