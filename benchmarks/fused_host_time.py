@@ -443,6 +443,7 @@ def markdown(payload: dict) -> str:
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
+    lines += ["", *goal_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
@@ -460,6 +461,27 @@ def markdown(payload: dict) -> str:
                                                 ("alloc_warm_us", "outputs us, warm"), ("rest_warm_us", "rest us, warm"),
                                                 ("nodes", "replay graph nodes")])]
     return "\n".join(lines)
+
+
+GOAL_US = {2: 60.0}  # issue 27: one eager fused call's host time, two ranks; 150 us at four and eight
+GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"))
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Per world, where the host-time goal stands: each form's range and how many rows are within
+    the goal (60 us at two ranks, 150 beyond)."""
+    lines = []
+    for world in sorted({r["world"] for r in rows}):
+        goal = GOAL_US.get(world, 150.0)
+        parts = []
+        for key, label in GOAL_FORMS:
+            got = [r[key] for r in rows if r["world"] == world and r.get(key) is not None]
+            if got:
+                parts.append(f"{label} {min(got):.0f}-{max(got):.0f} us, {sum(v <= goal for v in got)} of "
+                             f"{len(got)} rows within")
+        if parts:
+            lines += [f"Goal at world {world} (<= {goal:.0f} us): " + "; ".join(parts) + ".", ""]
+    return lines
 
 
 def plan_digest(plans) -> str:

@@ -417,6 +417,19 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
     assert (tmp_path / "gloo_gather_soak-cpu.md").read_text().startswith("# gloo_gather_soak")
 
 
+def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():
+    """The markdown's goal lines: per world each form's range and the rows within 60 us at two ranks,
+    150 beyond; a form no row has is left out, a world with none of them says nothing."""
+    fused_host_time = _bench("fused_host_time")
+    rows = [{"world": 2, "host_us_graph": 35.0, "host_us_back_to_back": 30.0},
+            {"world": 2, "host_us_graph": 90.4, "host_us_back_to_back": 60.0},
+            {"world": 8, "host_us_graph": 149.0}, {"world": 8, "host_us_graph": 151.0},
+            {"world": 4}]
+    assert fused_host_time.goal_lines(rows) == [
+        "Goal at world 2 (<= 60 us): .graph 35-90 us, 1 of 2 rows within; 16 back to back 30-60 us, 2 of 2 rows within.",
+        "", "Goal at world 8 (<= 150 us): .graph 149-151 us, 1 of 2 rows within.", ""]
+
+
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""
