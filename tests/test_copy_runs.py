@@ -115,3 +115,28 @@ def test_the_2d_copy_parameters_are_laid_out_as_the_driver_reads_them():
     assert offsets["srcMemoryType"] == 16 and offsets["srcDevice"] == 32 and offsets["srcPitch"] == 48
     assert offsets["dstXInBytes"] == 56 and offsets["dstDevice"] == 88 and offsets["dstPitch"] == 104
     assert offsets["WidthInBytes"] == 112 and offsets["Height"] == 120
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_the_models_count_of_a_replays_slow_nodes_is_the_slowest_ranks(world):
+    """The cost model prices a fused call's replay from rank 0's plan, each run of pulls as at most
+    two copies (``strategies.replay_slow_nodes``); the ranks' replays launch their own graphs and the
+    slowest sets the pace.  Counted exactly (each rank's runs as the 2D copies their addresses
+    make), the model's count is the slowest rank's, or one node over it (the eight-rank gather's
+    last round in halves: a rank whose peers wrap around pays the second copy in one half only)."""
+    from compass_fx.cost.strategies import replay_slow_nodes
+
+    for op, rows in (("all_gather_matmul", 1024), ("all_gather_matmul", 4096), ("matmul_all_reduce", 2048 * world)):
+        exact = []
+        for rank in range(world):
+            plan = call_plans(op, "direct", world, rank, rows, 4096, 1, 2, True)[0]
+            over = 0
+            for run in plan.copy_runs():
+                cmds = [plan.commands[i] for i in run]
+                lines = strided([(_address(c.dst, plan.stage_rows), _address(c.src, plan.stage_rows), c.dst.rows * ROW)
+                                 for c in cmds])
+                over += len(lines) - min(2, len(run))
+            exact.append(replay_slow_nodes(plan, True) + over)
+        model = replay_slow_nodes(call_plans(op, "direct", world, 0, rows, 4096, 1, 2, True)[0], True)
+        assert max(exact) <= model <= max(exact) + 1, (op, rows, model, exact)
+        assert exact[0] < model  # rank 0's own pulls never wrap: one copy per run
