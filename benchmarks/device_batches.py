@@ -274,6 +274,26 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "4", "--schedules", "direct", "--calls", "100", "--shapes", DRAIN_GATHERS,
               "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40, root="scratch/snapshot-single"),
     ),
+    # Issue 27 (carry scratch; MPS started first): the candidate 4981c7f (branch candidate/records-first:
+    # the graph order issues ready event records first, so a gather's first pull waits for the rank's
+    # first publication only, not three of its four pieces; `snapshot.py 4981c7f --out
+    # scratch/snapshot-records-first`) against this checkout, the gathers in turns (two ranks with half
+    # the SMs each twice, four ranks once); then the candidate's four-piece gathers stressed.  Merge the
+    # branch if the changed rows' period is shorter beyond the unchanged rows' spread.
+    "h200-records-first": tuple(
+        _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-gather-ab{turn}-host-pin-mps50", 40,
+                   HALF_THE_SMS, root, "all_gather_matmul")
+        for turn in (1, 2) for side, root in (("records-first", "scratch/snapshot-records-first"), ("main", ""))
+    ) + tuple(
+        _host_time(f"host_time-w4-{side}", 4, f"h200-{side}-w4-gather-ab-host-pin-mps", 45, root=root,
+                   ops="all_gather_matmul")
+        for side, root in (("records-first", "scratch/snapshot-records-first"), ("main", ""))
+    ) + (
+        Step("stress-records-first", "fused_host_stress.py",
+             ("--worlds", "2,4", "--schedules", "direct", "--calls", "200", "--shapes",
+              "all_gather_matmul:8192:4096:7168,all_gather_matmul:16384:4096:7168",
+              "--tag", "h200-records-first-mps", "--out-dir", RESULTS), 90, root="scratch/snapshot-records-first"),
+    ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a
