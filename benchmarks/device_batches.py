@@ -96,6 +96,7 @@ HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MP
 # whole rounds and one pull per peer (snapshots of earlier commits, benchmarks/snapshot.py)
 GATHER_PULLS = {"drain": "", "rounds": "scratch/snapshot-rounds", "peers": "scratch/snapshot-peers"}
 DRAIN_GATHERS = "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096"  # one piece a block; 2-4
+EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate branch candidate/early-waits (h200-early-waits)
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
 BATCHES: dict[str, tuple[Step, ...]] = {
     # Issues 9-11: the operator grid replayed from CUDA graphs (no host issue per part or per fused
@@ -274,25 +275,29 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "4", "--schedules", "direct", "--calls", "100", "--shapes", DRAIN_GATHERS,
               "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40, root="scratch/snapshot-single"),
     ),
-    # Issue 27 (carry scratch; MPS started first): the candidate 4981c7f (branch candidate/records-first:
-    # the graph order issues ready event records first, so a gather's first pull waits for the rank's
-    # first publication only, not three of its four pieces; `snapshot.py 4981c7f --out
-    # scratch/snapshot-records-first`) against this checkout, the gathers in turns (two ranks with half
-    # the SMs each twice, four ranks once); then the candidate's four-piece gathers stressed.  Merge the
+    # Issue 27 (carry scratch; MPS started first): the candidate dc9cac9 (branch candidate/early-waits:
+    # in the graph order every ready command that sets no flag goes before a flag set, so each pull's
+    # guard is the rank's matching publication, not a later one: in main's replays a four-piece
+    # gather's first pull waits for three of the rank's pieces, and every reduce-scatter pull but the
+    # first for all of the rank's publications; `snapshot.py dc9cac9 --out scratch/snapshot-early-waits`)
+    # against this checkout, in turns: every operator at two ranks (half the SMs each) twice, at four
+    # ranks once, the reduce-scatters at eight ranks once; then the changed cases stressed.  Merge the
     # branch if the changed rows' period is shorter beyond the unchanged rows' spread.
-    "h200-records-first": tuple(
-        _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-gather-ab{turn}-host-pin-mps50", 40,
-                   HALF_THE_SMS, root, "all_gather_matmul")
-        for turn in (1, 2) for side, root in (("records-first", "scratch/snapshot-records-first"), ("main", ""))
+    "h200-early-waits": tuple(
+        _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-ab{turn}-host-pin-mps50", 50, HALF_THE_SMS, root)
+        for turn in (1, 2) for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
     ) + tuple(
-        _host_time(f"host_time-w4-{side}", 4, f"h200-{side}-w4-gather-ab-host-pin-mps", 45, root=root,
-                   ops="all_gather_matmul")
-        for side, root in (("records-first", "scratch/snapshot-records-first"), ("main", ""))
+        _host_time(f"host_time-w4-{side}", 4, f"h200-{side}-w4-ab-host-pin-mps", 65, root=root)
+        for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+    ) + tuple(
+        _host_time(f"host_time-w8-{side}", 8, f"h200-{side}-w8-rs-ab-host-pin-mps", 45, root=root,
+                   ops="matmul_reduce_scatter")
+        for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
     ) + (
-        Step("stress-records-first", "fused_host_stress.py",
-             ("--worlds", "2,4", "--schedules", "direct", "--calls", "200", "--shapes",
-              "all_gather_matmul:8192:4096:7168,all_gather_matmul:16384:4096:7168",
-              "--tag", "h200-records-first-mps", "--out-dir", RESULTS), 90, root="scratch/snapshot-records-first"),
+        Step("stress-early-waits", "fused_host_stress.py",
+             ("--worlds", "2,4,8", "--schedules", "direct", "--calls", "100", "--shapes",
+              "all_gather_matmul:16384:4096:7168,matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
+              "--tag", "h200-early-waits-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
     ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
