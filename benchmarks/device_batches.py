@@ -299,6 +299,21 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "all_gather_matmul:16384:4096:7168,matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
               "--tag", "h200-early-waits-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
     ),
+    # Issue 27 (carry scratch; MPS started first): the same candidate on the peer transport (the NVLink
+    # machines' plans, each rank mapping the others' buffers with CUDA IPC), whose four- and eight-rank
+    # reduce-scatters and all-reduces main also guards late (every reduce-scatter pull but the first
+    # after all of the rank's publications): those operators in turns at four and eight ranks, then
+    # stressed.
+    "h200-early-waits-peer": tuple(
+        _host_time(f"host_time-w{world}-{side}", world, f"h200-{side}-w{world}-peer-ab-pin-mps", {4: 60, 8: 100}[world],
+                   root=root, ops="matmul_reduce_scatter,matmul_all_reduce", extra=("--transport", "peer"))
+        for world in (4, 8) for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+    ) + (
+        Step("stress-early-waits-peer", "fused_host_stress.py",
+             ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
+              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
+              "--tag", "h200-early-waits-peer-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
+    ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a
