@@ -205,7 +205,8 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     turns (every rank runs the same sequence: launches are collective).  ``call``: the ``.graph``
     call; ``alloc_launch``: the same outputs allocated, the epoch raised and the call's replay
     graph launched, with the progress count the call keeps, and nothing else; ``alloc``: the
-    outputs' allocations alone.  So launch = alloc_launch - alloc, the rest of the call (checks,
+    outputs' allocations alone; ``alloc_one_row``: as many allocations of one row each (whether an
+    output's allocation costs more the larger it is, as the breakdowns suggest).  So launch = alloc_launch - alloc, the rest of the call (checks,
     the workspace's key and lookup, the replay's bookkeeping) = call - alloc_launch; and the launch
     with the ranks in turn (``host_us``'s ``in_turn``: no other rank launches at the same moment)."""
     from compass_fx.kernels.cuda import impl as cuda
@@ -222,6 +223,11 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
         if op == "all_gather_matmul":
             return a.new_empty((rows * world, k)), [a.new_empty((out_rows, n))]
         return None, [a.new_empty((out_rows, n))]
+
+    def alloc_one_row():  # as many allocations of one row each: does an output's cost grow with its size?
+        if op == "all_gather_matmul":
+            return a.new_empty((1, k)), [a.new_empty((1, n))]
+        return None, [a.new_empty((1, n))]
 
     missing = []
 
@@ -248,6 +254,7 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     del gathered, outs
     dist.barrier()
     times = host_us({"call": lambda: graph_op(a, *args), "alloc_launch": alloc_launch, "alloc": alloc,
+                     "alloc_one_row": alloc_one_row,
                      "alloc_launch_in_turn": alloc_launch, "call_warm": lambda: graph_op(a, *args),
                      "alloc_launch_warm": alloc_launch, "alloc_warm": alloc}, rounds=rounds,
                     in_turn=frozenset({"alloc_launch_in_turn"}),
@@ -450,12 +457,14 @@ def markdown(payload: dict) -> str:
     if split:
         lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "
-                  "the call less that: checks, key, workspace lookup, replay bookkeeping; warm: the same forms "
+                  "the call less that: checks, key, workspace lookup, replay bookkeeping; outputs, one row each: as many "
+                  "allocations of one row; warm: the same forms "
                   "issued after the host spun WARM_S, the GPU busy):", "",
                   output.markdown_table(split, ["world", "op", "rows", ("call_us", "call us"),
                                                 ("launch_us", "cuGraphLaunch us"),
                                                 ("launch_in_turn_us", "cuGraphLaunch us, ranks in turn"),
                                                 ("alloc_us", "outputs us"),
+                                                ("alloc_one_row_us", "outputs us, one row each"),
                                                 ("rest_us", "rest us"), ("call_warm_us", "call us, warm"),
                                                 ("launch_warm_us", "cuGraphLaunch us, warm"),
                                                 ("alloc_warm_us", "outputs us, warm"), ("rest_warm_us", "rest us, warm"),
