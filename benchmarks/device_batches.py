@@ -279,7 +279,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # in the graph order every ready command that sets no flag goes before a flag set, so each pull's
     # guard is the rank's matching publication, not a later one: in main's replays a four-piece
     # gather's first pull waits for three of the rank's pieces, and every reduce-scatter pull but the
-    # first for all of the rank's publications; `snapshot.py dc9cac9 --out scratch/snapshot-early-waits`)
+    # first for all of the rank's publications; `snapshot.py dc9cac9 --scripts HEAD --out
+    # scratch/snapshot-early-waits`: the candidate's package under this checkout's scripts)
     # against this checkout, in turns: every operator at two ranks (half the SMs each) twice, at four
     # ranks once, the reduce-scatters at eight ranks once; then the changed cases stressed.  Merge the
     # branch if the changed rows' period is shorter beyond the unchanged rows' spread.
