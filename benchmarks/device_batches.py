@@ -97,7 +97,17 @@ HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MP
 GATHER_PULLS = {"drain": "", "rounds": "scratch/snapshot-rounds", "peers": "scratch/snapshot-peers"}
 DRAIN_GATHERS = "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096"  # one piece a block; 2-4
 EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate branch candidate/early-waits (h200-early-waits)
+EARLY_WAITS_AB = (("early-waits", EARLY_WAITS), ("main", ""))  # its A/B's two sides, candidate first
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
+def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
+    """``replay_trace.py`` on the 512-row reduce-scatter and all-reduce, ``variants`` traced in turns,
+    half the SMs per rank (as the guards' cost was measured); results tagged ``h200-{rs|ar}512-{tag}``."""
+    return tuple(Step(f"trace-{op}", "replay_trace.py",
+                      ("--op", op, "--rows", "512", "--variants", variants,
+                       "--tag", f"h200-{short}512-{tag}", "--out-dir", RESULTS), deadline_s, HALF_THE_SMS)
+                 for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar")))
+
+
 BATCHES: dict[str, tuple[Step, ...]] = {
     # Issues 9-11: the operator grid replayed from CUDA graphs (no host issue per part or per fused
     # call), both regimes.  Does InterDecom pay on NVLink without its host cost; do the small fused
@@ -226,32 +236,17 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # Issue 27 (MPS started first): where the graph guards' ~1.1-1.2x of the small two-rank reductions'
     # period goes, every rank's device work traced over replayed calls, guarded against unguarded, half
     # the SMs per rank as when it was measured (rank 0's alone first: -mps50; every rank: -peers-mps50).
-    "h200-guard-trace": tuple(
-        Step(f"trace-{op}", "replay_trace.py",
-             ("--op", op, "--rows", "512", "--variants", "guards,no-guards",
-              "--tag", f"h200-{short}512-guards-peers-mps50", "--out-dir", RESULTS), 90, HALF_THE_SMS)
-        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
-    ),
+    "h200-guard-trace": _traces("guards,no-guards", "guards-peers-mps50", 90),
     # Issue 27 (MPS started first): h200-guard-trace again with every rank's own summary in the
     # results: in guarded replays rank 1's calls start 30-70 us after rank 0's; does rank 1 idle
     # between its calls, or start its call's work late?
-    "h200-guard-ranks": tuple(
-        Step(f"trace-{op}", "replay_trace.py",
-             ("--op", op, "--rows", "512", "--variants", "guards,no-guards",
-              "--tag", f"h200-{short}512-guards-ranks-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
-        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
-    ),
+    "h200-guard-ranks": _traces("guards,no-guards", "guards-ranks-mps50", 80),
     # Issue 27 (MPS started first): in guarded replays a pull whose peer's flag is already set starts
     # 70-90 us after its own rank's flag set (the guard: a graph edge from the flag-set kernel to the
     # wait), against ~9 us when the peer's flag releases it (h200-guard-ranks).  Is it the edge out of
     # a kernel into a copy's queue?  The flag sets as stream memory writes (the node an issued call
     # uses) traced, their host time and period against the kernels in turns, and a short stress.
-    "h200-guard-flags": tuple(
-        Step(f"trace-{op}", "replay_trace.py",
-             ("--op", op, "--rows", "512", "--variants", "guards,stream-flag-writes,no-guards",
-              "--tag", f"h200-{short}512-flag-writes-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
-        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
-    ) + tuple(
+    "h200-guard-flags": _traces("guards,stream-flag-writes,no-guards", "flag-writes-mps50", 80) + tuple(
         _host_time(f"host_time-w2-{writes}", 2, f"h200-{writes}-flags-w2-host-pin-mps50", 55,
                    {**HALF_THE_SMS, "COMPASS_REPLAY_FLAG_WRITES": writes})
         for writes in ("kernel", "stream")
@@ -286,14 +281,14 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # branch if the changed rows' period is shorter beyond the unchanged rows' spread.
     "h200-early-waits": tuple(
         _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-ab{turn}-host-pin-mps50", 50, HALF_THE_SMS, root)
-        for turn in (1, 2) for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+        for turn in (1, 2) for side, root in EARLY_WAITS_AB
     ) + tuple(
         _host_time(f"host_time-w4-{side}", 4, f"h200-{side}-w4-ab-host-pin-mps", 65, root=root)
-        for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+        for side, root in EARLY_WAITS_AB
     ) + tuple(
         _host_time(f"host_time-w8-{side}", 8, f"h200-{side}-w8-rs-ab-host-pin-mps", 45, root=root,
                    ops="matmul_reduce_scatter")
-        for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+        for side, root in EARLY_WAITS_AB
     ) + (
         Step("stress-early-waits", "fused_host_stress.py",
              ("--worlds", "2,4,8", "--schedules", "direct", "--calls", "100", "--shapes",
@@ -308,7 +303,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     "h200-early-waits-peer": tuple(
         _host_time(f"host_time-w{world}-{side}", world, f"h200-{side}-w{world}-peer-ab-pin-mps", {4: 60, 8: 100}[world],
                    root=root, ops="matmul_reduce_scatter,matmul_all_reduce", extra=("--transport", "peer"))
-        for world in (4, 8) for side, root in (("early-waits", EARLY_WAITS), ("main", ""))
+        for world in (4, 8) for side, root in EARLY_WAITS_AB
     ) + (
         Step("stress-early-waits-peer", "fused_host_stress.py",
              ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
@@ -320,12 +315,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a
     # kernel node launches for less host than a stream-wait node: the host time and the period at
     # worlds 2 and 8, each way once, in turns.
-    "h200-kernel-waits": tuple(
-        Step(f"trace-{op}", "replay_trace.py",
-             ("--op", op, "--rows", "512", "--variants", "guards,kernel-waits,no-guards",
-              "--tag", f"h200-{short}512-waits-peers-mps50", "--out-dir", RESULTS), 80, HALF_THE_SMS)
-        for op, short in (("matmul_reduce_scatter", "rs"), ("matmul_all_reduce", "ar"))
-    ) + tuple(
+    "h200-kernel-waits": _traces("guards,kernel-waits,no-guards", "waits-peers-mps50", 80) + tuple(
         _host_time(f"host_time-w{world}-{waits}", world, f"h200-{waits}-waits-w{world}-host-pin-mps",
                    {2: 55, 8: 110}[world], {"COMPASS_REPLAY_WAITS": waits})
         for world in (2, 8) for waits in ("batch", "kernel")
