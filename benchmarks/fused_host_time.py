@@ -206,9 +206,10 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     call; ``alloc_launch``: the same outputs allocated, the epoch raised and the call's replay
     graph launched, with the progress count the call keeps, and nothing else; ``alloc``: the
     outputs' allocations alone; ``alloc_one_row``: as many allocations of one row each (whether an
-    output's allocation costs more the larger it is, as the breakdowns suggest).  So launch = alloc_launch - alloc, the rest of the call (checks,
-    the workspace's key and lookup, the replay's bookkeeping) = call - alloc_launch; and the launch
-    with the ranks in turn (``host_us``'s ``in_turn``: no other rank launches at the same moment)."""
+    output's allocation costs more the larger it is, as the breakdowns suggest).  So launch =
+    alloc_launch - alloc, the rest of the call (checks, the workspace's key and lookup, the replay's
+    bookkeeping) = call - alloc_launch; and the launch with the ranks in turn (``host_us``'s
+    ``in_turn``: no other rank launches at the same moment)."""
     from compass_fx.kernels.cuda import impl as cuda
 
     ws = _workspace_of(op, rows)
@@ -219,15 +220,16 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     out_rows = {"all_gather_matmul": rows * world, "matmul_reduce_scatter": rows // world,
                 "matmul_all_reduce": rows}[op]
 
-    def alloc():
+    def allocations(gathered_rows: int, rows_out: int):
         if op == "all_gather_matmul":
-            return a.new_empty((rows * world, k)), [a.new_empty((out_rows, n))]
-        return None, [a.new_empty((out_rows, n))]
+            return a.new_empty((gathered_rows, k)), [a.new_empty((rows_out, n))]
+        return None, [a.new_empty((rows_out, n))]
+
+    def alloc():
+        return allocations(rows * world, out_rows)
 
     def alloc_one_row():  # as many allocations of one row each: does an output's cost grow with its size?
-        if op == "all_gather_matmul":
-            return a.new_empty((1, k)), [a.new_empty((1, n))]
-        return None, [a.new_empty((1, n))]
+        return allocations(1, 1)
 
     missing = []
 
