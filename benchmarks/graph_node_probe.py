@@ -73,6 +73,13 @@ def graph_of(fn, cap):
     return g
 
 
+def _after(waiter: torch.cuda.Stream, stream: torch.cuda.Stream) -> None:
+    """``waiter``'s later work after ``stream``'s work so far (an event: a graph edge when captured)."""
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    waiter.wait_event(ev)
+
+
 def launch_rows(cases: dict, cap: torch.cuda.Stream) -> list[dict]:
     """Each case (name -> what to capture, given the capture stream's handle) captured as a graph on
     ``cap``: its nodes and the host us of one ``cuGraphLaunch`` from an idle GPU and behind a sleep."""
@@ -307,15 +314,11 @@ def chain_section() -> list[dict]:
 
     def two_streams(h):
         f = fork.cuda_stream
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream())
-        fork.wait_event(ev)
+        _after(fork, torch.cuda.current_stream())
         for i in range(count // 2):
             d2h(h, i)
             d2h(f, count // 2 + i)
-        back = torch.cuda.Event()
-        back.record(fork)
-        torch.cuda.current_stream().wait_event(back)
+        _after(torch.cuda.current_stream(), fork)
 
     batch = _batch_waits([host_flags[2] + 4 * i for i in range(count)], 1)
 
@@ -390,20 +393,15 @@ def shape_section() -> list[dict]:
     def self_copy(h):
         driver.check(memcpy(gathered.data_ptr(), a.data_ptr(), pieces * piece, h), "memcpy")
 
-    def after(waiter, stream):
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        waiter.wait_event(ev)
-
     def as_plan(tiny=False, pub_events=True, gemm_events=True):
         def fn(h):
             main = torch.cuda.current_stream()
-            after(comm, main)
+            _after(comm, main)
             if not pub_events:
-                after(pub, comm)
+                _after(pub, comm)
             for i in range(pieces):
                 if pub_events:
-                    after(pub, comm)
+                    _after(pub, comm)
                 publish(pub.cuda_stream, i)
             own_gemm()
             published = torch.cuda.Event()
@@ -419,7 +417,7 @@ def shape_section() -> list[dict]:
                     main.wait_event(got[i])
                 gemm(i, tiny)
             main.wait_event(published)
-            after(main, comm)
+            _after(main, comm)
         return fn
 
     def one_stream(h):
@@ -434,14 +432,14 @@ def shape_section() -> list[dict]:
 
     def copies_only(h):
         main = torch.cuda.current_stream()
-        after(comm, main)
-        after(pub, comm)
+        _after(comm, main)
+        _after(pub, comm)
         for i in range(pieces):
             driver.check(memcpy(host + i * piece, a.data_ptr() + i * piece, piece, pub.cuda_stream), "memcpy")
             off = (pieces + i) * piece
             driver.check(memcpy(gathered.data_ptr() + off, host + off, piece, comm.cuda_stream), "memcpy")
-        after(main, pub)
-        after(main, comm)
+        _after(main, pub)
+        _after(main, comm)
 
     cases = {
         "gather8_as_plan": as_plan(),
@@ -706,32 +704,27 @@ def guard_section(reps: int = 50) -> list[dict]:
         part.add_(stage)
     torch.cuda.synchronize()
 
-    def fork(to: torch.cuda.Stream, frm: torch.cuda.Stream) -> None:
-        ev = torch.cuda.Event()
-        ev.record(frm)
-        to.wait_event(ev)
-
     def case(how: str):
         def capture(h):
             main = torch.cuda.current_stream()
             if how == "unguarded":
-                fork(pull, main)
+                _after(pull, main)
             torch.mm(a, b, out=part)
-            fork(pub, main)
+            _after(pub, main)
             driver.check(memcpy(host, part.data_ptr(), nbytes, pub.cuda_stream), "memcpy")
             write(pub.cuda_stream)
             if how == "serial":
                 wait(pub.cuda_stream)
                 driver.check(memcpy(stage.data_ptr(), host, nbytes, pub.cuda_stream), "memcpy")
-                fork(main, pub)
+                _after(main, pub)
             else:
                 if how != "unguarded":
-                    fork(pull, pub)
+                    _after(pull, pub)
                 if how != "guarded_no_wait":
                     wait(pull.cuda_stream)
                 driver.check(memcpy(stage.data_ptr(), host, nbytes, pull.cuda_stream), "memcpy")
-                fork(main, pull)
-                fork(main, pub)
+                _after(main, pull)
+                _after(main, pub)
             part.add_(stage)
         return capture
 
