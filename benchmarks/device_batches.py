@@ -96,8 +96,10 @@ HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MP
 # whole rounds and one pull per peer (snapshots of earlier commits, benchmarks/snapshot.py)
 GATHER_PULLS = {"drain": "", "rounds": "scratch/snapshot-rounds", "peers": "scratch/snapshot-peers"}
 DRAIN_GATHERS = "all_gather_matmul:4096:256:256,all_gather_matmul:16384:1024:4096"  # one piece a block; 2-4
-EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate branch candidate/early-waits (h200-early-waits)
+EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate 391f0f2, not kept (h200-early-waits)
 EARLY_WAITS_AB = (("early-waits", EARLY_WAITS), ("main", ""))  # its A/B's two sides, candidate first
+GUARD_ORDER = "scratch/snapshot-guard-order"  # the candidate fc578ed, now opt-in (h200-guard-order)
+GUARD_ORDER_AB = (("guard-order", GUARD_ORDER), ("main", ""))
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
     """``replay_trace.py`` on the 512-row reduce-scatter and all-reduce, ``variants`` traced in turns,
@@ -270,11 +272,11 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "4", "--schedules", "direct", "--calls", "100", "--shapes", DRAIN_GATHERS,
               "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40, root="scratch/snapshot-single"),
     ),
-    # Issue 27 (carry scratch; MPS started first): the candidate dc9cac9 (branch candidate/early-waits:
-    # in the graph order every ready command that sets no flag goes before a flag set, so each pull's
-    # guard is the rank's matching publication, not a later one: in main's replays a four-piece
-    # gather's first pull waits for three of the rank's pieces, and every reduce-scatter pull but the
-    # first for all of the rank's publications; `snapshot.py dc9cac9 --scripts HEAD --out
+    # Issue 27 (carry scratch; MPS started first): the candidate early waits (391f0f2, measured and not
+    # kept, not in main: in the graph order every ready command that sets no flag goes before a flag
+    # set, so each pull's guard is the rank's matching publication, not a later one: in main's replays
+    # a four-piece gather's first pull waits for three of the rank's pieces, and every reduce-scatter
+    # pull but the first for all of the rank's publications; `snapshot.py 391f0f2 --scripts HEAD --out
     # scratch/snapshot-early-waits`: the candidate's package under this checkout's scripts)
     # against this checkout, in turns: every operator at two ranks (half the SMs each) twice, at four
     # ranks once, the reduce-scatters at eight ranks once; then the changed cases stressed.  Merge the
@@ -309,6 +311,39 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
               "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
               "--tag", "h200-early-waits-peer-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
+    ),
+    # Issue 27 (carry scratch; MPS started first): the early-waits candidate (391f0f2) cut the guards'
+    # waits but cost the gathers 5-24% of their period (h200-early-waits), also where only the capture
+    # order changed (two-rank gathers of two pieces: the same guards, the own GEMM captured ahead of the
+    # first flag set).  The candidate fc578ed (`snapshot.py fc578ed --scripts main --out
+    # scratch/snapshot-guard-order`; since in main as the opt-in COMPASS_GRAPH_GUARD_SEQUENCE=sets-last)
+    # captures in main's order and takes the guards from a sequence that sets flags last.  Against early-waits and main at two ranks in turns twice,
+    # against main at four ranks (the gathers once more, with early-waits) and at eight (the
+    # reduce-scatters, h200-guard-order-more); then stressed, both transports.
+    "h200-guard-order": tuple(
+        _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-go{turn}-host-pin-mps50", 50, HALF_THE_SMS, root)
+        for turn in (1, 2) for side, root in (GUARD_ORDER_AB[0], *EARLY_WAITS_AB)
+    ) + tuple(
+        _host_time(f"host_time-w4-{side}", 4, f"h200-{side}-w4-go-host-pin-mps", 65, root=root)
+        for side, root in GUARD_ORDER_AB
+    ),
+    "h200-guard-order-more": tuple(
+        _host_time(f"host_time-w4-gather-{side}", 4, f"h200-{side}-w4-go-gather-host-pin-mps", 40, root=root,
+                   ops="all_gather_matmul")
+        for side, root in (GUARD_ORDER_AB[0], *EARLY_WAITS_AB)
+    ) + tuple(
+        _host_time(f"host_time-w8-{side}", 8, f"h200-{side}-w8-go-rs-host-pin-mps", 45, root=root,
+                   ops="matmul_reduce_scatter")
+        for side, root in GUARD_ORDER_AB
+    ) + (
+        Step("stress-guard-order", "fused_host_stress.py",
+             ("--worlds", "2,4,8", "--schedules", "direct", "--calls", "100", "--shapes",
+              "all_gather_matmul:16384:4096:7168,matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
+              "--tag", "h200-guard-order-mps", "--out-dir", RESULTS), 90, root=GUARD_ORDER),
+        Step("stress-guard-order-peer", "fused_host_stress.py",
+             ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
+              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
+              "--tag", "h200-guard-order-peer-mps", "--out-dir", RESULTS), 90, root=GUARD_ORDER),
     ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
