@@ -40,7 +40,8 @@ NAME = "replay_trace"
 VARIANTS = {"guards": {}, "no-guards": {"COMPASS_GRAPH_GUARDS": "0"}, "stream-waits": {"COMPASS_REPLAY_WAITS": "stream"},
             "kernel-waits": {"COMPASS_REPLAY_WAITS": "kernel"},
             "kernel-waits-no-guards": {"COMPASS_REPLAY_WAITS": "kernel", "COMPASS_GRAPH_GUARDS": "0"},
-            "stream-flag-writes": {"COMPASS_REPLAY_FLAG_WRITES": "stream"}}
+            "stream-flag-writes": {"COMPASS_REPLAY_FLAG_WRITES": "stream"},
+            "sets-last-guards": {"COMPASS_GRAPH_GUARD_SEQUENCE": "sets-last"}}
 KINDS = (  # (kind, how a device event's name shows it), first match wins
     ("count", re.compile(r"compass_count")),
     ("flag", re.compile(r"compass_(set_flag|write_code|bump_epoch)")),

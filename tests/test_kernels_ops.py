@@ -248,7 +248,7 @@ def _agreement_case(rank):
     difference is an error naming the setting on every rank (never a silent mismatch)."""
     import torch.distributed as dist
 
-    from compass_fx.kernels.cuda.impl import _agreed, _agreed_transport
+    from compass_fx.kernels.cuda.impl import _agreed, _agreed_graph_guards, _agreed_transport
 
     group = dist.group.WORLD
     assert _agreed(group, 2, "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS") == 2
@@ -262,6 +262,13 @@ def _agreement_case(rank):
         with pytest.raises(RuntimeError, match=r"disagree on the fused operators' transport and host-staged "
                                                r"pieces .*COMPASS_HOST_MOST_PIECES"):
             _agreed_transport(group)
+    # graphs' guards from one global order: the sequence chosen on one rank only is an error
+    with mock.patch.dict(os.environ, {"COMPASS_GRAPH_GUARD_SEQUENCE": "capture"}):
+        assert _agreed_graph_guards(group) == (True, False)
+        os.environ["COMPASS_GRAPH_GUARD_SEQUENCE"] = ("capture", "sets-last")[rank]
+        with pytest.raises(RuntimeError, match=r"disagree on the fused operators' CUDA graph guards .*"
+                                               r"COMPASS_GRAPH_GUARD_SEQUENCE"):
+            _agreed_graph_guards(group)
     return True
 
 

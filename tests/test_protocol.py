@@ -786,13 +786,15 @@ def test_a_replay_graph_without_guards_can_hang_on_a_shared_queue():
     assert hung >= 6, f"{hung} of 12 dependency orders of the unguarded plans hung"
 
 
+@pytest.mark.parametrize("sets_last", [False, True])
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
 @pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
-def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
-    """A CUDA graph of the guarded plans (graph_order.graph_plans; a replay's batched waits too)
-    completes call after call with every result right, whatever order of its dependencies the
-    graph's launch queues it in, every stream of a rank on one queue, both transports, every
-    schedule, fenced (captured calls) or not, detached (deferred calls) or not."""
+def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world, sets_last):
+    """A CUDA graph of the guarded plans (graph_order.graph_plans, guards from the capture order or
+    the sets-last sequence; a replay's batched waits too) completes call after call with every
+    result right, whatever order of its dependencies the graph's launch queues it in, every stream
+    of a rank on one queue, both transports, every schedule, fenced (captured calls) or not,
+    detached (deferred calls) or not."""
     import random
 
     from compass_fx.kernels.graph_order import graph_plans
@@ -802,7 +804,7 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
         for host in (False, True):
             for fence, detach in ((False, False), (True, False), (False, True), (True, True)):
                 per_rank = [graph_plans(op, schedule, world, r, rows, K, 1, 8, host, piece_bytes=64, fence=fence,
-                                        detach=detach) for r in range(world)]
+                                        detach=detach, sets_last=sets_last) for r in range(world)]
                 for stage, plans in enumerate(zip(*per_rank)):
                     stage_rows = rows if stage == 0 else rows // world
                     for seed in range(2):
@@ -811,27 +813,43 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
                         _run_stage(ordered, stage_rows, n_calls=3, seed=seed, one_queue=True, buffers=1 if fence else 2)
 
 
-def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_flag_set():
+@pytest.mark.parametrize("sets_last", [False, True])
+def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_flag_set(sets_last):
     """A graph plan is its call plan with each stream's commands in the same order (the same graph
     but for the guards), and in it every flag wait depends (stream order and events) on every flag
-    its rank set before it in the graph plan's order."""
-    from compass_fx.kernels.graph_order import graph_plans
+    its rank set before it in the guards' sequence (the capture order, graph_order.waits_first, or
+    graph_order.guard_sequence: a safe order of every rank's plan, the sequence the graph's proof
+    against shared queues runs on)."""
+    from compass_fx.kernels.graph_order import graph_plans, guard_sequence, stream_keys, waits_first
 
     checked = 0
     for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         for world in (2, 4, 8):
             for host in (False, True):
-                plan = call_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
-                graph = graph_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                plans = [call_plans(op, "direct", world, r, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                         for r in range(world)]
+                plan = plans[1]
+                graph = graph_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64,
+                                    sets_last=sets_last)[0]
+                sequence = (guard_sequence if sets_last else waits_first)(plans)[1]
                 for stream in pr.STREAMS:
                     assert [c for c in graph.commands if c.stream == stream and not _guard(c)] == \
                         [c for c in plan.commands if c.stream == stream], (op, world, host, stream)
+                sets_before: dict[tuple[str, int], set[tuple[str, int]]] = {}  # per wait, in the sequence
+                sets: set[tuple[str, int]] = set()
+                for key, cmd in zip(stream_keys(sequence.commands), sequence.commands):
+                    if isinstance(cmd, pr.SetFlag):
+                        sets.add(key)
+                    elif isinstance(cmd, pr.WaitFlag):
+                        sets_before[key] = set(sets)
+                keys = stream_keys([c for c in graph.commands if not _guard(c)])
+                key_of = dict(zip([i for i, c in enumerate(graph.commands) if not _guard(c)], keys))
                 ancestors: list[set[int]] = []
                 for i, (cmd, before) in enumerate(zip(graph.commands, _dependencies(graph))):
                     ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
                     if isinstance(cmd, pr.WaitFlag):
-                        earlier_sets = {j for j in range(i) if isinstance(graph.commands[j], pr.SetFlag)}
-                        assert earlier_sets <= ancestors[i], (op, world, host, i, earlier_sets - ancestors[i])
+                        needed = {key_of[j] for j in ancestors[i] if isinstance(graph.commands[j], pr.SetFlag)}
+                        assert sets_before[key_of[i]] <= needed, (op, world, host, i, sets_before[key_of[i]] - needed)
                         checked += 1
     assert checked > 100
 
@@ -856,6 +874,43 @@ def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_i
     sets_before = [c.slot for c in graph.commands[:first_wait] if isinstance(c, pr.SetFlag)]
     assert sets_before == [0]
     assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]
+
+
+def _own_sets_each_wait_needs(plan: pr.Plan) -> list[int]:
+    """Per flag wait of a graph plan, in order: how many of the rank's flag sets it depends on
+    (stream order and events: a replay cannot start the wait before them)."""
+    ancestors: list[set[int]] = []
+    needs = []
+    for i, (cmd, before) in enumerate(zip(plan.commands, _dependencies(plan))):
+        ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
+        if isinstance(cmd, pr.WaitFlag):
+            needs.append(sum(isinstance(plan.commands[j], pr.SetFlag) for j in ancestors[i]))
+    return needs
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_sets_last_guards_let_a_graphs_pulls_wait_for_as_few_publications_as_the_rounds_allow(world, host):
+    """In a replay a wait cannot start before the flag sets it is guarded by, so the opt-in guards
+    come from a sequence that sets a flag only once nothing else is ready: a gather's k-th round of
+    pulls (one per peer) waits for the rank's first k pieces, a reduce-scatter's k-th pull for its
+    first k partial sums.  Guards from the capture order make the two-rank host-staged gather's four
+    rounds wait for 3, 4, 4, 4 pieces and every reduce-scatter pull but the first for all of the
+    rank's publications (the default still: graph_order's docstring says why)."""
+    from compass_fx.kernels.graph_order import graph_plans
+
+    for rank in range(world):
+        gather = graph_plans("all_gather_matmul", "direct", world, rank, 16 * world, K, 1, 8, host,
+                             piece_bytes=64, most_pieces=4, sets_last=True)[0]
+        rounds = 4 if host else 1
+        assert _own_sets_each_wait_needs(gather) == [k for k in range(1, rounds + 1) for _ in range(world - 1)]
+        scatter = graph_plans("matmul_reduce_scatter", "direct", world, rank, 16 * world, K, 1, 8, host,
+                              piece_bytes=64, most_pieces=4, sets_last=True)[0]
+        pulls = (world - 1) * (4 if host else 1)
+        assert _own_sets_each_wait_needs(scatter) == list(range(1, pulls + 1))
+    if world == 2 and host:  # the default's guards, from the capture order
+        gather = graph_plans("all_gather_matmul", "direct", 2, 0, 32, K, 1, 8, True, piece_bytes=64, most_pieces=4)[0]
+        assert _own_sets_each_wait_needs(gather) == [3, 4, 4, 4]
 
 
 def test_a_two_rank_host_staged_all_reduce_pulls_the_peers_whole_partial_in_one_round():

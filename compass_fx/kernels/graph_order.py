@@ -14,18 +14,29 @@ such run with waits as stream waits, batches or spinning kernels; issued eagerly
 
 The fix: a graph captures every rank's commands in one more safe order (:func:`waits_first`: found
 as :func:`.issue_order.serialized` finds the issue order, each wait after what releases it, all
-ranks together, in rounds, but issuing a ready flag wait before anything else and at most one
-flag set per rank and round; each stream keeps its order, so the graph is the same but for the
-guards), and in it every flag wait depends on every flag its rank set before it in that order
-(:func:`guarded`: an event from the last such flag set on each other stream; one on the same
-stream precedes it already).  Whatever a peer needs before a wait is released is then in the graph
-ahead of the wait, on every queue, so the issue order's proof holds for the graph's queues with
-this order as its sequence.  Waits come as early as that order allows, so a wait depends on few
-publications: in the reduce-scatter a rank's pull of its peer's first piece waits for its own
-first publication only, not for every publication the issue order puts before it (guards on the
-issue order cost the two-rank reduce-scatter 11-19% of its period on one H200 shared by two ranks:
-``fused_host_time-h200-w2cap4-guards-host-pin-mps50``).  The simulator runs the guarded plans in
-random orders of their dependencies, every stream of a rank on one queue (``tests/test_protocol.py``).
+ranks together, in rounds, but issuing a ready flag wait before anything else and at most one flag
+set per rank and round; each stream keeps its order, so the graph is the same but for the guards),
+and in it every flag wait depends on every flag its rank set before it in that order
+(:func:`guarded`: an event from the last such flag set on each other stream; one on the same stream
+precedes it already).  Whatever a peer needs before a wait is released is then in the graph ahead
+of the wait, on every queue, so the issue order's proof holds for the graph's queues with this
+order as its sequence.  Waits come early in that order, so a wait depends on few publications: the
+two-rank reduce-scatter's pull of the peer's first piece waits for the rank's first publication
+only, not for every publication the issue order puts before it (guards on the issue order cost that
+reduce-scatter 11-19% of its period on one H200 shared by two ranks:
+``fused_host_time-h200-w2cap4-guards-host-pin-mps50``).
+
+Fewer still (``sets_last``, opt-in): the guards may come from another safe sequence than the capture
+order, :func:`guard_sequence`, which sets a flag only when nothing else is ready, so that a
+reduce-scatter's k-th pull waits for the rank's first k partial sums and a gather's k-th round of
+pulls for its first k pieces (guarded by the capture order, a reduce-scatter pull but the first may
+wait for all of its rank's publications, a four-piece gather's rounds for 3, 4, 4, 4 pieces).  On one H200 shared by four or eight ranks that bought the 8192-row all-reduce and
+reduce-scatter 3-7% of their period and cost the small reduce-scatters 4-10%
+(``fused_host_time-h200-guard-order-w2-go1-host-pin-mps50``), so it waits for a machine with a GPU
+per rank.  Capturing in that sequence as well moved the own GEMM ahead of the first flag set and
+cost the gathers up to a quarter of their period: the capture order stays.  The simulator runs the
+guarded plans in random orders of their dependencies, every stream of a rank on one queue
+(``tests/test_protocol.py``).
 """
 from __future__ import annotations
 
@@ -43,32 +54,64 @@ Guards = tuple[tuple[int, int], ...]  # (flag set, flag wait) positions in one r
 
 def waits_first(plans: Sequence[Plan]) -> tuple[Plan, ...]:
     """Every rank's plan with its commands in a safe order that issues a ready flag wait first and
-    at most one flag set per rank and round (see the module's docstring); the join stays last."""
+    at most one flag set per rank and round: the order a graph captures (see the module's
+    docstring); the join stays last."""
     return serialized(plans, waits_first=True)
 
 
-def guards(plan: Plan) -> Guards:
-    """The (flag set, flag wait) positions a graph of ``plan`` must order: for each wait, the last
-    flag set before it in the plan's order on each other stream, unless an earlier wait on the same
-    stream was guarded by that one already (flag sets on one stream come in its order)."""
+def guard_sequence(plans: Sequence[Plan]) -> tuple[Plan, ...]:
+    """:func:`waits_first`'s order but with a flag set only when nothing else is ready: the safe
+    sequence the guards are taken from, in which each wait follows as few of its rank's flag sets
+    as the rounds allow."""
+    return serialized(plans, waits_first=True, sets_last=True)
+
+
+def guards(plan: Plan, sequence: Plan | None = None) -> Guards:
+    """The (flag set, flag wait) positions in ``plan`` a graph of it must order: for each wait, the
+    last flag set before it in ``sequence`` (``plan`` itself where not given; the same commands
+    stream by stream) on each other stream, unless an earlier wait on the same stream was guarded
+    by that one already (flag sets on one stream come in its order)."""
+    sequence = sequence or plan
+    position = _positions(plan)
+    if sorted(position) != sorted(_positions(sequence)):
+        raise ValueError(f"{plan.op}: the guards' sequence holds other commands than the plan")
     pairs: list[tuple[int, int]] = []
     last_set: dict[str, int] = {}
     guarded_by: dict[tuple[str, str], int] = {}  # (wait's stream, set's stream) -> the set guarded last
-    for i, cmd in enumerate(plan.commands):
+    for key, cmd in zip(stream_keys(sequence.commands), sequence.commands):
+        i = position[key]
         if isinstance(cmd, SetFlag):
             last_set[cmd.stream] = i
         elif isinstance(cmd, WaitFlag):
             for stream, j in last_set.items():
                 if stream != cmd.stream and guarded_by.get((cmd.stream, stream)) != j:
+                    if j > i:
+                        raise ValueError(f"{plan.op}: {plan.commands[i]} comes before its guard {plan.commands[j]}")
                     pairs.append((j, i))
                     guarded_by[(cmd.stream, stream)] = j
-    return tuple(pairs)
+    return tuple(sorted(pairs, key=lambda pair: pair[1]))
 
 
-def guarded(plan: Plan) -> Plan:
-    """``plan`` with its :func:`guards` as commands: a ``Record`` right after each guarding flag set
-    and a ``WaitEvent`` on the wait's stream right before the wait (what a graph captures)."""
-    pairs = guards(plan)
+def stream_keys(commands: Sequence[Command]) -> list[tuple[str, int]]:
+    """Each command as (its stream, its place on that stream): the same in any order of a plan that
+    keeps each stream's."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cmd in commands:
+        keys.append((cmd.stream, seen.get(cmd.stream, 0)))
+        seen[cmd.stream] = keys[-1][1] + 1
+    return keys
+
+
+def _positions(plan: Plan) -> dict[tuple[str, int], int]:
+    return {key: i for i, key in enumerate(stream_keys(plan.commands))}
+
+
+def guarded(plan: Plan, sequence: Plan | None = None) -> Plan:
+    """``plan`` with its :func:`guards` (taken from ``sequence``'s order where given) as commands: a
+    ``Record`` right after each guarding flag set and a ``WaitEvent`` on the wait's stream right
+    before the wait (what a graph captures)."""
+    pairs = guards(plan, sequence)
     if not pairs:
         return plan
     records = {j for j, _ in pairs}
@@ -87,10 +130,13 @@ def guarded(plan: Plan) -> Plan:
 @lru_cache(maxsize=256)
 def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                 itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES, detach: bool = False,
-                group_rows: int = 0, fence: bool = False, most_pieces: int = 0) -> tuple[Plan, ...]:
+                group_rows: int = 0, fence: bool = False, most_pieces: int = 0,
+                sets_last: bool = False) -> tuple[Plan, ...]:
     """:func:`.issue_order.call_plans` (same arguments) as a CUDA graph of the call captures them:
-    each stage's plan in :func:`waits_first`'s order, :func:`guarded`."""
+    each stage's plan in :func:`waits_first`'s order, :func:`guarded` by that order or, where
+    ``sets_last``, by :func:`guard_sequence`'s (fewer guards; not the default: see the module)."""
     every = [call_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
                         group_rows, fence, most_pieces) for r in range(world)]
-    return tuple(guarded(waits_first(stage)[rank]) for stage in zip(*every))
+    return tuple(guarded(waits_first(stage)[rank], guard_sequence(stage)[rank] if sets_last else None)
+                 for stage in zip(*every))
 

@@ -139,6 +139,14 @@ def _agreed_transport(group) -> str:
                    "COMPASS_FUSED_TRANSPORT / NCCL_P2P_DISABLE / COMPASS_HOST_PIECE_MIB / COMPASS_HOST_MOST_PIECES")[0]
 
 
+def _agreed_graph_guards(group) -> tuple[bool, bool]:
+    """Whether this process's CUDA graphs of fused calls hold guards and take them from the sets-last
+    sequence, checked to be every rank's: each rank's guards must come from one global order for
+    shared queues not to deadlock (:mod:`..graph_order`)."""
+    return _agreed(group, (replay.graph_guards(), replay.guards_from_sets_last()), "CUDA graph guards",
+                   "COMPASS_GRAPH_GUARDS / COMPASS_GRAPH_GUARD_SEQUENCE")
+
+
 def _gpu_id(device_index: int) -> str:
     """What tells this GPU apart from every other: its UUID (else host name and index)."""
     props = torch.cuda.get_device_properties(device_index)
@@ -162,6 +170,7 @@ class _Workspace:
         :mod:`..graph_order`'s guards; a captured workspace's ``plan`` is one already)."""
         group = resolve_group(group_name, plan.world_size)[0]
         self.transport = _agreed_transport(group)  # the plan was built for this process's transport
+        _agreed_graph_guards(group)  # and its graphs' guards from this process's settings
         index = self.device_index = _device_index(device)
         graph_plan = plan if graph_plan is None else graph_plan
         self.plan, self.rank, self.epoch = plan, plan.rank, 0
@@ -794,8 +803,11 @@ def _workspace(key: tuple, make_plan: Callable[[bool, bool], Plan], group_name: 
 
 def _plans(graph: bool):
     """:func:`..issue_order.call_plans`, or where a CUDA graph captures the call
-    :func:`..graph_order.graph_plans` (same arguments)."""
-    return graph_plans if graph else call_plans
+    :func:`..graph_order.graph_plans` (same arguments; its guards as
+    ``COMPASS_GRAPH_GUARD_SEQUENCE`` sets)."""
+    if not graph:
+        return call_plans
+    return functools.partial(graph_plans, sets_last=True) if replay.guards_from_sets_last() else graph_plans
 
 
 def _group_rows(cols: tuple[int, ...], device: torch.device) -> int:
