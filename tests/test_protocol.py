@@ -858,6 +858,40 @@ def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_i
     assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]
 
 
+def _own_sets_before_each_wait(plan: pr.Plan) -> list[int]:
+    """Per flag wait of ``plan``, in order: how many flags the rank set before it (a graph's wait
+    depends on all of them: graph_order.guarded)."""
+    sets, before = 0, []
+    for cmd in plan.commands:
+        if isinstance(cmd, pr.SetFlag):
+            sets += 1
+        elif isinstance(cmd, pr.WaitFlag):
+            before.append(sets)
+    return before
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_graphs_pulls_wait_for_as_few_of_its_own_publications_as_the_rounds_allow(world, host):
+    """In a replay a wait cannot start before every flag its rank set ahead of it in the graph's
+    order, so the order sets a flag only once nothing else is ready: a gather's k-th round of pulls
+    (one per peer) waits for the rank's first k pieces, a reduce-scatter's k-th pull for its first
+    k partial sums.  Before, the copies and events between waits queued behind the next flag set:
+    the two-rank host-staged gather's four rounds waited for 3, 4, 4, 4 pieces and every
+    reduce-scatter pull but the first for all of the rank's publications."""
+    from compass_fx.kernels.graph_order import graph_plans
+
+    for rank in range(world):
+        gather = graph_plans("all_gather_matmul", "direct", world, rank, 16 * world, K, 1, 8, host,
+                             piece_bytes=64, most_pieces=4)[0]
+        rounds = 4 if host else 1
+        assert _own_sets_before_each_wait(gather) == [k for k in range(1, rounds + 1) for _ in range(world - 1)]
+        scatter = graph_plans("matmul_reduce_scatter", "direct", world, rank, 16 * world, K, 1, 8, host,
+                              piece_bytes=64, most_pieces=4)[0]
+        pulls = (world - 1) * (4 if host else 1)
+        assert _own_sets_before_each_wait(scatter) == list(range(1, pulls + 1))
+
+
 def test_a_two_rank_host_staged_all_reduce_pulls_the_peers_whole_partial_in_one_round():
     """At two ranks through host memory the all-reduce moves the same bytes each way in one round
     (all_reduce_pair_plan): per chunk one publication, one wait and one pull, half the copies

@@ -14,18 +14,20 @@ such run with waits as stream waits, batches or spinning kernels; issued eagerly
 
 The fix: a graph captures every rank's commands in one more safe order (:func:`waits_first`: found
 as :func:`.issue_order.serialized` finds the issue order, each wait after what releases it, all
-ranks together, in rounds, but issuing a ready flag wait before anything else and at most one
-flag set per rank and round; each stream keeps its order, so the graph is the same but for the
-guards), and in it every flag wait depends on every flag its rank set before it in that order
-(:func:`guarded`: an event from the last such flag set on each other stream; one on the same
-stream precedes it already).  Whatever a peer needs before a wait is released is then in the graph
-ahead of the wait, on every queue, so the issue order's proof holds for the graph's queues with
-this order as its sequence.  Waits come as early as that order allows, so a wait depends on few
-publications: in the reduce-scatter a rank's pull of its peer's first piece waits for its own
-first publication only, not for every publication the issue order puts before it (guards on the
-issue order cost the two-rank reduce-scatter 11-19% of its period on one H200 shared by two ranks:
-``fused_host_time-h200-w2cap4-guards-host-pin-mps50``).  The simulator runs the guarded plans in
-random orders of their dependencies, every stream of a rank on one queue (``tests/test_protocol.py``).
+ranks together, in rounds, but issuing a ready flag wait before anything else, a flag set only when
+nothing else is ready, and at most one flag set per rank and round; each stream keeps its order, so
+the graph is the same but for the guards), and in it every flag wait depends on every flag its rank
+set before it in that order (:func:`guarded`: an event from the last such flag set on each other
+stream; one on the same stream precedes it already). Whatever a peer needs before a wait is released
+is then in the graph ahead of the wait, on every queue, so the issue order's proof holds for the
+graph's queues with this order as its sequence. Waits come as early as that order allows, so a wait
+depends on few publications: in the reduce-scatter a rank's pull of its peer's k-th piece waits for
+its own first k publications only, a gather's k-th round of pulls for the rank's first k pieces, not
+for every publication the issue order puts before it (guards on the issue order cost the two-rank
+reduce-scatter 11-19% of its period on one H200 shared by two ranks:
+``fused_host_time-h200-w2cap4-guards-host-pin-mps50``). The simulator runs the guarded plans in
+random orders of their dependencies, every stream of a rank on one queue
+(``tests/test_protocol.py``).
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ Guards = tuple[tuple[int, int], ...]  # (flag set, flag wait) positions in one r
 
 
 def waits_first(plans: Sequence[Plan]) -> tuple[Plan, ...]:
-    """Every rank's plan with its commands in a safe order that issues a ready flag wait first and
-    at most one flag set per rank and round (see the module's docstring); the join stays last."""
+    """Every rank's plan with its commands in a safe order that issues a ready flag wait first, a
+    flag set last and at most one per rank and round (see the module's docstring); the join stays
+    last."""
     return serialized(plans, waits_first=True)
 
 

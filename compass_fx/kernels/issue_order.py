@@ -122,10 +122,13 @@ def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
 def _next_ready(body: tuple[Command, ...], heads: dict[str, deque[int]], flags: list[set[int]],
                 events: set[str], waits_first: bool = False) -> int | None:
     """Of the commands next on their streams and waiting for nothing still to come, the first in
-    the plan's order (``waits_first``: the first flag wait, if any is ready)."""
+    the plan's order (``waits_first``: the first flag wait if any is ready, else the first command
+    that sets no flag, a flag set last: only flag sets release peers, so everything else ready goes
+    before the next one, and the waits it lets through are guarded by the fewest flag sets)."""
     ready = [q[0] for q in heads.values() if q and _released(body[q[0]], flags, events)]
     if waits_first:
-        ready = [i for i in ready if isinstance(body[i], WaitFlag)] or ready
+        ready = ([i for i in ready if isinstance(body[i], WaitFlag)]
+                 or [i for i in ready if not isinstance(body[i], SetFlag)] or ready)
     return min(ready) if ready else None
 
 
