@@ -814,26 +814,48 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world):
 def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_flag_set():
     """A graph plan is its call plan with each stream's commands in the same order (the same graph
     but for the guards), and in it every flag wait depends (stream order and events) on every flag
-    its rank set before it in the graph plan's order."""
-    from compass_fx.kernels.graph_order import graph_plans
+    its rank set before it in the guards' sequence (graph_order.guard_sequence: a safe order of
+    every rank's plan, the sequence the graph's proof against shared queues runs on)."""
+    from compass_fx.kernels.graph_order import graph_plans, guard_sequence
 
     checked = 0
     for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         for world in (2, 4, 8):
             for host in (False, True):
-                plan = call_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                plans = [call_plans(op, "direct", world, r, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
+                         for r in range(world)]
+                plan = plans[1]
                 graph = graph_plans(op, "direct", world, 1, 16 * world, K, 1, 8, host, piece_bytes=64)[0]
                 for stream in pr.STREAMS:
                     assert [c for c in graph.commands if c.stream == stream and not _guard(c)] == \
                         [c for c in plan.commands if c.stream == stream], (op, world, host, stream)
+                sets_before: dict[tuple[str, int], set[tuple[str, int]]] = {}  # per wait, in the sequence
+                sets: set[tuple[str, int]] = set()
+                for key, cmd in zip(_stream_keys(guard_sequence(plans)[1].commands), guard_sequence(plans)[1].commands):
+                    if isinstance(cmd, pr.SetFlag):
+                        sets.add(key)
+                    elif isinstance(cmd, pr.WaitFlag):
+                        sets_before[key] = set(sets)
+                keys = _stream_keys([c for c in graph.commands if not _guard(c)])
+                key_of = dict(zip([i for i, c in enumerate(graph.commands) if not _guard(c)], keys))
                 ancestors: list[set[int]] = []
                 for i, (cmd, before) in enumerate(zip(graph.commands, _dependencies(graph))):
                     ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
                     if isinstance(cmd, pr.WaitFlag):
-                        earlier_sets = {j for j in range(i) if isinstance(graph.commands[j], pr.SetFlag)}
-                        assert earlier_sets <= ancestors[i], (op, world, host, i, earlier_sets - ancestors[i])
+                        needed = {key_of[j] for j in ancestors[i] if isinstance(graph.commands[j], pr.SetFlag)}
+                        assert sets_before[key_of[i]] <= needed, (op, world, host, i, sets_before[key_of[i]] - needed)
                         checked += 1
     assert checked > 100
+
+
+def _stream_keys(commands) -> list[tuple[str, int]]:
+    """Each command as (its stream, its place on that stream): the same in any order of a plan."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cmd in commands:
+        keys.append((cmd.stream, seen.get(cmd.stream, 0)))
+        seen[cmd.stream] = keys[-1][1] + 1
+    return keys
 
 
 def _guard(cmd) -> bool:
@@ -858,16 +880,16 @@ def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_i
     assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]
 
 
-def _own_sets_before_each_wait(plan: pr.Plan) -> list[int]:
-    """Per flag wait of ``plan``, in order: how many flags the rank set before it (a graph's wait
-    depends on all of them: graph_order.guarded)."""
-    sets, before = 0, []
-    for cmd in plan.commands:
-        if isinstance(cmd, pr.SetFlag):
-            sets += 1
-        elif isinstance(cmd, pr.WaitFlag):
-            before.append(sets)
-    return before
+def _own_sets_each_wait_needs(plan: pr.Plan) -> list[int]:
+    """Per flag wait of a graph plan, in order: how many of the rank's flag sets it depends on
+    (stream order and events: a replay cannot start the wait before them)."""
+    ancestors: list[set[int]] = []
+    needs = []
+    for i, (cmd, before) in enumerate(zip(plan.commands, _dependencies(plan))):
+        ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
+        if isinstance(cmd, pr.WaitFlag):
+            needs.append(sum(isinstance(plan.commands[j], pr.SetFlag) for j in ancestors[i]))
+    return needs
 
 
 @pytest.mark.parametrize("host", [True, False])
@@ -885,11 +907,11 @@ def test_a_graphs_pulls_wait_for_as_few_of_its_own_publications_as_the_rounds_al
         gather = graph_plans("all_gather_matmul", "direct", world, rank, 16 * world, K, 1, 8, host,
                              piece_bytes=64, most_pieces=4)[0]
         rounds = 4 if host else 1
-        assert _own_sets_before_each_wait(gather) == [k for k in range(1, rounds + 1) for _ in range(world - 1)]
+        assert _own_sets_each_wait_needs(gather) == [k for k in range(1, rounds + 1) for _ in range(world - 1)]
         scatter = graph_plans("matmul_reduce_scatter", "direct", world, rank, 16 * world, K, 1, 8, host,
                               piece_bytes=64, most_pieces=4)[0]
         pulls = (world - 1) * (4 if host else 1)
-        assert _own_sets_before_each_wait(scatter) == list(range(1, pulls + 1))
+        assert _own_sets_each_wait_needs(scatter) == list(range(1, pulls + 1))
 
 
 def test_a_two_rank_host_staged_all_reduce_pulls_the_peers_whole_partial_in_one_round():

@@ -44,34 +44,64 @@ Guards = tuple[tuple[int, int], ...]  # (flag set, flag wait) positions in one r
 
 
 def waits_first(plans: Sequence[Plan]) -> tuple[Plan, ...]:
-    """Every rank's plan with its commands in a safe order that issues a ready flag wait first, a
-    flag set last and at most one per rank and round (see the module's docstring); the join stays
-    last."""
+    """Every rank's plan with its commands in a safe order that issues a ready flag wait first and
+    at most one flag set per rank and round: the order a graph captures (see the module's
+    docstring); the join stays last."""
     return serialized(plans, waits_first=True)
 
 
-def guards(plan: Plan) -> Guards:
-    """The (flag set, flag wait) positions a graph of ``plan`` must order: for each wait, the last
-    flag set before it in the plan's order on each other stream, unless an earlier wait on the same
-    stream was guarded by that one already (flag sets on one stream come in its order)."""
+def guard_sequence(plans: Sequence[Plan]) -> tuple[Plan, ...]:
+    """:func:`waits_first`'s order but with a flag set only when nothing else is ready: the safe
+    sequence the guards are taken from, in which each wait follows as few of its rank's flag sets
+    as the rounds allow."""
+    return serialized(plans, waits_first=True, sets_last=True)
+
+
+def guards(plan: Plan, sequence: Plan | None = None) -> Guards:
+    """The (flag set, flag wait) positions in ``plan`` a graph of it must order: for each wait, the
+    last flag set before it in ``sequence`` (``plan`` itself where not given; the same commands
+    stream by stream) on each other stream, unless an earlier wait on the same stream was guarded
+    by that one already (flag sets on one stream come in its order)."""
+    sequence = sequence or plan
+    position = _positions(plan)
+    if sorted(position) != sorted(_positions(sequence)):
+        raise ValueError(f"{plan.op}: the guards' sequence holds other commands than the plan")
     pairs: list[tuple[int, int]] = []
     last_set: dict[str, int] = {}
     guarded_by: dict[tuple[str, str], int] = {}  # (wait's stream, set's stream) -> the set guarded last
-    for i, cmd in enumerate(plan.commands):
+    for key, cmd in zip(_stream_keys(sequence), sequence.commands):
+        i = position[key]
         if isinstance(cmd, SetFlag):
             last_set[cmd.stream] = i
         elif isinstance(cmd, WaitFlag):
             for stream, j in last_set.items():
                 if stream != cmd.stream and guarded_by.get((cmd.stream, stream)) != j:
+                    if j > i:
+                        raise ValueError(f"{plan.op}: {plan.commands[i]} comes before its guard {plan.commands[j]}")
                     pairs.append((j, i))
                     guarded_by[(cmd.stream, stream)] = j
-    return tuple(pairs)
+    return tuple(sorted(pairs, key=lambda pair: pair[1]))
 
 
-def guarded(plan: Plan) -> Plan:
-    """``plan`` with its :func:`guards` as commands: a ``Record`` right after each guarding flag set
-    and a ``WaitEvent`` on the wait's stream right before the wait (what a graph captures)."""
-    pairs = guards(plan)
+def _stream_keys(plan: Plan) -> list[tuple[str, int]]:
+    """Each command as (its stream, its place on that stream): the same in any order of the plan."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cmd in plan.commands:
+        keys.append((cmd.stream, seen.get(cmd.stream, 0)))
+        seen[cmd.stream] = keys[-1][1] + 1
+    return keys
+
+
+def _positions(plan: Plan) -> dict[tuple[str, int], int]:
+    return {key: i for i, key in enumerate(_stream_keys(plan))}
+
+
+def guarded(plan: Plan, sequence: Plan | None = None) -> Plan:
+    """``plan`` with its :func:`guards` (taken from ``sequence``'s order where given) as commands: a
+    ``Record`` right after each guarding flag set and a ``WaitEvent`` on the wait's stream right
+    before the wait (what a graph captures)."""
+    pairs = guards(plan, sequence)
     if not pairs:
         return plan
     records = {j for j, _ in pairs}
@@ -92,8 +122,8 @@ def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: 
                 itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES, detach: bool = False,
                 group_rows: int = 0, fence: bool = False, most_pieces: int = 0) -> tuple[Plan, ...]:
     """:func:`.issue_order.call_plans` (same arguments) as a CUDA graph of the call captures them:
-    each stage's plan in :func:`waits_first`'s order, :func:`guarded`."""
+    each stage's plan in :func:`waits_first`'s order, :func:`guarded` by :func:`guard_sequence`'s."""
     every = [call_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
                         group_rows, fence, most_pieces) for r in range(world)]
-    return tuple(guarded(waits_first(stage)[rank]) for stage in zip(*every))
+    return tuple(guarded(waits_first(stage)[rank], guard_sequence(stage)[rank]) for stage in zip(*every))
 

@@ -71,11 +71,13 @@ class UnorderablePlan(ValueError):
     """No order of the plans' commands completes: the plans deadlock even stream by stream."""
 
 
-def serialized(plans: Sequence[Plan], waits_first: bool = False) -> tuple[Plan, ...]:
+def serialized(plans: Sequence[Plan], waits_first: bool = False, sets_last: bool = False) -> tuple[Plan, ...]:
     """Every rank's plan (``plans[r]`` is rank ``r``'s, one call of one operator) with its commands
     in an issue order that completes when all of a rank's streams share one queue.  ``waits_first``:
     a ready flag wait goes before anything else, and a rank sets at most one flag per round (the
-    order :mod:`.graph_order` guards a CUDA graph's waits by: each wait after few flag sets)."""
+    order a CUDA graph captures a call in, :mod:`.graph_order`); ``sets_last`` besides: a flag set
+    only when nothing else is ready (the order :mod:`.graph_order` guards the waits by: each wait
+    after as few flag sets as the rounds allow)."""
     world = len(plans)
     if [p.rank for p in plans] != list(range(world)):
         raise ValueError(f"serialized needs one plan per rank, in rank order; got ranks {[p.rank for p in plans]}")
@@ -91,7 +93,7 @@ def serialized(plans: Sequence[Plan], waits_first: bool = False) -> tuple[Plan, 
         progressed = False
         seen = [set(f) for f in flags]
         for r in range(world):
-            while (i := _next_ready(bodies[r], heads[r], seen, events[r], waits_first)) is not None:
+            while (i := _next_ready(bodies[r], heads[r], seen, events[r], waits_first, sets_last)) is not None:
                 cmd = bodies[r][i]
                 heads[r][cmd.stream].popleft()
                 orders[r].append(cmd)
@@ -120,15 +122,16 @@ def _stream_queues(body: tuple[Command, ...]) -> dict[str, deque[int]]:
 
 
 def _next_ready(body: tuple[Command, ...], heads: dict[str, deque[int]], flags: list[set[int]],
-                events: set[str], waits_first: bool = False) -> int | None:
+                events: set[str], waits_first: bool = False, sets_last: bool = False) -> int | None:
     """Of the commands next on their streams and waiting for nothing still to come, the first in
-    the plan's order (``waits_first``: the first flag wait if any is ready, else the first command
-    that sets no flag, a flag set last: only flag sets release peers, so everything else ready goes
-    before the next one, and the waits it lets through are guarded by the fewest flag sets)."""
+    the plan's order (``waits_first``: the first flag wait, if any is ready; ``sets_last``: a flag
+    set only if nothing else is ready: only flag sets release peers, so every wait the rest lets
+    through comes before the next one)."""
     ready = [q[0] for q in heads.values() if q and _released(body[q[0]], flags, events)]
     if waits_first:
-        ready = ([i for i in ready if isinstance(body[i], WaitFlag)]
-                 or [i for i in ready if not isinstance(body[i], SetFlag)] or ready)
+        ready = [i for i in ready if isinstance(body[i], WaitFlag)] or ready
+    if sets_last:
+        ready = [i for i in ready if not isinstance(body[i], SetFlag)] or ready
     return min(ready) if ready else None
 
 
