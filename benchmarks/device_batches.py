@@ -345,6 +345,23 @@ BATCHES: dict[str, tuple[Step, ...]] = {
               "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
               "--tag", "h200-guard-order-peer-mps", "--out-dir", RESULTS), 90, root=GUARD_ORDER),
     ),
+    # Issue 27 (MPS started first): the guard sequence as landed (COMPASS_GRAPH_GUARD_SEQUENCE=sets-last,
+    # this checkout; the candidate fc578ed measured from a snapshot in h200-guard-order): the four-rank
+    # reduce-scatters and all-reduces and the eight-rank reduce-scatters in turns with the default,
+    # a second turn of the rows that moved there (all-reduce 8192 rows 0.93, small reduce-scatters
+    # 1.04-1.10); then stressed at four and eight ranks.
+    "h200-guard-sequence": tuple(
+        _host_time(f"host_time-w{world}-{side}", world, f"h200-{side}-guards-w{world}-host-pin-mps",
+                   {4: 70, 8: 60}[world], {"COMPASS_GRAPH_GUARD_SEQUENCE": side},
+                   ops="matmul_reduce_scatter,matmul_all_reduce" if world == 4 else "matmul_reduce_scatter")
+        for world in (4, 8) for side in ("sets-last", "capture")
+    ) + (
+        Step("stress-guard-sequence", "fused_host_stress.py",
+             ("--worlds", "4,8", "--schedules", "direct", "--calls", "100", "--shapes",
+              "matmul_reduce_scatter:2048:4096:7168,matmul_all_reduce:8192:4096:7168",
+              "--tag", "h200-guard-sequence-mps", "--out-dir", RESULTS), 90,
+             {"COMPASS_GRAPH_GUARD_SEQUENCE": "sets-last"}),
+    ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
     # 11-12 unguarded (h200-guard-trace, -peers-): is it how a guarded stream wait is released?  And a
