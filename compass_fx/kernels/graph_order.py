@@ -30,12 +30,13 @@ Fewer still (``sets_last``, opt-in): the guards may come from another safe seque
 order, :func:`guard_sequence`, which sets a flag only when nothing else is ready, so that a
 reduce-scatter's k-th pull waits for the rank's first k partial sums and a gather's k-th round of
 pulls for its first k pieces (guarded by the capture order, a reduce-scatter pull but the first may
-wait for all of its rank's publications, a four-piece gather's rounds for 3, 4, 4, 4 pieces).  On one H200 shared by four or eight ranks that bought the 8192-row all-reduce and
-reduce-scatter 3-7% of their period and cost the small reduce-scatters 4-10%
-(``fused_host_time-h200-guard-order-w2-go1-host-pin-mps50``), so it waits for a machine with a GPU
-per rank.  Capturing in that sequence as well moved the own GEMM ahead of the first flag set and
-cost the gathers up to a quarter of their period: the capture order stays.  The simulator runs the
-guarded plans in random orders of their dependencies, every stream of a rank on one queue
+wait for all of its rank's publications, a four-piece gather's rounds for 3, 4, 4, 4 pieces).
+On one H200 shared by four or eight ranks that bought the 8192-row all-reduce 4-7% of its period
+and cost the small reduce-scatters 4-10%, in two runs (``fused_host_time-h200-guard-order-*``,
+``fused_host_time-h200-sets-last-guards-*``), so it waits for a machine with a GPU per rank.
+Capturing in that sequence as well moved the own GEMM ahead of the first flag set and cost the
+gathers up to a quarter of their period: the capture order stays.  The simulator runs the guarded
+plans in random orders of their dependencies, every stream of a rank on one queue
 (``tests/test_protocol.py``).
 """
 from __future__ import annotations
