@@ -313,6 +313,33 @@ def test_transport_choice(monkeypatch):
         transport()
 
 
+def test_graph_guard_sequence_setting_picks_the_graphs_guards(monkeypatch):
+    """``COMPASS_GRAPH_GUARD_SEQUENCE`` reaches the plans a workspace's CUDA graphs capture: the
+    default guards from the capture order, ``sets-last`` from graph_order.guard_sequence (a guard
+    per pull, each on its matching publication, where the capture order's few guards are on late
+    ones), anything else an error."""
+    from compass_fx.kernels.cuda.impl import _plans
+    from compass_fx.kernels.graph_order import GUARD_EVENT, graph_plans
+    from compass_fx.kernels.issue_order import call_plans
+
+    args = ("matmul_reduce_scatter", "direct", 4, 1, 8192, 4096, 1, 2, True)
+
+    def guard_waits(plans) -> int:
+        return sum(type(c).__name__ == "WaitEvent" and c.event.startswith(GUARD_EVENT) for c in plans[0].commands)
+
+    monkeypatch.delenv("COMPASS_GRAPH_GUARD_SEQUENCE", raising=False)
+    assert _plans(False) is call_plans
+    default = _plans(True)(*args)
+    assert default == graph_plans(*args)
+    monkeypatch.setenv("COMPASS_GRAPH_GUARD_SEQUENCE", "sets-last")
+    fewer = _plans(True)(*args)
+    assert fewer == graph_plans(*args, sets_last=True) != default
+    assert guard_waits(fewer) > guard_waits(default)  # one guard per pull, each on an earlier publication
+    monkeypatch.setenv("COMPASS_GRAPH_GUARD_SEQUENCE", "fewest")
+    with pytest.raises(ValueError, match="COMPASS_GRAPH_GUARD_SEQUENCE must be sets-last or capture"):
+        _plans(True)
+
+
 def test_cuda_kernels_go_straight_to_the_dispatcher():
     """The CUDA kernels are registered with the dispatcher directly, not through the custom op's
     kernel wrapper, which cost a median 25 us of host time per call (``ops._cuda_kernel``)."""

@@ -26,8 +26,8 @@ only, not for every publication the issue order puts before it (guards on the is
 reduce-scatter 11-19% of its period on one H200 shared by two ranks:
 ``fused_host_time-h200-w2cap4-guards-host-pin-mps50``).
 
-Fewer still (``sets_last``, opt-in): the guards may come from another safe sequence than the capture
-order, :func:`guard_sequence`, which sets a flag only when nothing else is ready, so that a
+Earlier still (``sets_last``, opt-in): the guards may come from another safe sequence than the
+capture order, :func:`guard_sequence`, which sets a flag only when nothing else is ready, so that a
 reduce-scatter's k-th pull waits for the rank's first k partial sums and a gather's k-th round of
 pulls for its first k pieces (guarded by the capture order, a reduce-scatter pull but the first may
 wait for all of its rank's publications, a four-piece gather's rounds for 3, 4, 4, 4 pieces).
@@ -135,7 +135,8 @@ def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: 
                 sets_last: bool = False) -> tuple[Plan, ...]:
     """:func:`.issue_order.call_plans` (same arguments) as a CUDA graph of the call captures them:
     each stage's plan in :func:`waits_first`'s order, :func:`guarded` by that order or, where
-    ``sets_last``, by :func:`guard_sequence`'s (fewer guards; not the default: see the module)."""
+    ``sets_last``, by :func:`guard_sequence`'s (each wait on fewer publications; not the default: see
+    the module)."""
     every = [call_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
                         group_rows, fence, most_pieces) for r in range(world)]
     return tuple(guarded(waits_first(stage)[rank], guard_sequence(stage)[rank] if sets_last else None)

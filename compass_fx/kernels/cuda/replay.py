@@ -116,7 +116,7 @@ def graph_guards() -> bool:
 def guards_from_sets_last() -> bool:
     """``COMPASS_GRAPH_GUARD_SEQUENCE`` = ``capture`` (default) or ``sets-last``: whether a fused
     call's CUDA graph takes its guards from the order it is captured in or from
-    :func:`..graph_order.guard_sequence` (fewer: each pull waits for its matching publication only;
+    :func:`..graph_order.guard_sequence` (each pull then waits for its matching publication only;
     on one shared H200 4-7% faster for the 8192-row four-rank all-reduce, 4-10% slower for the
     small reduce-scatters, so opt-in until a GPU per rank decides; read when a workspace is built)."""
     return _switch("COMPASS_GRAPH_GUARD_SEQUENCE", "capture", ("sets-last", "capture"))
