@@ -876,6 +876,23 @@ def test_a_graph_waits_for_its_own_first_publication_only_where_its_peer_needs_i
     assert [plan.commands[j].slot for j, i in guards(plan) if i == min(i for _, i in guards(plan))] == [1]
 
 
+def test_guards_refuse_a_sequence_that_cannot_guard_the_plan():
+    """graph_order.guards takes a wait's guard from another order of the same commands only where
+    that guard comes before the wait in the plan (a graph captures a record before its wait): a
+    sequence of other commands, or one that sets flags earlier than the plan (the issue order
+    against the capture order), is an error, never a graph with an edge backwards."""
+    from compass_fx.kernels.graph_order import guards, waits_first
+
+    stage = [call_plans("matmul_reduce_scatter", "direct", 4, r, 64, K, 1, 8, True, piece_bytes=64)[0]
+             for r in range(4)]
+    captured = waits_first(stage)[0]
+    assert guards(captured, captured) == guards(captured)
+    with pytest.raises(ValueError, match="not the plan's commands stream by stream"):
+        guards(captured, stage[1])
+    with pytest.raises(ValueError, match="comes before its guard"):
+        guards(captured, stage[0])
+
+
 def _own_sets_each_wait_needs(plan: pr.Plan) -> list[int]:
     """Per flag wait of a graph plan, in order: how many of the rank's flag sets it depends on
     (stream order and events: a replay cannot start the wait before them)."""

@@ -73,13 +73,15 @@ def guards(plan: Plan, sequence: Plan | None = None) -> Guards:
     stream by stream) on each other stream, unless an earlier wait on the same stream was guarded
     by that one already (flag sets on one stream come in its order)."""
     sequence = sequence or plan
-    position = _positions(plan)
-    if sorted(position) != sorted(_positions(sequence)):
-        raise ValueError(f"{plan.op}: the guards' sequence holds other commands than the plan")
+    position = {key: i for i, key in enumerate(stream_keys(plan.commands))}
+    keys = stream_keys(sequence.commands)
+    if len(keys) != len(position) or any(key not in position or plan.commands[position[key]] != cmd
+                                         for key, cmd in zip(keys, sequence.commands)):
+        raise ValueError(f"{plan.op}: the guards' sequence is not the plan's commands stream by stream")
     pairs: list[tuple[int, int]] = []
     last_set: dict[str, int] = {}
     guarded_by: dict[tuple[str, str], int] = {}  # (wait's stream, set's stream) -> the set guarded last
-    for key, cmd in zip(stream_keys(sequence.commands), sequence.commands):
+    for key, cmd in zip(keys, sequence.commands):
         i = position[key]
         if isinstance(cmd, SetFlag):
             last_set[cmd.stream] = i
@@ -102,10 +104,6 @@ def stream_keys(commands: Sequence[Command]) -> list[tuple[str, int]]:
         keys.append((cmd.stream, seen.get(cmd.stream, 0)))
         seen[cmd.stream] = keys[-1][1] + 1
     return keys
-
-
-def _positions(plan: Plan) -> dict[tuple[str, int], int]:
-    return {key: i for i, key in enumerate(stream_keys(plan.commands))}
 
 
 def guarded(plan: Plan, sequence: Plan | None = None) -> Plan:
