@@ -90,6 +90,17 @@ def _host_time(name: str, worlds: int | str, tag: str, deadline_s: int, env: dic
                                              "--out-dir", RESULTS), deadline_s, env or {}, root=root)
 
 
+def _stress(name: str, worlds: str, calls: int, shapes: str, tag: str, deadline_s: int,
+            env: dict[str, str] | None = None, root: str = "", peer: bool = False) -> Step:
+    """One ``fused_host_stress.py`` run of the direct schedule: ``calls`` calls in a row of each of
+    ``shapes`` at each of ``worlds`` (every result checked), host-staged unless ``peer``, from the
+    snapshot at ``root`` where given."""
+    transport = ("--transport", "peer") if peer else ()
+    return Step(name, "fused_host_stress.py",
+                ("--worlds", worlds, *transport, "--schedules", "direct", "--calls", str(calls), "--shapes", shapes,
+                 "--tag", tag, "--out-dir", RESULTS), deadline_s, env or {}, root=root)
+
+
 GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
 HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MPS: a PCIe pair at half speed
 # the gather's pulls, one package per way (h200-drain-ab, h200-slot-reuse): the halves (this checkout),
@@ -100,7 +111,8 @@ EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate 391f0f2, not kept 
 EARLY_WAITS_AB = (("early-waits", EARLY_WAITS), ("main", ""))  # its A/B's two sides, candidate first
 GUARD_ORDER = "scratch/snapshot-guard-order"  # the candidate fc578ed, now opt-in (h200-guard-order)
 GUARD_ORDER_AB = (("guard-order", GUARD_ORDER), ("main", ""))
-REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"
+REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
+EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
     """``replay_trace.py`` on the 512-row reduce-scatter and all-reduce, ``variants`` traced in turns,
     half the SMs per rank (as the guards' cost was measured); results tagged ``h200-{rs|ar}512-{tag}``."""
@@ -186,9 +198,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                              (4, (("drain", 1), ("rounds", 1), ("peers", 1))))
         for side, turn in turns
     ) + (
-        Step("stress-drain-w4-w8", "fused_host_stress.py",
-             ("--worlds", "4,8", "--schedules", "direct", "--calls", "200", "--shapes", DRAIN_GATHERS,
-              "--tag", "h200-drain-gathers-mps", "--out-dir", RESULTS), 95),
+        _stress("stress-drain-w4-w8", "4,8", 200, DRAIN_GATHERS, "h200-drain-gathers-mps", 95),
     ),
     # Issue 27 (carry scratch; MPS started first; `python -m pytest -q -m gpu tests` before it): the
     # two-rank all-reduce's pulls in two staging slots, stressed at 4 and 8 chunks (half the SMs per
@@ -196,15 +206,12 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # HEAD --out scratch/snapshot-whole-stage`); the world-4 gathers of h200-drain-ab that ran out of
     # time; the last round in halves at 500 calls, worlds 4 and 8.
     "h200-slot-reuse": (
-        Step("stress-pair-slots", "fused_host_stress.py",
-             ("--worlds", "2", "--schedules", "direct", "--calls", "200", "--shapes",
-              "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168,matmul_all_reduce:2048:512:256",
-              "--tag", "h200-pair-slots-mps50", "--out-dir", RESULTS), 60, HALF_THE_SMS),
-        Step("stress-pair-slots-8chunks", "fused_host_stress.py",
-             ("--worlds", "2", "--schedules", "direct", "--calls", "200", "--shapes",
-              "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168",
-              "--tag", "h200-pair-slots-cap8-mps50", "--out-dir", RESULTS), 60,
-             {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "8"}),
+        _stress("stress-pair-slots", "2", 200,
+                "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168,matmul_all_reduce:2048:512:256",
+                "h200-pair-slots-mps50", 60, HALF_THE_SMS),
+        _stress("stress-pair-slots-8chunks", "2", 200,
+                "matmul_all_reduce:8192:4096:7168,matmul_all_reduce:16384:4096:7168",
+                "h200-pair-slots-cap8-mps50", 60, {**HALF_THE_SMS, "COMPASS_HOST_MOST_PIECES": "8"}),
     ) + tuple(
         _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-allreduce-ab{turn}-host-pin-mps50", 35, HALF_THE_SMS,
                    root, "matmul_all_reduce")
@@ -214,9 +221,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    ops="all_gather_matmul")
         for side, root in GATHER_PULLS.items()
     ) + (
-        Step("stress-drain-500", "fused_host_stress.py",
-             ("--worlds", "4,8", "--schedules", "direct", "--calls", "500", "--shapes", DRAIN_GATHERS,
-              "--tag", "h200-drain-gathers-500-mps", "--out-dir", RESULTS), 100),
+        _stress("stress-drain-500", "4,8", 500, DRAIN_GATHERS, "h200-drain-gathers-500-mps", 100),
     ),
     # Issue 27: where the host-staged goals stand with every change of the day (MPS started first):
     # world 2 with the breakdown of a replayed call's microseconds, then worlds 4 and 8.
@@ -253,10 +258,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    {**HALF_THE_SMS, "COMPASS_REPLAY_FLAG_WRITES": writes})
         for writes in ("kernel", "stream")
     ) + (
-        Step("stress-stream-flags", "fused_host_stress.py",
-             ("--worlds", "2,4", "--schedules", "direct", "--calls", "100", "--shapes",
-              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168,all_gather_matmul:4096:4096:7168",
-              "--tag", "h200-stream-flags-mps", "--out-dir", RESULTS), 90, {"COMPASS_REPLAY_FLAG_WRITES": "stream"}),
+        _stress("stress-stream-flags", "2,4", 100, REPLAY_ORDER_CASES + ",all_gather_matmul:4096:4096:7168",
+                "h200-stream-flags-mps", 90, {"COMPASS_REPLAY_FLAG_WRITES": "stream"}),
     ),
     # Issue 27 (carry scratch; MPS started first): a four-rank gather's round of three pulls one pull at
     # a time (the candidate 13b0595, protocol.SINGLE_PULLS_UP_TO: `snapshot.py 13b0595 --out
@@ -268,9 +271,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    root=root, ops="all_gather_matmul")
         for turn in (1, 2) for side, root in (("single", "scratch/snapshot-single"), ("halves", ""))
     ) + (
-        Step("stress-single-pulls-w4", "fused_host_stress.py",
-             ("--worlds", "4", "--schedules", "direct", "--calls", "100", "--shapes", DRAIN_GATHERS,
-              "--tag", "h200-single-pulls-w4-mps", "--out-dir", RESULTS), 40, root="scratch/snapshot-single"),
+        _stress("stress-single-pulls-w4", "4", 100, DRAIN_GATHERS, "h200-single-pulls-w4-mps", 40,
+                root="scratch/snapshot-single"),
     ),
     # Issue 27 (carry scratch; MPS started first): the candidate early waits (391f0f2, measured and not
     # kept, not in main: in the graph order every ready command that sets no flag goes before a flag
@@ -292,10 +294,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    ops="matmul_reduce_scatter")
         for side, root in EARLY_WAITS_AB
     ) + (
-        Step("stress-early-waits", "fused_host_stress.py",
-             ("--worlds", "2,4,8", "--schedules", "direct", "--calls", "100", "--shapes",
-              "all_gather_matmul:16384:4096:7168,matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
-              "--tag", "h200-early-waits-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
+        _stress("stress-early-waits", "2,4,8", 100, EVERY_OP, "h200-early-waits-mps", 90, root=EARLY_WAITS),
     ),
     # Issue 27 (carry scratch; MPS started first): the same candidate on the peer transport (the NVLink
     # machines' plans, each rank mapping the others' buffers with CUDA IPC), whose four- and eight-rank
@@ -307,19 +306,18 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    root=root, ops="matmul_reduce_scatter,matmul_all_reduce", extra=("--transport", "peer"))
         for world in (4, 8) for side, root in EARLY_WAITS_AB
     ) + (
-        Step("stress-early-waits-peer", "fused_host_stress.py",
-             ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
-              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
-              "--tag", "h200-early-waits-peer-mps", "--out-dir", RESULTS), 90, root=EARLY_WAITS),
+        _stress("stress-early-waits-peer", "4,8", 100, REPLAY_ORDER_CASES, "h200-early-waits-peer-mps", 90,
+                root=EARLY_WAITS, peer=True),
     ),
     # Issue 27 (carry scratch; MPS started first): the early-waits candidate (391f0f2) cut the guards'
     # waits but cost the gathers 5-24% of their period (h200-early-waits), also where only the capture
     # order changed (two-rank gathers of two pieces: the same guards, the own GEMM captured ahead of the
     # first flag set).  The candidate fc578ed (`snapshot.py fc578ed --scripts main --out
     # scratch/snapshot-guard-order`; since in main as the opt-in COMPASS_GRAPH_GUARD_SEQUENCE=sets-last)
-    # captures in main's order and takes the guards from a sequence that sets flags last.  Against early-waits and main at two ranks in turns twice,
-    # against main at four ranks (the gathers once more, with early-waits) and at eight (the
-    # reduce-scatters, h200-guard-order-more); then stressed, both transports.
+    # captures in main's order and takes the guards from a sequence that sets flags last.  Against
+    # early-waits and main at two ranks in turns twice, against main at four ranks (the gathers once
+    # more, with early-waits) and at eight (the reduce-scatters, h200-guard-order-more); then stressed,
+    # both transports.
     "h200-guard-order": tuple(
         _host_time(f"host_time-w2-{side}{turn}", 2, f"h200-{side}-w2-go{turn}-host-pin-mps50", 50, HALF_THE_SMS, root)
         for turn in (1, 2) for side, root in (GUARD_ORDER_AB[0], *EARLY_WAITS_AB)
@@ -336,14 +334,9 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    ops="matmul_reduce_scatter")
         for side, root in GUARD_ORDER_AB
     ) + (
-        Step("stress-guard-order", "fused_host_stress.py",
-             ("--worlds", "2,4,8", "--schedules", "direct", "--calls", "100", "--shapes",
-              "all_gather_matmul:16384:4096:7168,matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
-              "--tag", "h200-guard-order-mps", "--out-dir", RESULTS), 90, root=GUARD_ORDER),
-        Step("stress-guard-order-peer", "fused_host_stress.py",
-             ("--worlds", "4,8", "--transport", "peer", "--schedules", "direct", "--calls", "100", "--shapes",
-              "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168",
-              "--tag", "h200-guard-order-peer-mps", "--out-dir", RESULTS), 90, root=GUARD_ORDER),
+        _stress("stress-guard-order", "2,4,8", 100, EVERY_OP, "h200-guard-order-mps", 90, root=GUARD_ORDER),
+        _stress("stress-guard-order-peer", "4,8", 100, REPLAY_ORDER_CASES, "h200-guard-order-peer-mps", 90,
+                root=GUARD_ORDER, peer=True),
     ),
     # Issue 27 (MPS started first): the guard sequence as landed (COMPASS_GRAPH_GUARD_SEQUENCE=sets-last,
     # this checkout; the candidate fc578ed measured from a snapshot in h200-guard-order): the four-rank
@@ -356,11 +349,9 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    ops="matmul_reduce_scatter,matmul_all_reduce" if world == 4 else "matmul_reduce_scatter")
         for world in (4, 8) for side in ("sets-last", "capture")
     ) + (
-        Step("stress-guard-sequence", "fused_host_stress.py",
-             ("--worlds", "4,8", "--schedules", "direct", "--calls", "100", "--shapes",
-              "matmul_reduce_scatter:2048:4096:7168,matmul_all_reduce:8192:4096:7168",
-              "--tag", "h200-guard-sequence-mps", "--out-dir", RESULTS), 90,
-             {"COMPASS_GRAPH_GUARD_SEQUENCE": "sets-last"}),
+        _stress("stress-guard-sequence", "4,8", 100,
+                "matmul_reduce_scatter:2048:4096:7168,matmul_all_reduce:8192:4096:7168",
+                "h200-guard-sequence-mps", 90, {"COMPASS_GRAPH_GUARD_SEQUENCE": "sets-last"}),
     ),
     # Issue 27 (MPS started first): a replay graph's flag waits as spinning kernels instead of batches of
     # stream waits.  Guarded replays start a rank's pull 35-84 us after the peer's flag set against
