@@ -738,6 +738,18 @@ def _dependencies(plan: pr.Plan) -> list[list[int]]:
     return deps
 
 
+def _flag_sets_each_wait_depends_on(plan: pr.Plan) -> dict[int, set[int]]:
+    """Per flag wait of ``plan`` (its position, in order): the positions of the flag sets among what
+    it depends on in a CUDA graph captured from it (:func:`_dependencies`, followed back)."""
+    ancestors: list[set[int]] = []
+    sets: dict[int, set[int]] = {}
+    for i, (cmd, before) in enumerate(zip(plan.commands, _dependencies(plan))):
+        ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
+        if isinstance(cmd, pr.WaitFlag):
+            sets[i] = {j for j in ancestors[i] if isinstance(plan.commands[j], pr.SetFlag)}
+    return sets
+
+
 def _in_dependency_order(plan: pr.Plan, rng) -> pr.Plan:
     """``plan`` with its commands in a random order of its dependencies alone (stream order and
     events), as a CUDA graph launch may hand a captured call's nodes to the hardware queues."""
@@ -844,13 +856,10 @@ def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_fla
                         sets_before[key] = set(sets)
                 keys = stream_keys([c for c in graph.commands if not _guard(c)])
                 key_of = dict(zip([i for i, c in enumerate(graph.commands) if not _guard(c)], keys))
-                ancestors: list[set[int]] = []
-                for i, (cmd, before) in enumerate(zip(graph.commands, _dependencies(graph))):
-                    ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
-                    if isinstance(cmd, pr.WaitFlag):
-                        needed = {key_of[j] for j in ancestors[i] if isinstance(graph.commands[j], pr.SetFlag)}
-                        assert sets_before[key_of[i]] <= needed, (op, world, host, i, sets_before[key_of[i]] - needed)
-                        checked += 1
+                for i, sets_needed in _flag_sets_each_wait_depends_on(graph).items():
+                    needed = {key_of[j] for j in sets_needed}
+                    assert sets_before[key_of[i]] <= needed, (op, world, host, i, sets_before[key_of[i]] - needed)
+                    checked += 1
     assert checked > 100
 
 
@@ -896,13 +905,7 @@ def test_guards_refuse_a_sequence_that_cannot_guard_the_plan():
 def _own_sets_each_wait_needs(plan: pr.Plan) -> list[int]:
     """Per flag wait of a graph plan, in order: how many of the rank's flag sets it depends on
     (stream order and events: a replay cannot start the wait before them)."""
-    ancestors: list[set[int]] = []
-    needs = []
-    for i, (cmd, before) in enumerate(zip(plan.commands, _dependencies(plan))):
-        ancestors.append(set().union(*(ancestors[j] | {j} for j in before)))
-        if isinstance(cmd, pr.WaitFlag):
-            needs.append(sum(isinstance(plan.commands[j], pr.SetFlag) for j in ancestors[i]))
-    return needs
+    return [len(sets) for _, sets in sorted(_flag_sets_each_wait_depends_on(plan).items())]
 
 
 @pytest.mark.parametrize("host", [True, False])
