@@ -2,7 +2,8 @@
 
 Compiled with backend="compass" (every pair forced to 2 parts) equals eager, forward and
 backward, with and without sequence parallelism; the pairs found match a hand count of the
-model's linears.  Needs ``pip install torchtitan==0.3.0`` (skipped without it).
+model's linears.  Needs torchtitan 0.3.0 (skipped without it): the README installs it with
+``--no-deps`` and the test extra the two of its dependencies its model imports.
 """
 from __future__ import annotations
 
