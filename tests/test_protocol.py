@@ -825,6 +825,26 @@ def test_graph_plans_complete_in_any_dependency_order_on_one_queue(op, world, se
                         _run_stage(ordered, stage_rows, n_calls=3, seed=seed, one_queue=True, buffers=1 if fence else 2)
 
 
+def test_graph_plans_are_each_ranks_share_of_one_order_of_the_group():
+    """graph_plans orders every rank's plans together once per group (cached) and hands each rank
+    its own: the same plans as ordering the stage for that rank alone, and a rank outside the
+    world is refused as call_plans refuses it."""
+    from compass_fx.kernels.graph_order import graph_plans, guard_sequence, guarded, waits_first
+
+    world, rows = 4, 64
+    for sets_last in (False, True):
+        every = [call_plans("matmul_reduce_scatter", "ring", world, r, rows, K, 1, 8, True, piece_bytes=64)
+                 for r in range(world)]
+        for rank in range(world):
+            alone = tuple(guarded(waits_first(stage)[rank], guard_sequence(stage)[rank] if sets_last else None)
+                          for stage in zip(*every))
+            assert graph_plans("matmul_reduce_scatter", "ring", world, rank, rows, K, 1, 8, True, piece_bytes=64,
+                               sets_last=sets_last) == alone
+    for rank in (-1, world):
+        with pytest.raises(ValueError, match=f"rank {rank} is not in a world of {world}"):
+            graph_plans("matmul_reduce_scatter", "ring", world, rank, rows, K, 1, 8, True, piece_bytes=64)
+
+
 @pytest.mark.parametrize("sets_last", [False, True])
 def test_graph_plans_keep_each_streams_commands_and_wait_after_every_earlier_flag_set(sets_last):
     """A graph plan is its call plan with each stream's commands in the same order (the same graph
