@@ -126,6 +126,7 @@ def guarded(plan: Plan, sequence: Plan | None = None) -> Plan:
     return replace(plan, commands=tuple(commands))
 
 
+@lru_cache(maxsize=256)
 def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: int, matmuls: int,
                 itemsize: int, host: bool, piece_bytes: int = HOST_PIECE_BYTES, detach: bool = False,
                 group_rows: int = 0, fence: bool = False, most_pieces: int = 0,
@@ -136,21 +137,19 @@ def graph_plans(op: str, schedule: str, world: int, rank: int, rows: int, cols: 
     the module)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a world of {world}")
-    return _every_rank(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach, group_rows,
-                       fence, most_pieces, sets_last)[rank]
+    orders = _group_orders(op, schedule, world, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
+                           group_rows, fence, most_pieces, sets_last)
+    return tuple(guarded(order[rank], sequence[rank] if sequence else None) for order, sequence in orders)
 
 
-@lru_cache(maxsize=256)
-def _every_rank(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
-                host: bool, piece_bytes: int, detach: bool, group_rows: int, fence: bool, most_pieces: int,
-                sets_last: bool) -> tuple[tuple[Plan, ...], ...]:
-    """Every rank's graph plans (``[rank][stage]``): each stage's order is found for all ranks
-    together, once for the group rather than once per rank asking."""
+@lru_cache(maxsize=64)
+def _group_orders(op: str, schedule: str, world: int, rows: int, cols: int, matmuls: int, itemsize: int,
+                  host: bool, piece_bytes: int, detach: bool, group_rows: int, fence: bool, most_pieces: int,
+                  sets_last: bool) -> tuple[tuple[tuple[Plan, ...], tuple[Plan, ...] | None], ...]:
+    """Per stage, every rank's plan in the capture order and (``sets_last``) in the guards' sequence:
+    found for the whole group at once, so ranks asked for one after another (the simulator's tests)
+    share one search."""
     every = [call_plans(op, schedule, world, r, rows, cols, matmuls, itemsize, host, piece_bytes, detach,
                         group_rows, fence, most_pieces) for r in range(world)]
-    stages = []
-    for stage in zip(*every):
-        order, sequence = waits_first(stage), guard_sequence(stage) if sets_last else None
-        stages.append(tuple(guarded(order[r], sequence[r] if sequence else None) for r in range(world)))
-    return tuple(zip(*stages))
+    return tuple((waits_first(stage), guard_sequence(stage) if sets_last else None) for stage in zip(*every))
 
