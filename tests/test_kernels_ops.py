@@ -351,6 +351,22 @@ def test_cuda_kernels_go_straight_to_the_dispatcher():
         assert "compass_fx/kernels/ops.py" in cuda.replace("\\", "/"), cuda
 
 
+def test_the_host_fast_paths_exist_on_this_torch():
+    """A fused call's host cost rests on private torch functions that are looked up with a fallback
+    (a torch without them still runs the calls, each some 1-30 us slower: ``ops._direct``,
+    ``impl._capturing``, ``impl._raw_stream``), so a torch that drops one slows every call
+    silently; here it fails instead.  Checked present in torch 2.13.0 (CPU) and 2.14.1 (CUDA)."""
+    from compass_fx.kernels import ops as ops_module
+    from compass_fx.kernels.cuda import impl
+
+    assert ops_module._direct_possible()
+    for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+        assert hasattr(getattr(torch.ops.compass, name).graph._op, "through_dispatcher"), name
+    assert impl._capturing is torch._C._cuda_isCurrentStreamCapturing
+    if torch.version.cuda is not None:  # a CPU build has no CUDA stream functions at all
+        assert impl._raw_stream is torch._C._cuda_getCurrentRawStream
+
+
 def test_rewritten_graphs_call_overloads_without_python_autograd():
     """What rewritten graphs call (the ``.graph`` overloads and the ``*_start`` forms) has no
     Python autograd or in-place layers around its kernels (they cost ~40 us of host per call):
