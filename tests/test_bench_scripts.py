@@ -349,27 +349,17 @@ def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     assert (tmp_path / "compile_time-cpu.md").read_text().startswith("# compile_time (cpu)")
 
 
-def _fresh_rank(rank: int, world: int, how: str, init: str, out_path: str) -> None:
-    """A rank of ``test_fresh_ranks_reports_every_rank``: rank 0 answers, rank 1 behaves as ``how``."""
-    import time
-
-    if rank == 1 and how == "hangs":
-        time.sleep(60)
-    if rank == 1 and how == "dies":
-        os._exit(3)
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump({"status": "pass", "rank": rank, "world": world}, f)
-
-
 def test_fresh_ranks_reports_every_rank(tmp_path):
     """The GPU stress scripts' launcher (``harness.launch.fresh_ranks``): every rank's result, a
     rank that wrote none as an error with its exit code, a rank past the deadline killed."""
+    from fresh_rank_worker import fresh_rank
+
     fresh_ranks = _bench("harness.launch").fresh_ranks
-    ranks, killed = fresh_ranks(_fresh_rank, 2, ("answers",), str(tmp_path), 0, 60)
+    ranks, killed = fresh_ranks(fresh_rank, 2, ("answers",), str(tmp_path), 0, 60)
     assert [r["rank"] for r in ranks] == [0, 1] and killed == []
-    ranks, killed = fresh_ranks(_fresh_rank, 2, ("dies",), str(tmp_path), 1, 60)
+    ranks, killed = fresh_ranks(fresh_rank, 2, ("dies",), str(tmp_path), 1, 60)
     assert ranks[0]["status"] == "pass" and "exit code 3" in ranks[1]["error"] and killed == []
-    ranks, killed = fresh_ranks(_fresh_rank, 2, ("hangs",), str(tmp_path), 2, 8)
+    ranks, killed = fresh_ranks(fresh_rank, 2, ("hangs",), str(tmp_path), 2, 4)  # rank 0 answers well within
     assert killed == [1] and ranks[1]["status"] == "error"
 
 
