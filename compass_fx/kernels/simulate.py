@@ -16,6 +16,7 @@ The plans are :mod:`.protocol`'s, the same objects the CUDA implementation execu
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,7 +51,7 @@ class RankState:
     symmetric: dict[str, list[torch.Tensor]]
     tags: dict[str, list[list[int]]]  # per buffer and parity, the epoch that wrote each row
     stage: list[torch.Tensor]
-    queues: dict[str, list[tuple[_Call, object]]] = field(default_factory=lambda: {s: [] for s in STREAMS})
+    queues: dict[str, deque[tuple[_Call, object]]] = field(default_factory=lambda: {s: deque() for s in STREAMS})
     events: dict[str, int] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # free for extra command handlers
 
@@ -83,6 +84,9 @@ class Simulator:
             {b: [[0] * n for _ in range(2)] for b, n in rows.items()},
             [torch.zeros(p.stage_rows, cols, dtype=torch.float64) for _ in range(p.stage_slots)])
             for r in range(self.world)]
+        # the (stream, rank) pairs with queued commands, in rank then stream order; None after a
+        # queue filled or emptied (rebuilt then; most steps leave every queue's emptiness as it was)
+        self._queued: list[tuple[str, RankState]] | None = None
 
     # -- driving ---------------------------------------------------------------------------
     def run(self, calls: list[list[dict[str, list[torch.Tensor]]]], lateness: float = 0.5) -> None:
@@ -93,9 +97,13 @@ class Simulator:
         issued = [0] * self.world
         n = len(calls)
         rng = self.rng
+        self._queued = None
         while True:
-            hosts = [st for st in self.ranks if issued[st.rank] < n]
-            actions = [(s, st) for st in self.ranks for s in STREAMS if st.queues[s]]
+            queued = self._queued
+            if queued is None:  # an issue or a queue emptied: the hosts with calls left may have changed too
+                hosts = [st for st in self.ranks if issued[st.rank] < n]
+                queued = self._queued = [(s, st) for st in self.ranks for s in STREAMS if st.queues[s]]
+            actions = queued.copy()  # _step_any reorders its list
             actions += [("issue", st) for st in hosts if rng.random() > lateness]
             if not self._step_any(actions, issued, calls):
                 if hosts:
@@ -127,10 +135,14 @@ class Simulator:
             for cmd in self.plans[st.rank].commands:
                 st.queues[MAIN if self.one_queue else cmd.stream].append((call, cmd))
             issued[st.rank] += 1
+            self._queued = None
             return True
-        call, cmd = st.queues[what][0]
+        queue = st.queues[what]
+        call, cmd = queue[0]
         if self.handlers[type(cmd)](self, st, cmd, call):
-            st.queues[what].pop(0)
+            queue.popleft()
+            if not queue:
+                self._queued = None
             return True
         return False
 
