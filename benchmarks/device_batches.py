@@ -363,6 +363,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    {2: 55, 8: 110}[world], {"COMPASS_REPLAY_WAITS": waits})
         for world in (2, 8) for waits in ("batch", "kernel")
     ),
+    # Issue 27 (MPS started first; `python -m pytest -q -m gpu tests` before it): the issue's goals
+    # checked again on main as it stands, in one call, after sessions without a GPU: the host-staged
+    # host time at two ranks (with its breakdown), at four and eight ranks, and the stress of 500 calls
+    # per case at worlds 2, 4 and 8 (100 calls of these cases took 58 s: h200-early-waits-mps).
+    "h200-main-check": (
+        _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
+        _stress("stress-500", "2,4,8", 500, EVERY_OP, "h200-check-500-mps", 210),
+    ),
 }
 
 
