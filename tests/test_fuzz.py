@@ -13,6 +13,8 @@ Recorded long runs (2-core CPU, torch 2.13.0+cpu), zero wrong rewrites in each:
   2 x (3132 blocks, 2115 rewritten, 1017 left alone).
   modules (COMPASS_FUZZ_MODULE_EXAMPLES=150): 300 graphs, 441 pairs, 396 rewritten (102 in backward
   graphs), the rest not divisible by 2 parts (3.5 min).
+  torch 2.14.1 (PyPI's CUDA wheel on the CPU), seed 20261205, 500 graphs per world and 100 modules:
+  every rewrite right, every hostile block left alone (4:45 on 2 workers, 2026-12-05).
 """
 from __future__ import annotations
 
