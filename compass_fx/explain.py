@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
     it was compiled with; passing other options as well is an error, since the report would then
     describe a compile that is not the model's.  A model compiled with another backend is
     explained as ``backend="compass"`` with ``options`` would compile its module.  Explain's own
-    traces do not show in :func:`last_report`.
+    traces do not show in :func:`last_report`, nor count against Dynamo's recompile limit of the
+    model's own compile (where torch has ``isolate_recompiles``).  A model Dynamo hands no graph of
+    is an error, not an empty report.
     """
     module, compiled_with = unwrap_compiled(model)
     if compiled_with is not None:
@@ -36,11 +39,27 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
     def pass_only(gm: Any, example_inputs_: Any) -> Any:
         return backend.compile_graph(gm, example_inputs_, opts, finish=backend._eager_inner, in_history=False)
 
-    compiled = torch.compile(module, backend=pass_only)
+    compiled = torch.compile(module, backend=pass_only, **_OWN_RECOMPILES)
     with backend.collect_reports() as graphs, \
             torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch.enable_grad():
         compiled(*example_inputs)
+    if not graphs:
+        counted = ("explain's own traces do not count against the first" if _OWN_RECOMPILES else
+                   "on this torch each explain of the same model counts too: call torch._dynamo.reset() first")
+        raise RuntimeError("explain: Dynamo handed the backend no graph of this model, so there is nothing to "
+                           "report: either its forward is excluded from compilation (torch.compiler.disable, a "
+                           "skipped file), or Dynamo hit a recompile limit on it "
+                           f"(torch._dynamo.config.recompile_limit, default 8, or accumulated_recompile_limit; {counted})")
     return Report(graphs=list(graphs), options=_jsonable(dataclasses.asdict(opts)))
+
+
+# Each explain traces the model with a backend of its own, so each is a new compile of the model's
+# code for Dynamo; sharing the model's cache entries, the ninth explain in a process would have hit
+# Dynamo's recompile limit (8) and reported nothing, and every explain would count against the
+# limit of the model's own torch.compile.  Where torch can (``isolate_recompiles``: 2.13 and 2.14
+# have it), each explain keeps its entries apart.
+_OWN_RECOMPILES = ({"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+                   else {})
 
 
 def unwrap_compiled(model: Any) -> tuple[Any, dict[str, Any] | None]:

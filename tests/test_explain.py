@@ -64,3 +64,32 @@ def test_last_report_shows_the_latest_compile_only(mesh):
     out.sum().backward()
     assert [g.graph for g in compass_fx.last_report().graphs] == ["forward", "backward"]
     assert len(compass_fx.last_report(graphs=1).graphs) == 1
+
+
+def test_explain_as_often_as_wanted_and_the_models_compile_keeps_its_limit(mesh):
+    """Each explain is a new compile of the model's code for Dynamo (a backend of its own): sharing
+    the model's cache entries, the ninth explain in a process hit Dynamo's recompile limit and
+    reported nothing, and each counted against the limit of the model's own torch.compile.  With
+    the limit lowered to 2: four explains all report every pair, and the model then compiles with
+    compass as usual."""
+    import importlib
+
+    if not importlib.import_module("compass_fx.explain")._OWN_RECOMPILES:
+        pytest.skip("this torch's torch.compile has no isolate_recompiles")
+    model, x = _mlp(mesh)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        counts = [len(compass_fx.explain(model, x, chunks=2).pairs) for _ in range(4)]
+        assert counts[0] > 0 and counts == counts[:1] * 4, counts
+        compiled = torch.compile(model, backend="compass", options={"chunks": 2, "inner": "eager"})
+        compiled(x).sum().backward()
+    assert len(compass_fx.last_report().pairs) == counts[0]
+
+
+def test_a_model_dynamo_hands_no_graph_is_an_error_not_an_empty_report(mesh):
+    class Skipped(torch.nn.Module):
+        @torch.compiler.disable
+        def forward(self, x):
+            return x @ x.t()
+
+    with pytest.raises(RuntimeError, match="Dynamo handed the backend no graph of this model"):
+        compass_fx.explain(Skipped(), torch.randn(4, 4))
