@@ -1,9 +1,11 @@
 """``explain``: run the backend's tracing on a model and report every pair and decision."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import inspect
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -24,8 +26,10 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
     describe a compile that is not the model's.  A model compiled with another backend is
     explained as ``backend="compass"`` with ``options`` would compile its module.  Explain's own
     traces do not show in :func:`last_report`, nor count against Dynamo's recompile limit of the
-    model's own compile (where torch has ``isolate_recompiles``).  A model Dynamo hands no graph of
-    is an error, not an empty report.
+    model's own compile (where torch has ``isolate_recompiles``), nor make its sizes dynamic: the
+    example's shapes are traced as given, whatever shapes the model ran at before, and leave no
+    trace in how the model's own compile treats its shapes.  A model Dynamo hands no graph of is
+    an error, not an empty report.
     """
     module, compiled_with = unwrap_compiled(model)
     if compiled_with is not None:
@@ -40,7 +44,8 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
         return backend.compile_graph(gm, example_inputs_, opts, finish=backend._eager_inner, in_history=False)
 
     compiled = torch.compile(module, backend=pass_only, **_OWN_RECOMPILES)
-    with backend.collect_reports() as graphs, \
+    with backend.collect_reports() as graphs, _sizes_noted_kept(), \
+            torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
             torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch.enable_grad():
         compiled(*example_inputs)
     if not graphs:
@@ -60,6 +65,29 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
 # have it), each explain keeps its entries apart.
 _OWN_RECOMPILES = ({"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters
                    else {})
+
+
+@contextlib.contextmanager
+def _sizes_noted_kept() -> Iterator[None]:
+    """Dynamo notes the sizes every compile of a code object sees and, once a later compile sees
+    others, makes those sizes dynamic (automatic dynamic shapes), and the pass leaves pairs of
+    symbolic size alone.  explain's traces are not the model's: they neither take the sizes other
+    compiles noted (explain traces with automatic dynamic shapes off) nor leave theirs behind (the
+    notes are put back as they were), so an explain with an example of another shape than the
+    training batch does not make the model's own compile dynamic."""
+    try:
+        from torch._dynamo import pgo
+
+        noted = pgo.get_code_state()
+    except (ImportError, AttributeError):  # a torch that keeps them elsewhere: nothing to keep
+        yield
+        return
+    kept = copy.deepcopy(noted)
+    try:
+        yield
+    finally:
+        noted.clear()
+        noted.update(kept)
 
 
 def unwrap_compiled(model: Any) -> tuple[Any, dict[str, Any] | None]:

@@ -93,3 +93,21 @@ def test_a_model_dynamo_hands_no_graph_is_an_error_not_an_empty_report(mesh):
 
     with pytest.raises(RuntimeError, match="Dynamo handed the backend no graph of this model"):
         compass_fx.explain(Skipped(), torch.randn(4, 4))
+
+
+def test_an_explain_of_another_shape_leaves_the_models_compile_static(mesh):
+    """Dynamo makes a size dynamic once a compile of the same code sees another (automatic dynamic
+    shapes), and the pass leaves pairs of symbolic size alone: an explain with an example of twice
+    the rows made the model's own compile that came after it dynamic, which then rewrote nothing.
+    Now explain leaves the sizes Dynamo noted as they were, and traces its example as given even
+    after the model ran at another shape."""
+    model, x = _mlp(mesh)
+    twice = torch.cat([x, x]).detach().requires_grad_()
+    explained = compass_fx.explain(model, twice, chunks=2)
+    assert explained.pairs and all(p.status == "rewritten" for p in explained.pairs)
+    compiled = torch.compile(model, backend="compass", options={"chunks": 2, "inner": "eager"})
+    compiled(x).sum().backward()
+    own = compass_fx.last_report()
+    assert len(own.pairs) == len(explained.pairs) and all(p.status == "rewritten" for p in own.pairs), own.skipped
+    again = compass_fx.explain(model, torch.cat([x, x, x]).detach().requires_grad_(), chunks=2)
+    assert len(again.pairs) == len(explained.pairs) and all(p.status == "rewritten" for p in again.pairs)
