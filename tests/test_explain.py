@@ -111,3 +111,21 @@ def test_an_explain_of_another_shape_leaves_the_models_compile_static(mesh):
     assert len(own.pairs) == len(explained.pairs) and all(p.status == "rewritten" for p in own.pairs), own.skipped
     again = compass_fx.explain(model, torch.cat([x, x, x]).detach().requires_grad_(), chunks=2)
     assert len(again.pairs) == len(explained.pairs) and all(p.status == "rewritten" for p in again.pairs)
+
+
+def test_a_second_token_count_is_rewritten_only_where_compiled_with_dynamic_false(mesh):
+    """What the README says of dynamic shapes: by default Dynamo compiles a model again, with
+    symbolic sizes, when it runs at a second token count, and the pass leaves pairs of symbolic
+    size alone, saying so; compiled with ``dynamic=False`` each count gets a static compile of its
+    own, every pair rewritten."""
+    for dynamic in (None, False):
+        model, x = _mlp(mesh)
+        compiled = torch.compile(model, backend="compass", options={"chunks": 2, "inner": "eager"}, dynamic=dynamic)
+        compiled(x)
+        compiled(torch.cat([x, x]).detach())
+        second = compass_fx.last_report()
+        if dynamic is None:
+            assert not second.pairs and second.skipped, second.pairs
+            assert all("symbolic sizes (dynamic shapes)" in s.reason for s in second.skipped), second.skipped
+        else:
+            assert second.pairs and all(p.status == "rewritten" for p in second.pairs), second.skipped
