@@ -27,9 +27,9 @@ def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) 
     explained as ``backend="compass"`` with ``options`` would compile its module.  Explain's own
     traces do not show in :func:`last_report`, nor count against Dynamo's recompile limit of the
     model's own compile (where torch has ``isolate_recompiles``), nor make its sizes dynamic: the
-    example's shapes are traced as given, whatever shapes the model ran at before, and leave no
-    trace in how the model's own compile treats its shapes.  A model Dynamo hands no graph of is
-    an error, not an empty report.
+    example's shapes are traced as given (but for sizes marked dynamic), whatever shapes the model
+    ran at before, and leave no trace in how the model's own compile treats its shapes.  A model
+    Dynamo hands no graph of is an error, not an empty report.
     """
     module, compiled_with = unwrap_compiled(model)
     if compiled_with is not None:
