@@ -367,6 +367,18 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # checked again on main as it stands, in one call, after sessions without a GPU: the host-staged
     # host time at two ranks (with its breakdown), at four and eight ranks, and the stress of 500 calls
     # per case at worlds 2, 4 and 8 (100 calls of these cases took 58 s: h200-early-waits-mps).
+    # Issue 27: the host fast path (kernels/cuda/lane.cpp) against the Python path in turns, two
+    # ranks with the breakdown; 500 calls a case at worlds 2, 4 and 8 through it, every result checked.
+    "h200-lane": (
+        _host_time("host_time-w2-breakdown", 2, "h200-lane-w2-breakdown-host-pin-mps", 110, extra=("--breakdown",)),
+        _stress("stress-500", "2,4,8", 500, EVERY_OP, "h200-lane-500-mps", 210),
+    ),
+    # and beyond two ranks, a second two-rank run, the peer transport's two ranks
+    "h200-lane-worlds": (
+        _host_time("host_time-w4-w8", "4,8", "h200-lane-w48-host-pin-mps", 190),
+        _host_time("host_time-w2-run2", 2, "h200-lane-w2-run2-host-pin-mps", 100),
+        _host_time("host_time-peer-w2", 2, "h200-lane-peer-w2-pin-mps", 100, extra=("--transport", "peer")),
+    ),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),

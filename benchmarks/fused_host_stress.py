@@ -109,6 +109,7 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
         err = float(errors.max())
         res.update(status="pass" if err < TOL else "FAIL", relative_error=err, seconds=round(time.time() - t0, 2),
                    replayed=replay.stats["replayed"] - before["replayed"],
+                   from_c=replay.stats.get("lane", 0) - before.get("lane", 0),
                    captured=replay.stats["captured"] - before["captured"])
     except Exception as e:  # noqa: BLE001 - the case's outcome (a watchdog error names op, rank, piece)
         res.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-600:])
@@ -163,7 +164,8 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
             status = "pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error"
             row = dict(todo[i], status=status, calls=calls, wall_s=round(time.time() - t0, 1),
                        relative_error=max((r.get("relative_error", 0.0) for r in got), default=None),
-                       replayed=[r.get("replayed") for r in got], captured=[r.get("captured") for r in got])
+                       replayed=[r.get("replayed") for r in got], from_c=[r.get("from_c") for r in got],
+                       captured=[r.get("captured") for r in got])
             errors = [r["error"] for r in got if "error" in r]
             if errors:
                 row["error"] = errors[0]
@@ -207,12 +209,13 @@ def markdown(payload: dict) -> str:
              f"{payload['calls']} back-to-back calls per case, the last rank late before one call in ten, every "
              f"result against a reference and dropped; the cases of a world one after another in one set of "
              f"processes{' (rank 0 issuing one call in five command by command)' if payload.get('mix') else ''}; "
-             f"watchdog timeout {TIMEOUT_S} s. replayed: per rank, the calls served from captured CUDA graphs.", "",
+             f"watchdog timeout {TIMEOUT_S} s. replayed: per rank, the calls served from captured CUDA graphs; from C: of those, the ones the host "
+             f"fast path issued (compass_fx/kernels/cuda/lane.cpp).", "",
              f"* {ok} of {len(rows)} cases pass; schedule direct"
              + ("" if payload.get("transport") == "peer" else " (what the compiler runs without peer access)")
              + f": {sum(r['status'] == 'pass' for r in direct)} of {len(direct)}", "",
              output.markdown_table(rows, ["kind", "world", "schedule", "m", "n", "k", "status",
-                                          ("relative_error", "rel. error"), "replayed", ("wall_s", "wall s"), "error"])]
+                                          ("relative_error", "rel. error"), "replayed", ("from_c", "from C"), ("wall_s", "wall s"), "error"])]
     return "\n".join(lines)
 
 

@@ -276,7 +276,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
-    from compass_fx.kernels.cuda import replay
+    from compass_fx.kernels.cuda import lane, replay
     from compass_fx.kernels.graph_order import graph_plans
     from compass_fx.kernels.issue_order import call_plans
     from compass_fx.kernels.protocol import host_most_pieces_setting, host_piece_bytes
@@ -300,6 +300,14 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         finally:
             os.environ["COMPASS_FUSED_REPLAY"] = "1"
 
+    def python_path(*call):  # the .graph call with the C fast path set aside (.cuda.lane; an A/B in turns)
+        saved = lane.fast_calls[:]
+        lane.fast_calls.clear()
+        try:
+            return graph_op(*call)
+        finally:
+            lane.fast_calls[:] = saved
+
     err = checked(op, through_op)
     for _ in range(2 * replay.PERIOD + 1):  # every residue of the epoch captured for these addresses
         graph_op(a, *args)
@@ -307,10 +315,12 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     before = dict(replay.stats)
     res = {"op": op, "world": world, "rows": rows, "k": k, "n": n, "relative_error": err,
            "replayed_relative_error": checked(f"{op}.graph replayed", graph_op),
-           "issued_relative_error": checked(f"{op}.graph issued", issued)}
+           "issued_relative_error": checked(f"{op}.graph issued", issued),
+           "python_path_relative_error": checked(f"{op}.graph, Python path", python_path),
+           "fast_path": bool(lane.fast_calls), "fast_path_off": lane._state.get("failed")}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
              "host_us_graph_busy": lambda: graph_op(a, *args), "host_us_graph_in_turn": lambda: graph_op(a, *args),
-             "host_us_graph_warm": lambda: graph_op(a, *args),
+             "host_us_graph_warm": lambda: graph_op(a, *args), "host_us_graph_python": lambda: python_path(a, *args),
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
@@ -338,6 +348,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds)
         dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
+    res["fast_path_calls"] = replay.stats["lane"] - before["lane"]
     res["captured_graphs"] = replay.stats["captured"] - before["captured"]
     res["device_launched_graphs"] = replay.stats["device_launched"] - before["device_launched"]
     dist.barrier()
@@ -411,7 +422,8 @@ def markdown(payload: dict) -> str:
              "direct, bf16); median of 15 rounds (9 beyond two ranks) of 4 calls issued after the device went "
              "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
-             "recur); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
+             "recur; issued from C by the host fast path, compass_fx/kernels/cuda/lane.cpp, once its graph "
+             "exists); .graph, Python path: the same with the fast path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
@@ -444,14 +456,15 @@ def markdown(payload: dict) -> str:
               host_share=r["host_us_graph"] / (r["period_us"] / r["world"]) if r.get("period_us") else None)
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
-         ("host_us_graph", "host us (.graph)"), ("host_us_graph_busy", "host us (.graph, GPU busy)"),
+         ("host_us_graph", "host us (.graph)"), ("host_us_graph_python", "host us (.graph, Python path)"),
+         ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_graph_warm", "host us (.graph, warm host)"),
          ("host_us_back_to_back", "host us (.graph, 16 back to back)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
-         ("replayed_calls", "replayed calls"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
+         ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     lines += ["", *goal_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))

@@ -17,9 +17,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transport: str = "peer",
                           our_kernels: bool = True) -> None:
-    """Six calls of each fused operator through the ``.graph`` overloads (issued, captured, then
-    replayed), on new seeded values each time, against references from every rank's inputs (at
-    four ranks the all-reduce's replay waits for each chunk's three peers as one batch).
+    """Ten calls of each fused operator through the ``.graph`` overloads (issued, captured, then
+    replayed: from C by the host fast path, but for one call from Python), on new seeded values each
+    time, against references from every rank's inputs (at four ranks the all-reduce's replay waits
+    for each chunk's three peers as one batch).
     ``transport``: "host" for the host-staged plans; ``our_kernels`` False: replay graphs as where
     the flag and copy kernels do not load (stream operations and copy-engine copies only)."""
     import json
@@ -44,7 +45,8 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         # the inputs in the same device tensors every call and the outputs freed before the next:
         # each operator's calls see one set of addresses, so from the second on they replay
         shard, a, w = torch.empty(128, 256, **cuda), torch.empty(256, 256, **cuda), torch.empty(256, 192, **cuda)
-        for step in range(6):
+        for step in range(10):
+            os.environ["COMPASS_FUSED_LANE"] = "0" if step == 7 else "1"  # the two paths take turns
             g = torch.Generator().manual_seed(step)
             shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
             full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
@@ -68,7 +70,10 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
         from compass_fx.kernels.cuda import replay
 
+        from compass_fx.kernels.cuda import lane
+
         result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],
+                  "from_c": replay.stats["lane"], "fast_path_off": lane._state.get("failed"),
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
                   "ipc": transport == "peer" and all(isinstance(ws.memory[1], dict) for ws in mapped),
                   "counted_on_gpu": sum(ws.progress is not None for ws in mapped),
@@ -110,7 +115,9 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
         assert r["worst"] < TOLERANCE, r
-        assert r["replayed"] >= 3 * 4, r  # calls 2-6 of each operator (a set captured on its second sighting)
+        assert r["replayed"] >= 3 * 8, r  # calls 2-10 of each operator (a set captured on its second sighting)
+        # the calls after the four captures, from C but the eighth (the host fast path set aside)
+        assert r["from_c"] == 3 * 4 and r["fast_path_off"] is None, r
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
 
 
@@ -130,5 +137,5 @@ def test_host_staged_replays_without_our_kernels_on_one_gpu(tmp_path):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["workspaces"] >= 3 and r["counted_on_gpu"] == 0, r  # no kernel counts a replay done
         assert r["worst"] < TOLERANCE, r
-        assert r["replayed"] >= 3 * 4, r
+        assert r["replayed"] >= 3 * 8 and r["from_c"] == 0, r  # the fast path needs the count on the GPU
         assert r["joined_replay_copies"] > 0, r

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import reference
 from .cuda import graphs_enabled
+from .cuda.lane import fast_calls as _fast_calls  # what the CUDA kernels try first (replays issued from C)
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -125,6 +126,10 @@ def _ag_fake(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, 
 
 @_cuda_kernel("all_gather_matmul")
 def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+    if _fast_calls and len(bs) == 1:  # a replayed call whose graph exists, issued from C (.cuda.lane)
+        out = _fast_calls[0](0, a_shard, bs[0], schedule, group_name, group_size)
+        if out is not None:
+            return out
     _check_cuda(a_shard, bs, schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a_shard.dtype):
@@ -192,6 +197,10 @@ def _rs_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 
 @_cuda_kernel("matmul_reduce_scatter")
 def _rs_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
+        out = _fast_calls[0](1, a, b, schedule, group_name, group_size)
+        if out is not None:
+            return out
     _check_cuda(a, (b,), schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     cuda = _cuda()
@@ -238,6 +247,10 @@ def _ar_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 
 @_cuda_kernel("matmul_all_reduce")
 def _ar_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
+        out = _fast_calls[0](2, a, b, schedule, group_name, group_size)
+        if out is not None:
+            return out
     _check_cuda(a, (b,), schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a.dtype) and a.shape[0] % group_size == 0:

@@ -44,7 +44,7 @@ from .. import flag_codes
 from ..graph_order import graph_plans
 from ..issue_order import call_plans
 from ..reference import resolve_group
-from . import copy_runs, driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, replay, watchdog
+from . import copy_runs, driver, env, env_raw, graph_buffer_sets, graph_flags, graphs_enabled, lane, replay, watchdog
 from .host_memory import Layout, SharedHostArena
 
 _SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -798,6 +798,8 @@ def _workspace(key: tuple, make_plan: Callable[[bool, bool], Plan], group_name: 
                                                 graph_plan=make_plan(False, guards))
     if graphs_enabled():
         _workspaces[(key, True)] = _Workspace(make_plan(True, guards), group_name, cols, dtype, device, captured=True)
+    if ws.progress is not None:
+        lane.module()  # built now, with the workspace: never during a step's later calls
     return ws
 
 
@@ -849,6 +851,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     join = ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]}, deferred)
     if join is not None:
         _register_join(gathered, join)
+    elif len(bs) == 1:
+        lane.register("all_gather_matmul", a_shard, bs[0], schedule, group_name, group_size, ws)
     return gathered, outs
 
 
@@ -873,6 +877,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
         _register_join(out, join)
+    else:
+        lane.register("matmul_reduce_scatter", a, b, schedule, group_name, group_size, ws)
     return out
 
 
@@ -909,4 +915,6 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
         _register_join(out, join)
+    else:
+        lane.register("matmul_all_reduce", a, b, schedule, group_name, group_size, ws)
     return out

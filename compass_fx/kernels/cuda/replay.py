@@ -45,8 +45,9 @@ from . import device_launch, driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
-# calls of this process served from graphs, graphs captured, memset nodes made kernels (graph_edit)
-stats = {"replayed": 0, "captured": 0, "memsets_replaced": 0, "device_launched": 0}
+# calls of this process served from graphs (of which issued from C: .lane), graphs captured, memset
+# nodes made kernels (graph_edit)
+stats = {"replayed": 0, "lane": 0, "captured": 0, "memsets_replaced": 0, "device_launched": 0}
 
 
 _settings: dict = {}  # raw COMPASS_FUSED_REPLAY -> on (read on every call: one dict lookup when unchanged)

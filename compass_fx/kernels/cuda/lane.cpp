@@ -1,0 +1,290 @@
+// The fused calls' host fast path (compass_fx/kernels/cuda/lane.py says why and what it may skip).
+//
+// One function, `call`, does in C what a replayed eager call does in Python (ops._*_cuda ->
+// impl.<op> -> _Workspace.run -> replay.Replays.graph -> Captured.launch) when the call's graph is
+// already captured: it reads and writes the very Python objects that path uses (the workspace's
+// epoch, its Progress ring, the Replays' graphs, the stats), so the two paths can take turns call
+// by call.  Whenever anything is not as a plain replay needs it, it returns None before it has
+// changed anything, and the Python path runs the call.  Everything here runs with the GIL held.
+#include <torch/csrc/autograd/python_variable.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <cstdint>
+
+namespace {
+
+using Launch = int (*)(void* exec, void* stream);  // cuGraphLaunch(CUgraphExec, CUstream) -> CUresult
+
+enum Op : long { GATHER = 0, SCATTER = 1, ALL_REDUCE = 2 };
+
+struct Config {
+  PyObject* lanes = nullptr;            // dict: lane key -> workspace (lane.register)
+  PyObject* transports = nullptr;       // impl._transports: (raw transport, raw NCCL_P2P_DISABLE) -> str
+  PyObject* env = nullptr;              // os.environ's bytes dict (impl reads settings from it too)
+  PyObject* replay_settings = nullptr;  // replay._settings: raw COMPASS_FUSED_REPLAY -> bool
+  PyObject* disabled = nullptr;         // replay._disabled: why replays were turned off
+  PyObject* join = nullptr;             // impl.Join (its class attribute `outstanding`)
+  PyObject* stats = nullptr;            // replay.stats
+  PyObject* capturing = nullptr;        // () -> bool: the current stream is capturing
+  PyObject* raw_stream = nullptr;       // (device index) -> the current stream's handle
+  PyObject* check = nullptr;            // driver.check(result, what): raises
+  Launch launch = nullptr;
+  long long period = 4, ring = 4096;
+};
+
+Config cfg;
+bool configured = false;
+
+// interned attribute names and environment keys
+PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_stream, *s_issued, *s_epochs,
+    *s_address, *s_epoch, *s_exec, *s_move_to_end, *s_outstanding, *s_replayed, *s_lane, *s_launch_what;
+PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p, *b_zero;
+PyObject *minus_one, *one;
+PyObject* last_addresses = nullptr;  // what the last call looked its graph up by (for tests and diagnosis)
+
+PyObject* env_get(PyObject* key) {  // borrowed, or Py_None
+  PyObject* v = PyDict_GetItemWithError(cfg.env, key);
+  return v ? v : Py_None;
+}
+
+// A new reference to the lane key of a call, or nullptr (no error set) where there is none: the
+// transport is not known yet for these settings.
+PyObject* key_of(long op, const at::Tensor& a, const at::Tensor& b, PyObject* schedule, PyObject* group_name,
+                 PyObject* group_size) {
+  PyObject* raw = PyTuple_Pack(2, env_get(k_transport), env_get(k_p2p));
+  if (!raw) return nullptr;
+  PyObject* transport = PyDict_GetItemWithError(cfg.transports, raw);  // borrowed
+  Py_DECREF(raw);
+  if (!transport) return nullptr;
+  PyObject* piece = op == ALL_REDUCE ? env_get(k_piece) : Py_None;
+  PyObject* most = op == ALL_REDUCE ? env_get(k_most) : Py_None;
+  return Py_BuildValue("(lOOOLLLiiOOO)", op, schedule, group_name, group_size, (long long)a.size(0),
+                       (long long)a.size(1), (long long)b.size(1), (int)a.scalar_type(), (int)a.get_device(),
+                       transport, piece, most);
+}
+
+bool unpack(PyObject* obj, const at::Tensor** out) {
+  if (!THPVariable_Check(obj)) return false;
+  *out = &THPVariable_Unpack(obj);
+  return true;
+}
+
+// Whether the settings the Python path reads on every call let a replay run here.
+bool settings_allow() {
+  PyObject* lane = env_get(k_lane);
+  if (lane != Py_None && PyObject_RichCompareBool(lane, b_zero, Py_EQ) == 1) return false;
+  PyObject* fused = env_get(k_cuda_fused);
+  if (fused != Py_None && PyObject_RichCompareBool(fused, b_p2p, Py_EQ) == 1) return false;
+  if (PyList_GET_SIZE(cfg.disabled)) return false;
+  PyObject* on = PyDict_GetItemWithError(cfg.replay_settings, env_get(k_replay));
+  if (on != Py_True) return false;
+  PyObject* outstanding = PyObject_GetAttr(cfg.join, s_outstanding);
+  if (!outstanding) return false;
+  int busy = PyObject_IsTrue(outstanding);
+  Py_DECREF(outstanding);
+  if (busy) return false;
+  PyObject* capturing = PyObject_CallNoArgs(cfg.capturing);
+  if (!capturing) return false;
+  Py_DECREF(capturing);
+  return capturing == Py_False;
+}
+
+// Holds new references and drops them on scope exit.
+struct Refs {
+  PyObject* items[40] = {};
+  int n = 0;
+  PyObject* operator()(PyObject* o) {
+    if (o) items[n++] = o;
+    return o;
+  }
+  ~Refs() {
+    for (int i = 0; i < n; ++i) Py_DECREF(items[i]);
+  }
+};
+
+PyObject* decline() {
+  if (PyErr_Occurred()) PyErr_Clear();  // the Python path meets the same condition and says what it is
+  Py_RETURN_NONE;
+}
+
+// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!configured || nargs != 6) return decline();
+  long op = PyLong_AsLong(args[0]);
+  PyObject *schedule = args[3], *group_name = args[4], *group_size = args[5];
+  const at::Tensor *ap, *bp;
+  if (!unpack(args[1], &ap) || !unpack(args[2], &bp) || !settings_allow()) return decline();
+  const at::Tensor &a = *ap, &b = *bp;
+  if (a.dim() != 2 || b.dim() != 2 || b.size(0) != a.size(1) || b.scalar_type() != a.scalar_type() ||
+      b.device() != a.device() || !a.is_contiguous())
+    return decline();
+  Refs refs;
+  PyObject* key = refs(key_of(op, a, b, schedule, group_name, group_size));
+  if (!key) return decline();
+  PyObject* ws = PyDict_GetItemWithError(cfg.lanes, key);  // borrowed
+  if (!ws) return decline();
+  PyObject* pending = refs(PyObject_GetAttr(ws, s_pending));
+  if (pending != Py_None) return decline();
+  PyObject* dog = refs(PyObject_GetAttr(ws, s_dog));
+  PyObject* failure = dog ? refs(PyObject_GetAttr(dog, s_failure)) : nullptr;
+  if (!failure || PyObject_IsTrue(failure) != 0) return decline();
+  PyObject* replays = refs(PyObject_GetAttr(ws, s_replays));
+  PyObject* progress = refs(PyObject_GetAttr(ws, s_progress));
+  if (!replays || replays == Py_None || !progress || progress == Py_None) return decline();
+  PyObject* epoch_obj = refs(PyObject_GetAttr(ws, s_epoch));
+  long long epoch = epoch_obj ? PyLong_AsLongLong(epoch_obj) + 1 : -1;
+  if (epoch <= 0) return decline();
+
+  // the outputs, as the Python path allocates them (their addresses are part of the graph's key)
+  long long world = PyLong_AsLongLong(group_size);
+  if (world < 2) return decline();
+  at::Tensor out, gathered;
+  if (op == GATHER) {
+    gathered = at::empty({a.size(0) * world, a.size(1)}, a.options());
+    out = at::empty({a.size(0) * world, b.size(1)}, a.options());
+  } else if (op == SCATTER) {
+    out = at::empty({a.size(0) / world, b.size(1)}, a.options());
+  } else {
+    out = at::empty({a.size(0), b.size(1)}, a.options());
+  }
+  // impl._Workspace._addresses of a one-weight call
+  PyObject* gathered_ptr = op == GATHER ? refs(PyLong_FromVoidPtr(gathered.data_ptr())) : Py_None;
+  PyObject* addresses = refs(Py_BuildValue("(NN(LL)ONO)", PyLong_FromVoidPtr(a.data_ptr()),
+                                           PyLong_FromVoidPtr(b.data_ptr()), (long long)b.stride(0),
+                                           (long long)b.stride(1), minus_one, PyLong_FromVoidPtr(out.data_ptr()),
+                                           gathered_ptr));
+  if (!addresses || !gathered_ptr) return decline();
+  Py_INCREF(addresses);
+  Py_XSETREF(last_addresses, addresses);
+  PyObject* graphs_by_key = refs(PyObject_GetAttr(replays, s_graphs));
+  if (!graphs_by_key || !PyDict_Check(graphs_by_key)) return decline();
+  PyObject* graphs = PyDict_GetItemWithError(graphs_by_key, addresses);  // borrowed: a list per phase
+  if (!graphs || !PyList_Check(graphs) || PyList_GET_SIZE(graphs) != cfg.period) return decline();
+  PyObject* graph = PyList_GET_ITEM(graphs, epoch % cfg.period);
+  if (graph == Py_None) return decline();
+  PyObject* exec_obj = refs(PyObject_GetAttr(graph, s_exec));
+  void* exec = exec_obj && exec_obj != Py_None ? PyLong_AsVoidPtr(exec_obj) : nullptr;
+  if (!exec) return decline();
+
+  // watchdog.Progress.room on the caller's stream
+  PyObject* device = refs(PyLong_FromLong(a.get_device()));
+  PyObject* stream = device ? refs(PyObject_CallOneArg(cfg.raw_stream, device)) : nullptr;
+  PyObject* address = refs(PyObject_GetAttr(progress, s_address));
+  PyObject* issued_obj = refs(PyObject_GetAttr(progress, s_issued));
+  PyObject* replay_stream = refs(PyObject_GetAttr(progress, s_stream));
+  if (!stream || !address || !issued_obj || !replay_stream) return decline();
+  auto* done = static_cast<volatile uint32_t*>(PyLong_AsVoidPtr(address));
+  unsigned long long issued = PyLong_AsUnsignedLongLong(issued_obj);
+  if (PyErr_Occurred() || !done) return decline();
+  unsigned long long outstanding = (issued - *done) & 0xFFFFFFFFull;
+  int same = PyObject_RichCompareBool(stream, replay_stream, Py_EQ);
+  if (same < 0) return decline();
+  if (same ? outstanding >= (unsigned long long)(cfg.ring - 1) : outstanding != 0) return decline();
+  void* stream_handle = PyLong_AsVoidPtr(stream);
+  if (PyErr_Occurred()) return decline();
+
+  // committed: from here on the call is this path's, as _Workspace.run's replay branch does it
+  if (!same && PyObject_SetAttr(progress, s_stream, stream) < 0) return nullptr;
+  PyObject* new_epoch = refs(PyLong_FromLongLong(epoch));
+  if (!new_epoch || PyObject_SetAttr(ws, s_epoch, new_epoch) < 0) return nullptr;
+  PyObject* moved = PyObject_CallMethodOneArg(graphs_by_key, s_move_to_end, addresses);
+  if (!moved) return nullptr;
+  Py_DECREF(moved);
+  for (PyObject* name : {s_replayed, s_lane}) {  // replays, and those issued from here
+    PyObject* count = PyDict_GetItemWithError(cfg.stats, name);
+    PyObject* more = count ? refs(PyNumber_Add(count, one)) : nullptr;
+    if (!more || PyDict_SetItem(cfg.stats, name, more) < 0) return nullptr;
+  }
+  PyObject* epochs = refs(PyObject_GetAttr(progress, s_epochs));
+  if (!epochs || !PyList_Check(epochs)) return nullptr;
+  Py_INCREF(new_epoch);
+  if (PyList_SetItem(epochs, issued % cfg.ring, new_epoch) < 0) return nullptr;
+  PyObject* next = refs(PyLong_FromUnsignedLongLong(issued + 1));
+  if (!next || PyObject_SetAttr(progress, s_issued, next) < 0) return nullptr;
+  int result = cfg.launch(exec, stream_handle);
+  if (result) {
+    PyObject_SetAttr(progress, s_issued, issued_obj);
+    PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, s_launch_what);  // raises
+    if (raised) {
+      Py_DECREF(raised);
+      PyErr_Format(PyExc_RuntimeError, "cuGraphLaunch failed: CUDA driver error %d", result);
+    }
+    return nullptr;
+  }
+  if (op == GATHER) {
+    PyObject* outs = PyList_New(1);
+    if (!outs) return nullptr;
+    PyList_SET_ITEM(outs, 0, THPVariable_Wrap(std::move(out)));
+    return Py_BuildValue("(NN)", THPVariable_Wrap(std::move(gathered)), outs);
+  }
+  return THPVariable_Wrap(std::move(out));
+}
+
+// key(op, a, b, schedule, group_name, group_size): the lane key a call of these arguments looks its
+// workspace up by, or None.
+PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const at::Tensor *a, *b;
+  if (!configured || nargs != 6 || !unpack(args[1], &a) || !unpack(args[2], &b)) return decline();
+  PyObject* k = key_of(PyLong_AsLong(args[0]), *a, *b, args[3], args[4], args[5]);
+  return k ? k : decline();
+}
+
+PyObject* looked_up(PyObject*, PyObject*) {
+  if (!last_addresses) Py_RETURN_NONE;
+  Py_INCREF(last_addresses);
+  return last_addresses;
+}
+
+PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
+
+// configure(lanes, transports, env, replay_settings, disabled, join, stats, capturing, raw_stream,
+//           check, launch_address, period, ring)
+PyObject* configure(PyObject*, PyObject* args) {
+  unsigned long long launch;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OOOKLL", &PyDict_Type, &cfg.lanes, &PyDict_Type, &cfg.transports,
+                        &PyDict_Type, &cfg.env, &PyDict_Type, &cfg.replay_settings, &PyList_Type, &cfg.disabled,
+                        &cfg.join, &PyDict_Type, &cfg.stats, &cfg.capturing, &cfg.raw_stream, &cfg.check, &launch,
+                        &cfg.period, &cfg.ring))
+    return nullptr;
+  for (PyObject* o : {cfg.lanes, cfg.transports, cfg.env, cfg.replay_settings, cfg.disabled, cfg.join, cfg.stats,
+                      cfg.capturing, cfg.raw_stream, cfg.check})
+    Py_INCREF(o);  // kept for the process's life (configure runs once)
+  cfg.launch = reinterpret_cast<Launch>(static_cast<uintptr_t>(launch));
+  s_pending = intern("pending"), s_dog = intern("dog"), s_failure = intern("failure");
+  s_replays = intern("replays"), s_graphs = intern("graphs"), s_progress = intern("progress");
+  s_stream = intern("stream"), s_issued = intern("issued"), s_epochs = intern("epochs");
+  s_address = intern("address"), s_epoch = intern("epoch"), s_exec = intern("exec");
+  s_move_to_end = intern("move_to_end"), s_outstanding = intern("outstanding"), s_replayed = intern("replayed");
+  s_lane = intern("lane");
+  s_launch_what = intern("cuGraphLaunch");
+  k_replay = PyBytes_FromString("COMPASS_FUSED_REPLAY"), k_transport = PyBytes_FromString("COMPASS_FUSED_TRANSPORT");
+  k_p2p = PyBytes_FromString("NCCL_P2P_DISABLE"), k_cuda_fused = PyBytes_FromString("COMPASS_CUDA_FUSED");
+  k_lane = PyBytes_FromString("COMPASS_FUSED_LANE"), k_piece = PyBytes_FromString("COMPASS_HOST_PIECE_MIB");
+  k_most = PyBytes_FromString("COMPASS_HOST_MOST_PIECES");
+  b_p2p = PyBytes_FromString("p2p"), b_zero = PyBytes_FromString("0");
+  minus_one = PyLong_FromLong(-1), one = PyLong_FromLong(1);
+  configured = true;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(call)), METH_FASTCALL,
+     "The outputs of a replayed fused call, or None: the Python path runs it."},
+    {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(key)), METH_FASTCALL,
+     "The lane key of a call, or None."},
+    {"last_addresses", looked_up, METH_NOARGS, "The addresses the last call looked its graph up by, or None."},
+    {"configure", configure, METH_VARARGS, "Hand the lane the Python objects it reads and writes."},
+    {nullptr, nullptr, 0, nullptr}};
+
+#define COMPASS_STR2(x) #x
+#define COMPASS_STR(x) COMPASS_STR2(x)
+#define COMPASS_CAT2(a, b) a##b
+#define COMPASS_CAT(a, b) COMPASS_CAT2(a, b)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, COMPASS_STR(TORCH_EXTENSION_NAME), "The fused calls' host fast path.", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC COMPASS_CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&module); }

@@ -1,0 +1,124 @@
+"""The fused calls' host fast path: a replayed eager call issued from C, not from Python.
+
+Why (issue 27): with its commands replayed from a captured CUDA graph, what is left of a fused
+call's host time is Python: the op's wrapper, the checks, the workspace's key and lookup, the
+outputs' allocations, the replay's bookkeeping (19-42 us on the lent H200 host besides 4-19 us of
+allocations, ``fused_host_time-h200-outputs-w2-breakdown-host-pin-mps``), while the graph's launch
+itself costs 13-50 us.  ``lane.cpp`` does the same steps in C for a call whose graph is already
+captured: one function reads the settings, finds the workspace, allocates the outputs, finds the
+graph for their addresses, counts the call in the watchdog's ring and launches the graph.
+
+What it may skip, and why that is safe.  It runs only for a call the Python path has run before
+with the same arguments' shapes, dtypes, device, schedule, group and settings (the Python path
+registers the workspace under that key after it ran a call: :func:`register`), so the checks that
+depend on nothing else passed then; it checks the rest itself (the weight's shape, dtype and device,
+a contiguous input, no capture, no deferred call outstanding, no failure, replays on).  It reads
+and writes the Python path's own objects (the workspace's epoch, its :class:`.watchdog.Progress`,
+the :class:`.replay.Replays`' graphs, :data:`.replay.stats`), so the two paths take turns freely;
+whatever it does not expect sends the call to the Python path before anything has changed.
+
+It is compiled on the first workspace built in a process (torch's C++ extension builder, cached
+on disk per torch version: ~15 s the first time on a 2-core machine); without a compiler, or with
+``COMPASS_FUSED_LANE=0`` (read on every call), calls take the Python path as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import env_raw
+
+log = logging.getLogger("compass_fx")
+
+OPS = {"all_gather_matmul": 0, "matmul_reduce_scatter": 1, "matmul_all_reduce": 2}
+_SOURCE = Path(__file__).with_name("lane.cpp")
+_state: dict = {}  # "module": the loaded extension, or "failed": why it is not used
+lanes: dict = {}  # lane key -> workspace (read by lane.cpp)
+fast_calls: list = []  # the extension's ``call`` once built (what ops' CUDA kernels try first)
+_OFF_KEY = b"COMPASS_FUSED_LANE"
+
+
+def wanted() -> bool:
+    """``COMPASS_FUSED_LANE`` (default 1): replayed calls go through the C fast path."""
+    return os.environ.get("COMPASS_FUSED_LANE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_directory() -> Path:
+    """Where the extension is built and cached: per torch version and Python (a build against
+    another torch's headers must not be loaded)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = Path(_get_build_directory("compass_lane", verbose=False)).parent
+    tag = f"compass_lane-torch{torch.__version__}".replace("+", "_")
+    return root / tag
+
+
+def compile_module():
+    """Build (or load from the cache) the extension; raises where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
+    return load("compass_lane", sources=[str(_SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
+                verbose=False)
+
+
+def configure(module, *, raw_stream, capturing, launch_address: int, check) -> None:
+    """Hand ``module`` the Python objects it reads and writes (the Python path's own)."""
+    from . import _ENV_DATA, impl, replay
+    from ..flag_codes import PERIOD
+    from .watchdog import Progress
+
+    module.configure(lanes, impl._transports, _ENV_DATA, replay._settings, replay._disabled, impl.Join,
+                     replay.stats, capturing, raw_stream, check, launch_address, PERIOD, Progress.RING)
+
+
+def module():
+    """The configured extension, or None (not wanted, no POSIX environment dict, or the build
+    failed: warned once)."""
+    if "module" in _state:
+        return _state["module"]
+    if "failed" in _state or not wanted():
+        return None
+    from . import _ENV_DATA, driver, impl
+
+    try:
+        if _ENV_DATA is None:
+            raise RuntimeError("os.environ keeps no bytes dict on this platform")
+        built = compile_module()
+        launch = ctypes.cast(driver.raw("graph_launch"), ctypes.c_void_p).value
+        configure(built, raw_stream=impl._raw_stream, capturing=impl._capturing, launch_address=launch,
+                  check=driver.check)
+    except Exception as e:  # noqa: BLE001 - the Python path is right, only slower on the host
+        _state["failed"] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"compass fused operators: the host fast path is off ({_state['failed']}); replayed calls "
+                      "are issued from Python (set COMPASS_FUSED_LANE=0 to skip building it)", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    _state["module"] = built
+    fast_calls.append(built.call)
+    log.info("compass fused operators: host fast path built in %s", build_directory())
+    return built
+
+
+def register(op: str, a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str, group_size: int,
+             workspace) -> None:
+    """Let later calls of these arguments' key run ``workspace``'s replays from C (the Python path
+    just ran such a call through it)."""
+    built = _state.get("module")
+    if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) == b"0":
+        return
+    key = built.key(OPS[op], a, b, schedule, group_name, group_size)
+    if key is not None and lanes.get(key) is not workspace:
+        lanes[key] = workspace
+
+
+def forget(workspace) -> None:
+    """Drop every key of ``workspace`` (it is being released)."""
+    for key in [k for k, w in lanes.items() if w is workspace]:
+        del lanes[key]

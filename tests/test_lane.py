@@ -1,0 +1,253 @@
+"""The fused calls' host fast path (compass_fx/kernels/cuda/lane.cpp), built with the system compiler
+and run on CPU tensors: every step a replayed call takes in Python, taken in C on the same objects.
+
+The workspace here is the part of ``impl._Workspace`` the fast path reads (its epoch, pending join,
+watchdog, :class:`replay.Replays` and :class:`watchdog.Progress`, the real classes); the launch is a
+C callback that records what it was handed.  On a GPU, tests/test_fused_cuda.py's calls go through
+the same path against real graphs.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from compass_fx.kernels.cuda import env_raw, impl, lane, replay
+from compass_fx.kernels.cuda.watchdog import Progress
+
+pytestmark = pytest.mark.slow  # builds a C++ extension (~20 s on 2 cores)
+
+STREAM = 0x5151
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class Launches:
+    """cuGraphLaunch's stand-in: records (graph exec, stream); returns ``result``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.result = 0
+        self.callback = LAUNCH(self._launch)
+
+    def _launch(self, graph_exec, stream) -> int:
+        self.seen.append((graph_exec, stream))
+        return self.result
+
+
+def _raise(result: int, what: str) -> None:
+    raise RuntimeError(f"{what} failed: {result}")
+
+
+@pytest.fixture(scope="module")
+def fast():
+    if env_raw(b"PATH") is None:
+        pytest.skip("os.environ keeps no bytes dict here")
+    module = lane.compile_module()
+    launches = Launches()
+    capturing = [False]
+    lane.configure(module, raw_stream=lambda index: STREAM, capturing=lambda: capturing[0],
+                   launch_address=ctypes.cast(launches.callback, ctypes.c_void_p).value, check=_raise)
+    impl.transport()  # the settings' parsed values, as a first Python call leaves them
+    replay.enabled()
+    yield SimpleNamespace(module=module, launches=launches, capturing=capturing)
+    lane.lanes.clear()
+
+
+class Graph:
+    """What lane.cpp reads of ``replay.Captured``: its executable graph's handle."""
+
+    def __init__(self, handle: int) -> None:
+        self.exec = handle
+
+
+def _workspace() -> SimpleNamespace:
+    ws = SimpleNamespace(epoch=0, pending=None, dog=SimpleNamespace(failure=None), replays=replay.Replays(-1),
+                         progress=Progress(word=torch.zeros(1, dtype=torch.int32)))
+    return ws
+
+
+CASES = {  # op -> (a, b, group size, output shapes)
+    "all_gather_matmul": ((4, 8), (8, 6), 2, [(8, 8), (8, 6)]),
+    "matmul_reduce_scatter": ((8, 8), (8, 6), 2, [(4, 6)]),
+    "matmul_all_reduce": ((8, 8), (8, 6), 4, [(8, 6)]),
+}
+
+
+def _call(fast, op: str, a, b, world: int):
+    return fast.module.call(lane.OPS[op], a, b, "direct", "g0", world)
+
+
+def _meta(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    """A tensor with no memory: its outputs' addresses (0) recur call after call, as the caching
+    allocator's do on a GPU (the CPU allocator's do not)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _learn_graphs(fast, ws, op, a, b, world) -> object:
+    """Capture by hand: a graph per phase for the addresses the fast path looked up; then it hits."""
+    assert _call(fast, op, a, b, world) is None
+    key = fast.module.last_addresses()
+    ws.replays.graphs[key] = [Graph(0x1000 + phase) for phase in range(4)]
+    out = _call(fast, op, a, b, world)
+    assert out is not None
+    return out
+
+
+def test_the_graphs_are_looked_up_by_the_python_paths_addresses(fast):
+    """On real memory: the input's and the weight's addresses and the weight's strides first."""
+    a, b = torch.randn(4, 8), torch.randn(16, 8).t()
+    ws = _workspace()
+    lane.lanes[fast.module.key(0, a, b, "direct", "g0", 2)] = ws
+    assert _call(fast, "all_gather_matmul", a, b, 2) is None
+    key = fast.module.last_addresses()
+    assert key[:4] == (a.data_ptr(), b.data_ptr(), (1, 8), -1) and len(key) == 6
+    assert all(isinstance(address, int) and address for address in key[4:])
+    lane.lanes.clear()
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_a_replayed_call_takes_every_step_of_the_python_path(fast, op):
+    (ma, ka), (kb, nb), world, shapes = CASES[op]
+    a, b = _meta(ma, ka), _meta(kb, nb)
+    ws = _workspace()
+    key = fast.module.key(lane.OPS[op], a, b, "direct", "g0", world)
+    assert key is not None
+    lane.lanes[key] = ws
+    launches = len(fast.launches.seen)
+    assert _call(fast, op, a, b, world) is None  # no graph yet: the Python path's call
+    assert ws.epoch == 0 and ws.progress.issued == 0 and len(fast.launches.seen) == launches
+
+    replayed = replay.stats["replayed"]
+    out = _learn_graphs(fast, ws, op, a, b, world)
+    outputs = [out[0], *out[1]] if op == "all_gather_matmul" else [out]
+    assert [tuple(t.shape) for t in outputs] == shapes
+    assert all(t.dtype == a.dtype and t.device == a.device for t in outputs)
+    # the graph it launched is the one the Python path would: the outputs' addresses, the epoch's phase
+    tensors = {"A": [a], "W": [b], "OUT": [outputs[-1]], "GATHERED": [outputs[0]] if len(outputs) == 2 else []}
+    addresses = impl._Workspace._addresses(tensors)
+    assert addresses in ws.replays.graphs and next(reversed(ws.replays.graphs)) == addresses
+    assert fast.launches.seen[-1] == (ws.replays.graphs[addresses][1].exec, STREAM)
+    assert ws.epoch == 1 and ws.progress.issued == 1 and ws.progress.epochs[0] == 1
+    assert ws.progress.stream == STREAM and replay.stats["replayed"] == replayed + 1
+
+    # the next calls walk the phases; each one counted in the watchdog's ring
+    for epoch in range(2, 7):
+        out = _call(fast, op, a, b, world)
+        assert out is not None
+        assert fast.launches.seen[-1][0] & 0xF == epoch % 4
+        assert ws.epoch == epoch and ws.progress.issued == epoch and ws.progress.epochs[epoch - 1] == epoch
+    lane.lanes.clear()
+
+
+def _hitting(fast) -> tuple:
+    a, b = _meta(4, 8), _meta(8, 6)
+    ws = _workspace()
+    lane.lanes[fast.module.key(0, a, b, "direct", "g0", 2)] = ws
+    _learn_graphs(fast, ws, "all_gather_matmul", a, b, 2)
+    return a, b, ws
+
+
+def _unchanged(fast, ws, a, b, before: tuple) -> None:
+    launches = len(fast.launches.seen)
+    assert _call(fast, "all_gather_matmul", a, b, 2) is None
+    assert (ws.epoch, ws.progress.issued, ws.progress.stream, len(fast.launches.seen)) == before + (launches,)
+
+
+def test_anything_unexpected_leaves_the_call_to_the_python_path_untouched(fast):
+    a, b, ws = _hitting(fast)
+    before = (ws.epoch, ws.progress.issued, ws.progress.stream)
+    ws.progress.done.value = ws.progress.issued  # every replay finished
+    cases = {
+        "a deferred call outstanding": lambda: setattr(ws, "pending", object()),
+        "the watchdog failed": lambda: setattr(ws.dog, "failure", "rank 1 is late"),
+        "replays off": lambda: os.environ.__setitem__("COMPASS_FUSED_REPLAY", "0"),
+        "the lane off": lambda: os.environ.__setitem__("COMPASS_FUSED_LANE", "0"),
+        "the point-to-point path asked for": lambda: os.environ.__setitem__("COMPASS_CUDA_FUSED", "p2p"),
+        "another transport": lambda: os.environ.__setitem__("COMPASS_FUSED_TRANSPORT", "host"),
+        "a capture": lambda: fast.capturing.__setitem__(0, True),
+        "a join outstanding": lambda: setattr(impl.Join, "outstanding", 1),
+        "replays turned off by a failed capture": lambda: replay._disabled.append("capture failed"),
+        "no graph for the phase": lambda: [g.__setitem__((ws.epoch + 1) % 4, None) for g in ws.replays.graphs.values()],
+    }
+    replay.enabled()  # "0" parsed once by the Python path, as a call would
+    for why, change in cases.items():
+        saved = (dict(os.environ), ws.pending, ws.dog.failure, {k: list(v) for k, v in ws.replays.graphs.items()})
+        change()
+        if why == "replays off":
+            replay.enabled()
+        try:
+            _unchanged(fast, ws, a, b, before)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved[0])
+            ws.pending, ws.dog.failure = saved[1], saved[2]
+            ws.replays.graphs.update(saved[3])
+            fast.capturing[0] = False
+            impl.Join.outstanding = 0
+            replay._disabled.clear()
+        assert _call(fast, "all_gather_matmul", a, b, 2) is not None, why  # and back on
+        before = (ws.epoch, ws.progress.issued, ws.progress.stream)
+        ws.progress.done.value = ws.progress.issued
+    lane.lanes.clear()
+
+
+def test_arguments_the_workspace_was_not_built_for_are_not_replayed(fast):
+    a, b, ws = _hitting(fast)
+    before = (ws.epoch, ws.progress.issued, ws.progress.stream)
+    for a2, b2 in ((_meta(8, 4).t(), b),                         # a non-contiguous input
+                   (a, _meta(8, 6, dtype=torch.float64)),       # a weight of another dtype
+                   (a, _meta(9, 6)),                            # a weight that does not multiply
+                   (a, torch.empty(8, 6)),                      # a weight on another device
+                   (_meta(4, 8, dtype=torch.float64), _meta(8, 6, dtype=torch.float64)),  # another key
+                   (_meta(4, 4), _meta(4, 6))):                 # another shape
+        launches = len(fast.launches.seen)
+        assert _call(fast, "all_gather_matmul", a2, b2, 2) is None
+        assert (ws.epoch, ws.progress.issued, ws.progress.stream) == before
+        assert len(fast.launches.seen) == launches
+    assert fast.module.call(0, a, b, "direct", "another group", 2) is None
+    assert fast.module.call(0, a, "not a tensor", "direct", "g0", 2) is None
+    lane.lanes.clear()
+
+
+def test_a_busy_ring_or_another_stream_waits_for_the_python_path(fast):
+    a, b, ws = _hitting(fast)
+    ws.progress.done.value = 0  # the replays issued so far have not finished
+    ws.progress.stream = STREAM + 1  # and ran on another stream: this one must wait for them
+    before = (ws.epoch, ws.progress.issued, ws.progress.stream)
+    _unchanged(fast, ws, a, b, before)
+    ws.progress.stream = STREAM
+    ws.progress.issued = Progress.RING - 1  # the ring is full
+    before = (ws.epoch, ws.progress.issued, ws.progress.stream)
+    _unchanged(fast, ws, a, b, before)
+    lane.lanes.clear()
+
+
+def test_a_launch_the_driver_refuses_raises_and_is_not_counted(fast):
+    a, b, ws = _hitting(fast)
+    ws.progress.done.value = ws.progress.issued
+    issued = ws.progress.issued
+    fast.launches.result = 700
+    try:
+        with pytest.raises(RuntimeError, match="cuGraphLaunch failed: 700"):
+            _call(fast, "all_gather_matmul", a, b, 2)
+    finally:
+        fast.launches.result = 0
+    assert ws.progress.issued == issued
+    lane.lanes.clear()
+
+
+def test_the_python_path_registers_only_workspaces_it_replays(fast, monkeypatch):
+    a, b = torch.randn(4, 8), torch.randn(8, 6)
+    monkeypatch.setitem(lane._state, "module", fast.module)
+    ws = _workspace()
+    lane.register("all_gather_matmul", a, b, "direct", "g0", 2, ws)
+    assert list(lane.lanes.values()) == [ws]
+    lane.lanes.clear()
+    for off in (SimpleNamespace(progress=None, replays=ws.replays), SimpleNamespace(progress=ws.progress, replays=None)):
+        lane.register("all_gather_matmul", a, b, "direct", "g0", 2, off)  # an event per call / a captured twin
+    monkeypatch.setenv("COMPASS_FUSED_LANE", "0")
+    lane.register("all_gather_matmul", a, b, "direct", "g0", 2, ws)
+    assert not lane.lanes
