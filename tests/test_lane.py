@@ -165,6 +165,7 @@ def test_anything_unexpected_leaves_the_call_to_the_python_path_untouched(fast):
         "the watchdog failed": lambda: setattr(ws.dog, "failure", "rank 1 is late"),
         "replays off": lambda: os.environ.__setitem__("COMPASS_FUSED_REPLAY", "0"),
         "the lane off": lambda: os.environ.__setitem__("COMPASS_FUSED_LANE", "0"),
+        "the lane off, in words": lambda: os.environ.__setitem__("COMPASS_FUSED_LANE", "off"),
         "the point-to-point path asked for": lambda: os.environ.__setitem__("COMPASS_CUDA_FUSED", "p2p"),
         "another transport": lambda: os.environ.__setitem__("COMPASS_FUSED_TRANSPORT", "host"),
         "a capture": lambda: fast.capturing.__setitem__(0, True),

@@ -29,6 +29,7 @@ struct Config {
   PyObject* capturing = nullptr;        // () -> bool: the current stream is capturing
   PyObject* raw_stream = nullptr;       // (device index) -> the current stream's handle
   PyObject* check = nullptr;            // driver.check(result, what): raises
+  PyObject* off = nullptr;              // the raw values of COMPASS_FUSED_LANE that set this path aside
   Launch launch = nullptr;
   long long period = 4, ring = 4096;
 };
@@ -39,7 +40,7 @@ bool configured = false;
 // interned attribute names and environment keys
 PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_stream, *s_issued, *s_epochs,
     *s_address, *s_epoch, *s_exec, *s_move_to_end, *s_outstanding, *s_replayed, *s_lane, *s_launch_what;
-PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p, *b_zero;
+PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p;
 PyObject *minus_one, *one;
 PyObject* last_addresses = nullptr;  // what the last call looked its graph up by (for tests and diagnosis)
 
@@ -73,7 +74,7 @@ bool unpack(PyObject* obj, const at::Tensor** out) {
 // Whether the settings the Python path reads on every call let a replay run here.
 bool settings_allow() {
   PyObject* lane = env_get(k_lane);
-  if (lane != Py_None && PyObject_RichCompareBool(lane, b_zero, Py_EQ) == 1) return false;
+  if (lane != Py_None && PySet_Contains(cfg.off, lane) != 0) return false;
   PyObject* fused = env_get(k_cuda_fused);
   if (fused != Py_None && PyObject_RichCompareBool(fused, b_p2p, Py_EQ) == 1) return false;
   if (PyList_GET_SIZE(cfg.disabled)) return false;
@@ -239,16 +240,16 @@ PyObject* looked_up(PyObject*, PyObject*) {
 PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
 // configure(lanes, transports, env, replay_settings, disabled, join, stats, capturing, raw_stream,
-//           check, launch_address, period, ring)
+//           check, launch_address, period, ring, off)
 PyObject* configure(PyObject*, PyObject* args) {
   unsigned long long launch;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OOOKLL", &PyDict_Type, &cfg.lanes, &PyDict_Type, &cfg.transports,
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OOOKLLO!", &PyDict_Type, &cfg.lanes, &PyDict_Type, &cfg.transports,
                         &PyDict_Type, &cfg.env, &PyDict_Type, &cfg.replay_settings, &PyList_Type, &cfg.disabled,
                         &cfg.join, &PyDict_Type, &cfg.stats, &cfg.capturing, &cfg.raw_stream, &cfg.check, &launch,
-                        &cfg.period, &cfg.ring))
+                        &cfg.period, &cfg.ring, &PyFrozenSet_Type, &cfg.off))
     return nullptr;
   for (PyObject* o : {cfg.lanes, cfg.transports, cfg.env, cfg.replay_settings, cfg.disabled, cfg.join, cfg.stats,
-                      cfg.capturing, cfg.raw_stream, cfg.check})
+                      cfg.capturing, cfg.raw_stream, cfg.check, cfg.off})
     Py_INCREF(o);  // kept for the process's life (configure runs once)
   cfg.launch = reinterpret_cast<Launch>(static_cast<uintptr_t>(launch));
   s_pending = intern("pending"), s_dog = intern("dog"), s_failure = intern("failure");
@@ -262,7 +263,7 @@ PyObject* configure(PyObject*, PyObject* args) {
   k_p2p = PyBytes_FromString("NCCL_P2P_DISABLE"), k_cuda_fused = PyBytes_FromString("COMPASS_CUDA_FUSED");
   k_lane = PyBytes_FromString("COMPASS_FUSED_LANE"), k_piece = PyBytes_FromString("COMPASS_HOST_PIECE_MIB");
   k_most = PyBytes_FromString("COMPASS_HOST_MOST_PIECES");
-  b_p2p = PyBytes_FromString("p2p"), b_zero = PyBytes_FromString("0");
+  b_p2p = PyBytes_FromString("p2p");
   minus_one = PyLong_FromLong(-1), one = PyLong_FromLong(1);
   configured = true;
   Py_RETURN_NONE;

@@ -41,11 +41,13 @@ _state: dict = {}  # "module": the loaded extension, or "failed": why it is not 
 lanes: dict = {}  # lane key -> workspace (read by lane.cpp)
 fast_calls: list = []  # the extension's ``call`` once built (what ops' CUDA kernels try first)
 _OFF_KEY = b"COMPASS_FUSED_LANE"
+# the raw values that set the fast path aside (read on every call, as bytes: no parsing per call)
+OFF = frozenset(v.encode() for word in ("0", "false", "no", "off") for v in (word, word.upper(), word.title()))
 
 
 def wanted() -> bool:
     """``COMPASS_FUSED_LANE`` (default 1): replayed calls go through the C fast path."""
-    return os.environ.get("COMPASS_FUSED_LANE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("COMPASS_FUSED_LANE", "1").strip().encode() not in OFF
 
 
 def build_directory() -> Path:
@@ -75,7 +77,7 @@ def configure(module, *, raw_stream, capturing, launch_address: int, check) -> N
     from .watchdog import Progress
 
     module.configure(lanes, impl._transports, _ENV_DATA, replay._settings, replay._disabled, impl.Join,
-                     replay.stats, capturing, raw_stream, check, launch_address, PERIOD, Progress.RING)
+                     replay.stats, capturing, raw_stream, check, launch_address, PERIOD, Progress.RING, OFF)
 
 
 def module():
@@ -111,7 +113,7 @@ def register(op: str, a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     """Let later calls of these arguments' key run ``workspace``'s replays from C (the Python path
     just ran such a call through it)."""
     built = _state.get("module")
-    if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) == b"0":
+    if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) in OFF:
         return
     key = built.key(OPS[op], a, b, schedule, group_name, group_size)
     if key is not None and lanes.get(key) is not workspace:
