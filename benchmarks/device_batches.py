@@ -373,11 +373,17 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-w2-breakdown", 2, "h200-lane-w2-breakdown-host-pin-mps", 110, extra=("--breakdown",)),
         _stress("stress-500", "2,4,8", 500, EVERY_OP, "h200-lane-500-mps", 210),
     ),
-    # and beyond two ranks, a second two-rank run, the peer transport's two ranks
+    # and beyond two ranks, the peer transport's two ranks; what is left of two ranks' calls is the
+    # graph's launch: a second run of the defaults beside runs with flag waits as kernel nodes and
+    # with two pieces a block (fewer copy and wait nodes) in the same session
     "h200-lane-worlds": (
         _host_time("host_time-w4-w8", "4,8", "h200-lane-w48-host-pin-mps", 190),
-        _host_time("host_time-w2-run2", 2, "h200-lane-w2-run2-host-pin-mps", 100),
-        _host_time("host_time-peer-w2", 2, "h200-lane-peer-w2-pin-mps", 100, extra=("--transport", "peer")),
+        _host_time("host_time-peer-w2", 2, "h200-lane-peer-w2-pin-mps", 60, extra=("--transport", "peer")),
+        _host_time("host_time-w2-run2", 2, "h200-lane-w2-run2-host-pin-mps", 60),
+        _host_time("host_time-w2-kernel-waits", 2, "h200-lane-w2-kernel-waits-host-pin-mps", 60,
+                   env={"COMPASS_REPLAY_WAITS": "kernel"}),
+        _host_time("host_time-w2-pieces2", 2, "h200-lane-w2-pieces2-host-pin-mps", 60,
+                   env={"COMPASS_HOST_MOST_PIECES": "2"}),
     ),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),

@@ -45,8 +45,14 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         # the inputs in the same device tensors every call and the outputs freed before the next:
         # each operator's calls see one set of addresses, so from the second on they replay
         shard, a, w = torch.empty(128, 256, **cuda), torch.empty(256, 256, **cuda), torch.empty(256, 192, **cuda)
+        from compass_fx.kernels.cuda import lane, replay
+
         for step in range(10):
             os.environ["COMPASS_FUSED_LANE"] = "0" if step == 7 else "1"  # the two paths take turns
+            if step == 7:
+                before_python_step = dict(replay.stats)
+            if step == 8:
+                python_step = {k: replay.stats[k] - before_python_step[k] for k in ("replayed", "lane")}
             g = torch.Generator().manual_seed(step)
             shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
             full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
@@ -68,12 +74,9 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             del reduced
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
-        from compass_fx.kernels.cuda import replay
-
-        from compass_fx.kernels.cuda import lane
-
         result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],
-                  "from_c": replay.stats["lane"], "fast_path_off": lane._state.get("failed"),
+                  "captured": replay.stats["captured"], "from_c": replay.stats["lane"],
+                  "python_step": python_step, "fast_path_off": lane._state.get("failed"),
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
                   "ipc": transport == "peer" and all(isinstance(ws.memory[1], dict) for ws in mapped),
                   "counted_on_gpu": sum(ws.progress is not None for ws in mapped),
@@ -116,8 +119,9 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         assert r["workspaces"] >= 3 and r["ipc"], r  # every operator's workspace, peers mapped with CUDA IPC
         assert r["worst"] < TOLERANCE, r
         assert r["replayed"] >= 3 * 8, r  # calls 2-10 of each operator (a set captured on its second sighting)
-        # the calls after the four captures, from C but the eighth (the host fast path set aside)
-        assert r["from_c"] == 3 * 4 and r["fast_path_off"] is None, r
+        # every replay from C but the captures and the eighth calls (the host fast path set aside)
+        assert r["python_step"]["lane"] == 0 and r["fast_path_off"] is None, r
+        assert r["from_c"] == r["replayed"] - r["captured"] - r["python_step"]["replayed"] >= 3 * 3, r
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
 
 

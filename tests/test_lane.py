@@ -48,7 +48,8 @@ def fast():
     module = lane.compile_module()
     launches = Launches()
     capturing = [False]
-    lane.configure(module, raw_stream=lambda index: STREAM, capturing=lambda: capturing[0],
+    lane.configure(module, transports=impl._transports, join=impl.Join, raw_stream=lambda index: STREAM,
+                   capturing=lambda: capturing[0],
                    launch_address=ctypes.cast(launches.callback, ctypes.c_void_p).value, check=_raise)
     impl.transport()  # the settings' parsed values, as a first Python call leaves them
     replay.enabled()

@@ -799,7 +799,8 @@ def _workspace(key: tuple, make_plan: Callable[[bool, bool], Plan], group_name: 
     if graphs_enabled():
         _workspaces[(key, True)] = _Workspace(make_plan(True, guards), group_name, cols, dtype, device, captured=True)
     if ws.progress is not None:
-        lane.module()  # built now, with the workspace: never during a step's later calls
+        # built now, with the workspace (never during a step's later calls), handed what it reads of this module
+        lane.module(transports=_transports, join=Join, raw_stream=_raw_stream, capturing=_capturing)
     return ws
 
 

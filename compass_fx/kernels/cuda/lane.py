@@ -70,32 +70,35 @@ def compile_module():
                 verbose=False)
 
 
-def configure(module, *, raw_stream, capturing, launch_address: int, check) -> None:
-    """Hand ``module`` the Python objects it reads and writes (the Python path's own)."""
-    from . import _ENV_DATA, impl, replay
+def configure(module, *, transports: dict, join: type, raw_stream, capturing, launch_address: int,
+              check) -> None:
+    """Hand ``module`` the Python objects it reads and writes (the Python path's own): ``impl``'s
+    transports by raw settings, its ``Join`` class (deferred calls outstanding), how it reads the
+    current stream and whether it is captured; the driver's ``cuGraphLaunch`` and ``check``."""
+    from . import _ENV_DATA, replay
     from ..flag_codes import PERIOD
     from .watchdog import Progress
 
-    module.configure(lanes, impl._transports, _ENV_DATA, replay._settings, replay._disabled, impl.Join,
-                     replay.stats, capturing, raw_stream, check, launch_address, PERIOD, Progress.RING, OFF)
+    module.configure(lanes, transports, _ENV_DATA, replay._settings, replay._disabled, join, replay.stats,
+                     capturing, raw_stream, check, launch_address, PERIOD, Progress.RING, OFF)
 
 
-def module():
-    """The configured extension, or None (not wanted, no POSIX environment dict, or the build
-    failed: warned once)."""
+def module(*, transports: dict, join: type, raw_stream, capturing):
+    """The extension, built and configured (arguments: :func:`configure`'s) on the first call, or
+    None (not wanted, no POSIX environment dict, or the build failed: warned once)."""
     if "module" in _state:
         return _state["module"]
     if "failed" in _state or not wanted():
         return None
-    from . import _ENV_DATA, driver, impl
+    from . import _ENV_DATA, driver
 
     try:
         if _ENV_DATA is None:
             raise RuntimeError("os.environ keeps no bytes dict on this platform")
         built = compile_module()
         launch = ctypes.cast(driver.raw("graph_launch"), ctypes.c_void_p).value
-        configure(built, raw_stream=impl._raw_stream, capturing=impl._capturing, launch_address=launch,
-                  check=driver.check)
+        configure(built, transports=transports, join=join, raw_stream=raw_stream, capturing=capturing,
+                  launch_address=launch, check=driver.check)
     except Exception as e:  # noqa: BLE001 - the Python path is right, only slower on the host
         _state["failed"] = f"{type(e).__name__}: {e}"
         warnings.warn(f"compass fused operators: the host fast path is off ({_state['failed']}); replayed calls "
