@@ -70,15 +70,27 @@ def _workspace() -> SimpleNamespace:
     return ws
 
 
-CASES = {  # op -> (a, b, group size, output shapes)
-    "all_gather_matmul": ((4, 8), (8, 6), 2, [(8, 8), (8, 6)]),
-    "matmul_reduce_scatter": ((8, 8), (8, 6), 2, [(4, 6)]),
-    "matmul_all_reduce": ((8, 8), (8, 6), 4, [(8, 6)]),
+CASES = {  # case -> (op, a, weights, group size, output shapes: the gathered rows first)
+    "gather": ("all_gather_matmul", (4, 8), [(8, 6)], 2, [(8, 8), (8, 6)]),
+    "gather, three weights": ("all_gather_matmul", (4, 8), [(8, 6), (8, 5), (8, 3)], 2, [(8, 8), (8, 6), (8, 5), (8, 3)]),
+    "reduce-scatter": ("matmul_reduce_scatter", (8, 8), [(8, 6)], 2, [(4, 6)]),
+    "all-reduce": ("matmul_all_reduce", (8, 8), [(8, 6)], 4, [(8, 6)]),
 }
 
 
+def _weights(op: str, b):
+    """What the op's kernel hands the fast path: the gather's list of weights, the others' weight."""
+    if op == "all_gather_matmul":
+        return b if isinstance(b, list) else [b]
+    return b
+
+
 def _call(fast, op: str, a, b, world: int):
-    return fast.module.call(lane.OPS[op], a, b, "direct", "g0", world)
+    return fast.module.call(lane.OPS[op], a, _weights(op, b), "direct", "g0", world)
+
+
+def _key(fast, op: str, a, b, world: int):
+    return fast.module.key(lane.OPS[op], a, _weights(op, b), "direct", "g0", world)
 
 
 def _meta(*shape: int, dtype=torch.float32) -> torch.Tensor:
@@ -101,7 +113,7 @@ def test_the_graphs_are_looked_up_by_the_python_paths_addresses(fast):
     """On real memory: the input's and the weight's addresses and the weight's strides first."""
     a, b = torch.randn(4, 8), torch.randn(16, 8).t()
     ws = _workspace()
-    lane.lanes[fast.module.key(0, a, b, "direct", "g0", 2)] = ws
+    lane.lanes[_key(fast, "all_gather_matmul", a, b, 2)] = ws
     assert _call(fast, "all_gather_matmul", a, b, 2) is None
     key = fast.module.last_addresses()
     assert key[:4] == (a.data_ptr(), b.data_ptr(), (1, 8), -1) and len(key) == 6
@@ -109,12 +121,13 @@ def test_the_graphs_are_looked_up_by_the_python_paths_addresses(fast):
     lane.lanes.clear()
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
-def test_a_replayed_call_takes_every_step_of_the_python_path(fast, op):
-    (ma, ka), (kb, nb), world, shapes = CASES[op]
-    a, b = _meta(ma, ka), _meta(kb, nb)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_replayed_call_takes_every_step_of_the_python_path(fast, case):
+    op, a_shape, b_shapes, world, shapes = CASES[case]
+    a, weights = _meta(*a_shape), [_meta(*shape) for shape in b_shapes]
+    b = weights if op == "all_gather_matmul" else weights[0]
     ws = _workspace()
-    key = fast.module.key(lane.OPS[op], a, b, "direct", "g0", world)
+    key = _key(fast, op, a, b, world)
     assert key is not None
     lane.lanes[key] = ws
     launches = len(fast.launches.seen)
@@ -123,11 +136,13 @@ def test_a_replayed_call_takes_every_step_of_the_python_path(fast, op):
 
     replayed = replay.stats["replayed"]
     out = _learn_graphs(fast, ws, op, a, b, world)
-    outputs = [out[0], *out[1]] if op == "all_gather_matmul" else [out]
+    gathering = op == "all_gather_matmul"
+    outputs = [out[0], *out[1]] if gathering else [out]
     assert [tuple(t.shape) for t in outputs] == shapes
     assert all(t.dtype == a.dtype and t.device == a.device for t in outputs)
     # the graph it launched is the one the Python path would: the outputs' addresses, the epoch's phase
-    tensors = {"A": [a], "W": [b], "OUT": [outputs[-1]], "GATHERED": [outputs[0]] if len(outputs) == 2 else []}
+    tensors = {"A": [a], "W": weights, "OUT": outputs[1:] if gathering else outputs,
+               "GATHERED": outputs[:1] if gathering else []}
     addresses = impl._Workspace._addresses(tensors)
     assert addresses in ws.replays.graphs and next(reversed(ws.replays.graphs)) == addresses
     assert fast.launches.seen[-1] == (ws.replays.graphs[addresses][1].exec, STREAM)
@@ -146,7 +161,7 @@ def test_a_replayed_call_takes_every_step_of_the_python_path(fast, op):
 def _hitting(fast) -> tuple:
     a, b = _meta(4, 8), _meta(8, 6)
     ws = _workspace()
-    lane.lanes[fast.module.key(0, a, b, "direct", "g0", 2)] = ws
+    lane.lanes[_key(fast, "all_gather_matmul", a, b, 2)] = ws
     _learn_graphs(fast, ws, "all_gather_matmul", a, b, 2)
     return a, b, ws
 
@@ -203,14 +218,17 @@ def test_arguments_the_workspace_was_not_built_for_are_not_replayed(fast):
                    (a, _meta(8, 6, dtype=torch.float64)),       # a weight of another dtype
                    (a, _meta(9, 6)),                            # a weight that does not multiply
                    (a, torch.empty(8, 6)),                      # a weight on another device
+                   (a, [b, _meta(8, 3, dtype=torch.float64)]),  # a second weight of another dtype
                    (_meta(4, 8, dtype=torch.float64), _meta(8, 6, dtype=torch.float64)),  # another key
                    (_meta(4, 4), _meta(4, 6))):                 # another shape
         launches = len(fast.launches.seen)
         assert _call(fast, "all_gather_matmul", a2, b2, 2) is None
         assert (ws.epoch, ws.progress.issued, ws.progress.stream) == before
         assert len(fast.launches.seen) == launches
-    assert fast.module.call(0, a, b, "direct", "another group", 2) is None
-    assert fast.module.call(0, a, "not a tensor", "direct", "g0", 2) is None
+    assert fast.module.call(0, a, [b], "direct", "another group", 2) is None
+    assert fast.module.call(0, a, b, "direct", "g0", 2) is None  # the gather's weights come as a list
+    assert fast.module.call(0, a, [b, "not a tensor"], "direct", "g0", 2) is None
+    assert fast.module.call(0, a, [b, _meta(8, 3)], "direct", "g0", 2) is None  # another key: two weights
     lane.lanes.clear()
 
 
@@ -245,11 +263,11 @@ def test_the_python_path_registers_only_workspaces_it_replays(fast, monkeypatch)
     a, b = torch.randn(4, 8), torch.randn(8, 6)
     monkeypatch.setitem(lane._state, "module", fast.module)
     ws = _workspace()
-    lane.register("all_gather_matmul", a, b, "direct", "g0", 2, ws)
+    lane.register("all_gather_matmul", a, [b], "direct", "g0", 2, ws)
     assert list(lane.lanes.values()) == [ws]
     lane.lanes.clear()
     for off in (SimpleNamespace(progress=None, replays=ws.replays), SimpleNamespace(progress=ws.progress, replays=None)):
-        lane.register("all_gather_matmul", a, b, "direct", "g0", 2, off)  # an event per call / a captured twin
+        lane.register("all_gather_matmul", a, [b], "direct", "g0", 2, off)  # an event per call / a captured twin
     monkeypatch.setenv("COMPASS_FUSED_LANE", "0")
-    lane.register("all_gather_matmul", a, b, "direct", "g0", 2, ws)
+    lane.register("all_gather_matmul", a, [b], "direct", "g0", 2, ws)
     assert not lane.lanes

@@ -126,8 +126,8 @@ def _ag_fake(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, 
 
 @_cuda_kernel("all_gather_matmul")
 def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
-    if _fast_calls and len(bs) == 1:  # a replayed call whose graph exists, issued from C (.cuda.lane)
-        out = _fast_calls[0](0, a_shard, bs[0], schedule, group_name, group_size)
+    if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
+        out = _fast_calls[0](0, a_shard, bs, schedule, group_name, group_size)
         if out is not None:
             return out
     _check_cuda(a_shard, bs, schedule, group_size)

@@ -852,8 +852,8 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     join = ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]}, deferred)
     if join is not None:
         _register_join(gathered, join)
-    elif len(bs) == 1:
-        lane.register("all_gather_matmul", a_shard, bs[0], schedule, group_name, group_size, ws)
+    elif bs:
+        lane.register("all_gather_matmul", a_shard, bs, schedule, group_name, group_size, ws)
     return gathered, outs
 
 

@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -49,25 +50,48 @@ PyObject* env_get(PyObject* key) {  // borrowed, or Py_None
   return v ? v : Py_None;
 }
 
+using Weights = std::vector<const at::Tensor*>;
+
 // A new reference to the lane key of a call, or nullptr (no error set) where there is none: the
-// transport is not known yet for these settings.
-PyObject* key_of(long op, const at::Tensor& a, const at::Tensor& b, PyObject* schedule, PyObject* group_name,
+// transport is not known yet for these settings.  The weights' widths: a tuple for the gather (it
+// takes a list of weights), the one width for the others.
+PyObject* key_of(long op, const at::Tensor& a, const Weights& ws, PyObject* schedule, PyObject* group_name,
                  PyObject* group_size) {
   PyObject* raw = PyTuple_Pack(2, env_get(k_transport), env_get(k_p2p));
   if (!raw) return nullptr;
   PyObject* transport = PyDict_GetItemWithError(cfg.transports, raw);  // borrowed
   Py_DECREF(raw);
   if (!transport) return nullptr;
+  PyObject* cols = op == GATHER ? PyTuple_New((Py_ssize_t)ws.size()) : PyLong_FromLongLong(ws[0]->size(1));
+  if (!cols) return nullptr;
+  if (op == GATHER)
+    for (size_t i = 0; i < ws.size(); ++i) PyTuple_SET_ITEM(cols, i, PyLong_FromLongLong(ws[i]->size(1)));
   PyObject* piece = op == ALL_REDUCE ? env_get(k_piece) : Py_None;
   PyObject* most = op == ALL_REDUCE ? env_get(k_most) : Py_None;
-  return Py_BuildValue("(lOOOLLLiiOOO)", op, schedule, group_name, group_size, (long long)a.size(0),
-                       (long long)a.size(1), (long long)b.size(1), (int)a.scalar_type(), (int)a.get_device(),
-                       transport, piece, most);
+  return Py_BuildValue("(lOOOLLNiiOOO)", op, schedule, group_name, group_size, (long long)a.size(0),
+                       (long long)a.size(1), cols, (int)a.scalar_type(), (int)a.get_device(), transport, piece, most);
 }
 
 bool unpack(PyObject* obj, const at::Tensor** out) {
   if (!THPVariable_Check(obj)) return false;
   *out = &THPVariable_Unpack(obj);
+  return true;
+}
+
+// The weights of a call: the gather's list (one or more), the others' one tensor.
+bool unpack_weights(long op, PyObject* obj, Weights* ws) {
+  if (op != GATHER) {
+    const at::Tensor* w;
+    if (!unpack(obj, &w)) return false;
+    ws->push_back(w);
+    return true;
+  }
+  if (!PyList_Check(obj) || PyList_GET_SIZE(obj) == 0) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(obj); ++i) {
+    const at::Tensor* w;
+    if (!unpack(PyList_GET_ITEM(obj, i), &w)) return false;
+    ws->push_back(w);
+  }
   return true;
 }
 
@@ -109,53 +133,66 @@ PyObject* decline() {
   Py_RETURN_NONE;
 }
 
-// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None.
+// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
+// is the gather's list of weights, the other operators' weight.
 PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!configured || nargs != 6) return decline();
   long op = PyLong_AsLong(args[0]);
   PyObject *schedule = args[3], *group_name = args[4], *group_size = args[5];
-  const at::Tensor *ap, *bp;
-  if (!unpack(args[1], &ap) || !unpack(args[2], &bp) || !settings_allow()) return decline();
-  const at::Tensor &a = *ap, &b = *bp;
-  if (a.dim() != 2 || b.dim() != 2 || b.size(0) != a.size(1) || b.scalar_type() != a.scalar_type() ||
-      b.device() != a.device() || !a.is_contiguous())
-    return decline();
+  const at::Tensor* ap;
+  Weights ws;
+  if (!unpack(args[1], &ap) || !unpack_weights(op, args[2], &ws) || !settings_allow()) return decline();
+  const at::Tensor& a = *ap;
+  if (a.dim() != 2 || !a.is_contiguous()) return decline();
+  for (const at::Tensor* w : ws)
+    if (w->dim() != 2 || w->size(0) != a.size(1) || w->scalar_type() != a.scalar_type() || w->device() != a.device())
+      return decline();
   Refs refs;
-  PyObject* key = refs(key_of(op, a, b, schedule, group_name, group_size));
+  PyObject* key = refs(key_of(op, a, ws, schedule, group_name, group_size));
   if (!key) return decline();
-  PyObject* ws = PyDict_GetItemWithError(cfg.lanes, key);  // borrowed
-  if (!ws) return decline();
-  PyObject* pending = refs(PyObject_GetAttr(ws, s_pending));
+  PyObject* workspace = PyDict_GetItemWithError(cfg.lanes, key);  // borrowed
+  if (!workspace) return decline();
+  PyObject* pending = refs(PyObject_GetAttr(workspace, s_pending));
   if (pending != Py_None) return decline();
-  PyObject* dog = refs(PyObject_GetAttr(ws, s_dog));
+  PyObject* dog = refs(PyObject_GetAttr(workspace, s_dog));
   PyObject* failure = dog ? refs(PyObject_GetAttr(dog, s_failure)) : nullptr;
   if (!failure || PyObject_IsTrue(failure) != 0) return decline();
-  PyObject* replays = refs(PyObject_GetAttr(ws, s_replays));
-  PyObject* progress = refs(PyObject_GetAttr(ws, s_progress));
+  PyObject* replays = refs(PyObject_GetAttr(workspace, s_replays));
+  PyObject* progress = refs(PyObject_GetAttr(workspace, s_progress));
   if (!replays || replays == Py_None || !progress || progress == Py_None) return decline();
-  PyObject* epoch_obj = refs(PyObject_GetAttr(ws, s_epoch));
+  PyObject* epoch_obj = refs(PyObject_GetAttr(workspace, s_epoch));
   long long epoch = epoch_obj ? PyLong_AsLongLong(epoch_obj) + 1 : -1;
   if (epoch <= 0) return decline();
 
   // the outputs, as the Python path allocates them (their addresses are part of the graph's key)
   long long world = PyLong_AsLongLong(group_size);
   if (world < 2) return decline();
-  at::Tensor out, gathered;
-  if (op == GATHER) {
-    gathered = at::empty({a.size(0) * world, a.size(1)}, a.options());
-    out = at::empty({a.size(0) * world, b.size(1)}, a.options());
-  } else if (op == SCATTER) {
-    out = at::empty({a.size(0) / world, b.size(1)}, a.options());
-  } else {
-    out = at::empty({a.size(0), b.size(1)}, a.options());
+  at::Tensor gathered;
+  std::vector<at::Tensor> outs;
+  outs.reserve(ws.size());
+  long long out_rows = op == GATHER ? a.size(0) * world : op == SCATTER ? a.size(0) / world : a.size(0);
+  if (op == GATHER) gathered = at::empty({out_rows, a.size(1)}, a.options());
+  for (const at::Tensor* w : ws) outs.push_back(at::empty({out_rows, w->size(1)}, a.options()));
+  // impl._Workspace._addresses: the input, each weight and its strides, -1, the outputs, the gathered rows
+  PyObject* addresses = refs(PyTuple_New(1 + 2 * (Py_ssize_t)ws.size() + 1 + (Py_ssize_t)outs.size() + 1));
+  if (!addresses) return decline();
+  Py_ssize_t slot = 0;
+  PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(a.data_ptr()));
+  for (const at::Tensor* w : ws) {
+    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(w->data_ptr()));
+    PyTuple_SET_ITEM(addresses, slot++, Py_BuildValue("(LL)", (long long)w->stride(0), (long long)w->stride(1)));
   }
-  // impl._Workspace._addresses of a one-weight call
-  PyObject* gathered_ptr = op == GATHER ? refs(PyLong_FromVoidPtr(gathered.data_ptr())) : Py_None;
-  PyObject* addresses = refs(Py_BuildValue("(NN(LL)ONO)", PyLong_FromVoidPtr(a.data_ptr()),
-                                           PyLong_FromVoidPtr(b.data_ptr()), (long long)b.stride(0),
-                                           (long long)b.stride(1), minus_one, PyLong_FromVoidPtr(out.data_ptr()),
-                                           gathered_ptr));
-  if (!addresses || !gathered_ptr) return decline();
+  Py_INCREF(minus_one);
+  PyTuple_SET_ITEM(addresses, slot++, minus_one);
+  for (const at::Tensor& out : outs) PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(out.data_ptr()));
+  if (op == GATHER) {
+    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(gathered.data_ptr()));
+  } else {
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(addresses, slot++, Py_None);
+  }
+  for (Py_ssize_t i = 0; i < slot; ++i)
+    if (!PyTuple_GET_ITEM(addresses, i)) return decline();  // a number that could not be made
   Py_INCREF(addresses);
   Py_XSETREF(last_addresses, addresses);
   PyObject* graphs_by_key = refs(PyObject_GetAttr(replays, s_graphs));
@@ -188,7 +225,7 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // committed: from here on the call is this path's, as _Workspace.run's replay branch does it
   if (!same && PyObject_SetAttr(progress, s_stream, stream) < 0) return nullptr;
   PyObject* new_epoch = refs(PyLong_FromLongLong(epoch));
-  if (!new_epoch || PyObject_SetAttr(ws, s_epoch, new_epoch) < 0) return nullptr;
+  if (!new_epoch || PyObject_SetAttr(workspace, s_epoch, new_epoch) < 0) return nullptr;
   PyObject* moved = PyObject_CallMethodOneArg(graphs_by_key, s_move_to_end, addresses);
   if (!moved) return nullptr;
   Py_DECREF(moved);
@@ -214,20 +251,22 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   if (op == GATHER) {
-    PyObject* outs = PyList_New(1);
-    if (!outs) return nullptr;
-    PyList_SET_ITEM(outs, 0, THPVariable_Wrap(std::move(out)));
-    return Py_BuildValue("(NN)", THPVariable_Wrap(std::move(gathered)), outs);
+    PyObject* listed = PyList_New((Py_ssize_t)outs.size());
+    if (!listed) return nullptr;
+    for (size_t i = 0; i < outs.size(); ++i) PyList_SET_ITEM(listed, i, THPVariable_Wrap(std::move(outs[i])));
+    return Py_BuildValue("(NN)", THPVariable_Wrap(std::move(gathered)), listed);
   }
-  return THPVariable_Wrap(std::move(out));
+  return THPVariable_Wrap(std::move(outs[0]));
 }
 
 // key(op, a, b, schedule, group_name, group_size): the lane key a call of these arguments looks its
 // workspace up by, or None.
 PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  const at::Tensor *a, *b;
-  if (!configured || nargs != 6 || !unpack(args[1], &a) || !unpack(args[2], &b)) return decline();
-  PyObject* k = key_of(PyLong_AsLong(args[0]), *a, *b, args[3], args[4], args[5]);
+  const at::Tensor* a;
+  Weights ws;
+  long op = nargs == 6 ? PyLong_AsLong(args[0]) : -1;
+  if (!configured || nargs != 6 || !unpack(args[1], &a) || !unpack_weights(op, args[2], &ws)) return decline();
+  PyObject* k = key_of(op, *a, ws, args[3], args[4], args[5]);
   return k ? k : decline();
 }
 

@@ -111,10 +111,10 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
     return built
 
 
-def register(op: str, a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str, group_size: int,
-             workspace) -> None:
+def register(op: str, a: torch.Tensor, b: "torch.Tensor | list[torch.Tensor]", schedule: str, group_name: str,
+             group_size: int, workspace) -> None:
     """Let later calls of these arguments' key run ``workspace``'s replays from C (the Python path
-    just ran such a call through it)."""
+    just ran such a call through it); ``b``: the gather's list of weights, the others' weight."""
     built = _state.get("module")
     if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) in OFF:
         return
