@@ -271,3 +271,14 @@ def test_the_python_path_registers_only_workspaces_it_replays(fast, monkeypatch)
     monkeypatch.setenv("COMPASS_FUSED_LANE", "0")
     lane.register("all_gather_matmul", a, [b], "direct", "g0", 2, ws)
     assert not lane.lanes
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_first_call(fast):
+    """torch's builder waits as long as its lock file exists; one older than STALE_LOCK_S goes."""
+    lock = lane.build_directory() / "lock"
+    lock.touch()
+    old = lock.stat().st_mtime - lane.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="build lock"):
+        assert lane.compile_module().call is fast.module.call  # loaded from the cache, not waiting
+    assert not lock.exists()

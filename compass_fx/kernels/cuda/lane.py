@@ -60,12 +60,29 @@ def build_directory() -> Path:
     return root / tag
 
 
+STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
+
+
 def compile_module():
-    """Build (or load from the cache) the extension; raises where it cannot be built."""
+    """Build (or load from the cache) the extension; raises where it cannot be built.  Ranks that
+    start together wait for the one that builds (torch's lock file in the build directory); a lock
+    left by a build that was killed would make every later first call wait forever, so one older
+    than ``STALE_LOCK_S`` is removed first, with a warning."""
+    import time
+
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > STALE_LOCK_S:
+        warnings.warn(f"compass fused operators: removing the host fast path's build lock {lock}, left {age:.0f} s "
+                      "ago by a build that did not finish", RuntimeWarning, stacklevel=2)
+        lock.unlink(missing_ok=True)
     return load("compass_lane", sources=[str(_SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
                 verbose=False)
 
