@@ -385,6 +385,12 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-w2-pieces2", 2, "h200-lane-w2-pieces2-host-pin-mps", 60,
                    env={"COMPASS_HOST_MOST_PIECES": "2"}),
     ),
+    # where four and eight ranks' host-staged calls spend their time through the fast path, and the peer
+    # transport's four and eight ranks through it (one device call with what a session had left)
+    "h200-lane-breakdown": (
+        _host_time("host_time-w48-breakdown", "4,8", "h200-lane-w48-breakdown-host-pin-mps", 210, extra=("--breakdown",)),
+        _host_time("host_time-peer-w48", "4,8", "h200-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
+    ),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
