@@ -48,12 +48,10 @@ from harness import output  # noqa: E402
 NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
-# the default fused path timed on one H200, ten cases at world 2 each: host-staged (commits 9cc1423 and 2344292, and
-# 9f3f12d with the ranks pinned) and the peer transport (c14b541, ranks pinned)
-REPLAY_RUNS = ("fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
-               "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
-               "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json", "fused_host_time-h200-same-host-pin-mps.json",
-               "fused_host_time-h200-same-peer-pin-mps.json")
+# the default fused path timed on one H200, ten cases at world 2 each, since replayed calls are issued from C
+# (kernels/cuda/lane.cpp, 2026-12-05): host-staged on two machine starts, the peer transport on the second
+REPLAY_RUNS = ("fused_host_time-h200-lane-w2-breakdown-host-pin-mps.json", "fused_host_time-h200-lane-w2-run2-host-pin-mps.json",
+               "fused_host_time-h200-lane-peer-w2-pin-mps.json")
 
 
 @contextlib.contextmanager

@@ -230,12 +230,10 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
     replay = fit["replay_fit"]
-    assert replay["runs"] == ["fused_host_time-h200-progress.json", "fused_host_time-h200-progress-run2.json",
-                              "fused_host_time-h200-default-pin-mps.json", "fused_host_time-h200-peer-ipc-pin-mps.json",
-                              "fused_host_time-h200-peer-ipc-w2-breakdown-mps.json",
-                              "fused_host_time-h200-same-host-pin-mps.json",
-                              "fused_host_time-h200-same-peer-pin-mps.json"]  # the runs strategies.py names
-    assert replay["world"] == 2 and replay["points"] == 70
+    assert replay["runs"] == ["fused_host_time-h200-lane-w2-breakdown-host-pin-mps.json",
+                              "fused_host_time-h200-lane-w2-run2-host-pin-mps.json",
+                              "fused_host_time-h200-lane-peer-w2-pin-mps.json"]  # the runs strategies.py names
+    assert replay["world"] == 2 and replay["points"] == 30
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
     for transport in ("host", "peer"):

@@ -209,8 +209,9 @@ def test_fused_calls_cost_at_least_the_hosts_work():
         assert fused_seconds(small, topo, "direct") == host > fused_breakdown(small, topo, "direct").seconds
         big = fused_breakdown(large, topo, "direct").seconds
         assert fused_seconds(large, topo, "direct") == big > fused_host_seconds(large, topo, "direct")
-    # a replayed call's floor: 24-47 us measured on the peer transport at two ranks (fused_host_time-h200-peer-ipc-*)
-    assert fused_host_seconds(small, staged, "direct") > fused_host_seconds(small, nvlink, "direct") > 30e-6
+    # a replayed call's floor: 23-28 us measured for the peer transport's small calls at two ranks, issued from C
+    # (fused_host_time-h200-lane-peer-w2-pin-mps)
+    assert fused_host_seconds(small, staged, "direct") > fused_host_seconds(small, nvlink, "direct") > 23e-6
     # the ring all-reduce is the fused reduce-scatter, then a gather: two calls' worth of launches
     ring_ar = Workload("matmul_all_reduce", 8192, 4096, 7168, "bfloat16", 4)
     ring_rs = Workload("matmul_reduce_scatter", 8192, 4096, 7168, "bfloat16", 4)
@@ -325,9 +326,10 @@ def test_cuda_graph_replays_are_priced_without_host_issue():
         replayed = decomposition_models(graphs, nvlink)[parts]
         saved = model.seconds(parts) - replayed.seconds(parts)
         assert saved == pytest.approx((spec.part_overhead_s - spec.graph_part_overhead_s) * parts, rel=1e-6)
-    # a host-bound fused call (39 us of host at the replayed call's constants against 25 on the device)
+    # a host-bound fused call (27 us of host at the replayed call's constants, issued from C, against 25 on the
+    # device; 39 through the Python path before)
     small = Workload("all_gather_matmul", 128, 2048, 1024, "bfloat16", 2)
-    assert fused_host_seconds(small, nvlink, "direct") > 1.3 * fused_breakdown(small, nvlink, "direct").seconds
+    assert fused_host_seconds(small, nvlink, "direct") > fused_breakdown(small, nvlink, "direct").seconds
     assert fused_seconds(replace(small, cuda_graphs=True), nvlink, "direct") == fused_breakdown(small, nvlink, "direct").seconds
     assert fused_seconds(small, nvlink, "direct") > fused_breakdown(small, nvlink, "direct").seconds
     assert select(graphs, nvlink).candidate("sequential").seconds == select(eager, nvlink).candidate("sequential").seconds

@@ -35,27 +35,27 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 
 # The host's work per fused call.  An eager call replays a CUDA graph of its plan's commands once
 # its tensors' addresses recur (kernels/cuda/replay.py, the steady state of a training step): the
-# dispatch and the Python around the replay, plus the driver's launch of the graph.  That launch
+# dispatch and the C around the replay (kernels/cuda/lane.cpp), plus the driver's launch of the graph.  That launch
 # costs the host per node of a slow kind, a copy to or from host memory (the host-staged
 # transport's pieces) or a stream wait (a flag wait), ~1.5-4 us each, and next to nothing for the
 # rest (a kernel ~0.1 us, a device-to-device copy ~0: benchmarks/results/graph_node_probe/).
 # Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares in the plan's slow nodes
-# over 70 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
-# ranks sharing one H200 in seven runs of the default path, four host-staged and three on the peer
-# transport (benchmarks/results/fused_host_time/: -progress, -progress-run2, -default-pin-mps,
-# -peer-ipc-pin-mps, -peer-ipc-w2-breakdown-mps, and -same-host-pin-mps with -same-peer-pin-mps,
-# both transports in one device session): 35 us + 2.97 us per slow node (median error 21%, p90
-# 52%: single readings drift with the host; the peer transport's priced 1.12x its median reading).
-# The fit before, a line in the command count over the host-staged runs alone (53 us + 0.99 us
-# per command), priced the peer transport's calls at 1.9x.  tests/test_bench_scripts.py checks
+# over 30 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
+# ranks sharing one H200 since replayed calls are issued from C (kernels/cuda/lane.cpp): three runs
+# of the default path, two host-staged on two machine starts and one on the peer transport
+# (benchmarks/results/fused_host_time/: -lane-w2-breakdown-host-pin-mps, -lane-w2-run2-host-pin-mps,
+# -lane-peer-w2-pin-mps): 20 us + 7.0 us per slow node at launches a third slower than the fit before
+# (median error 17%, p90 38%; priced / measured 1.04 host-staged, 1.07 peer).  The Python path before
+# fitted 35 us + 2.97 us per slow node over seven runs (median error 21%, p90 52%): the call's fixed
+# work went to C, what is left grows with the graph's launch.  tests/test_bench_scripts.py checks
 # that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
 # by command instead (the constants below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 35e-6
-FUSED_REPLAY_SLOW_NODE_S = 2.97e-6
-_REPLAY_FITTED_LAUNCH_S = {"Copy": 6.11e-6, "Matmul": 12.8e-6, "Record": 0.84e-6, "Reduce": 6.54e-6,
-                           "SetFlag": 2.35e-6, "WaitEvent": 0.88e-6,
-                           "WaitFlag": 2.25e-6}  # the launches alone on the host of that fit (the runs' median)
+FUSED_REPLAY_CALL_S = 20e-6
+FUSED_REPLAY_SLOW_NODE_S = 7.0e-6
+_REPLAY_FITTED_LAUNCH_S = {"Copy": 8.4e-6, "Matmul": 16.76e-6, "Record": 1.39e-6, "Reduce": 9.35e-6,
+                           "SetFlag": 3.6e-6, "WaitEvent": 1.39e-6,
+                           "WaitFlag": 3.58e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
