@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import reference
 from .cuda import graphs_enabled
+from .cuda.lane import OPS as _LANE_OPS
 from .cuda.lane import fast_calls as _fast_calls  # what the CUDA kernels try first (replays issued from C)
 from .schedules import SCHEDULES, check_schedule_name
 
@@ -53,6 +54,7 @@ def _cuda_kernel(name: str):
 
 
 _impl = []
+_AG, _RS, _AR = (_LANE_OPS[name] for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"))
 
 
 def _cuda():
@@ -127,7 +129,7 @@ def _ag_fake(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, 
 @_cuda_kernel("all_gather_matmul")
 def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
     if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
-        out = _fast_calls[0](0, a_shard, bs, schedule, group_name, group_size)
+        out = _fast_calls[0](_AG, a_shard, bs, schedule, group_name, group_size)
         if out is not None:
             return out
     _check_cuda(a_shard, bs, schedule, group_size)
@@ -198,7 +200,7 @@ def _rs_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 @_cuda_kernel("matmul_reduce_scatter")
 def _rs_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
-        out = _fast_calls[0](1, a, b, schedule, group_name, group_size)
+        out = _fast_calls[0](_RS, a, b, schedule, group_name, group_size)
         if out is not None:
             return out
     _check_cuda(a, (b,), schedule, group_size)
@@ -248,7 +250,7 @@ def _ar_fake(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
 @_cuda_kernel("matmul_all_reduce")
 def _ar_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
     if _fast_calls:  # a replayed call whose graph exists, issued from C (.cuda.lane)
-        out = _fast_calls[0](2, a, b, schedule, group_name, group_size)
+        out = _fast_calls[0](_AR, a, b, schedule, group_name, group_size)
         if out is not None:
             return out
     _check_cuda(a, (b,), schedule, group_size)

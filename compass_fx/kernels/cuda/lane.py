@@ -6,7 +6,9 @@ outputs' allocations, the replay's bookkeeping (19-42 us on the lent H200 host b
 allocations, ``fused_host_time-h200-outputs-w2-breakdown-host-pin-mps``), while the graph's launch
 itself costs 13-50 us.  ``lane.cpp`` does the same steps in C for a call whose graph is already
 captured: one function reads the settings, finds the workspace, allocates the outputs, finds the
-graph for their addresses, counts the call in the watchdog's ring and launches the graph.
+graph for their addresses, counts the call in the watchdog's ring and launches the graph.  On one
+H200 shared by two host-staged ranks: 19-88 us a call against 42-126 through Python in the same
+rounds (``fused_host_time-h200-lane-w2-breakdown-host-pin-mps``); the launch is then nearly all of it.
 
 What it may skip, and why that is safe.  It runs only for a call the Python path has run before
 with the same arguments' shapes, dtypes, device, schedule, group and settings (the Python path
@@ -18,7 +20,7 @@ the :class:`.replay.Replays`' graphs, :data:`.replay.stats`), so the two paths t
 whatever it does not expect sends the call to the Python path before anything has changed.
 
 It is compiled on the first workspace built in a process (torch's C++ extension builder, cached
-on disk per torch version: ~15 s the first time on a 2-core machine); without a compiler, or with
+on disk per torch version: ~20 s the first time on one core); without a compiler, or with
 ``COMPASS_FUSED_LANE=0`` (read on every call), calls take the Python path as before.
 """
 from __future__ import annotations
