@@ -282,3 +282,15 @@ def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_first_call(fast)
     with pytest.warns(RuntimeWarning, match="build lock"):
         assert lane.compile_module().call is fast.module.call  # loaded from the cache, not waiting
     assert not lock.exists()
+
+
+def test_an_allocation_that_fails_leaves_the_call_to_the_python_path(fast):
+    """A C++ error before the call is committed (here the outputs' allocation) declines instead of
+    ending the process; the Python path then meets the allocator's error and raises it."""
+    a, b = torch.empty(4, 8), torch.empty(8, 6)
+    world = 2 ** 50  # outputs of 2**52 rows: more than any host has
+    ws = _workspace()
+    lane.lanes[fast.module.key(0, a, [b], "direct", "g0", world)] = ws
+    assert fast.module.call(0, a, [b], "direct", "g0", world) is None
+    assert (ws.epoch, ws.progress.issued) == (0, 0)
+    lane.lanes.clear()

@@ -115,7 +115,7 @@ bool settings_allow() {
   return capturing == Py_False;
 }
 
-// Holds new references and drops them on scope exit.
+// Holds new references and drops them on scope exit (`issue` takes 20 at most).
 struct Refs {
   PyObject* items[40] = {};
   int n = 0;
@@ -133,9 +133,9 @@ PyObject* decline() {
   Py_RETURN_NONE;
 }
 
-// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
-// is the gather's list of weights, the other operators' weight.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The body of `call`; `committed` turns true once the call is this path's (a C++ exception before
+// that, say an allocation that failed, declines: the Python path meets it again and raises its error).
+PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   if (!configured || nargs != 6) return decline();
   long op = PyLong_AsLong(args[0]);
   PyObject *schedule = args[3], *group_name = args[4], *group_size = args[5];
@@ -223,6 +223,7 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return decline();
 
   // committed: from here on the call is this path's, as _Workspace.run's replay branch does it
+  committed = true;
   if (!same && PyObject_SetAttr(progress, s_stream, stream) < 0) return nullptr;
   PyObject* new_epoch = refs(PyLong_FromLongLong(epoch));
   if (!new_epoch || PyObject_SetAttr(workspace, s_epoch, new_epoch) < 0) return nullptr;
@@ -259,15 +260,36 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return THPVariable_Wrap(std::move(outs[0]));
 }
 
+// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
+// is the gather's list of weights, the other operators' weight.  No C++ exception leaves it.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  bool committed = false;
+  try {
+    return issue(args, nargs, committed);
+  } catch (const std::exception& e) {
+    if (!committed) return decline();
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
 // key(op, a, b, schedule, group_name, group_size): the lane key a call of these arguments looks its
 // workspace up by, or None.
-PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* key_unguarded(PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor* a;
   Weights ws;
   long op = nargs == 6 ? PyLong_AsLong(args[0]) : -1;
   if (!configured || nargs != 6 || !unpack(args[1], &a) || !unpack_weights(op, args[2], &ws)) return decline();
   PyObject* k = key_of(op, *a, ws, args[3], args[4], args[5]);
   return k ? k : decline();
+}
+
+PyObject* key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    return key_unguarded(args, nargs);
+  } catch (const std::exception&) {
+    return decline();
+  }
 }
 
 PyObject* looked_up(PyObject*, PyObject*) {
