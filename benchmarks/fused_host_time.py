@@ -276,7 +276,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
-    from compass_fx.kernels.cuda import lane, replay
+    from compass_fx.kernels.cuda import replay
     from compass_fx.kernels.graph_order import graph_plans
     from compass_fx.kernels.issue_order import call_plans
     from compass_fx.kernels.protocol import host_most_pieces_setting, host_piece_bytes
@@ -300,7 +300,14 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         finally:
             os.environ["COMPASS_FUSED_REPLAY"] = "1"
 
+    try:
+        from compass_fx.kernels.cuda import lane
+    except ImportError:  # a package from before the host fast path (snapshot.py --scripts: an A/B's other turn)
+        lane = None
+
     def python_path(*call):  # the .graph call with the C fast path set aside (.cuda.lane; an A/B in turns)
+        if lane is None:
+            return graph_op(*call)
         saved = lane.fast_calls[:]
         lane.fast_calls.clear()
         try:
@@ -317,7 +324,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
            "replayed_relative_error": checked(f"{op}.graph replayed", graph_op),
            "issued_relative_error": checked(f"{op}.graph issued", issued),
            "python_path_relative_error": checked(f"{op}.graph, Python path", python_path),
-           "fast_path": bool(lane.fast_calls), "fast_path_off": lane._state.get("failed")}
+           "fast_path": bool(lane and lane.fast_calls), "fast_path_off": lane and lane._state.get("failed")}
     timed = {"host_us_op": lambda: through_op(a, *args), "host_us_graph": lambda: graph_op(a, *args),
              "host_us_graph_busy": lambda: graph_op(a, *args), "host_us_graph_in_turn": lambda: graph_op(a, *args),
              "host_us_graph_warm": lambda: graph_op(a, *args), "host_us_graph_python": lambda: python_path(a, *args),
@@ -348,7 +355,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds)
         dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
-    res["fast_path_calls"] = replay.stats["lane"] - before["lane"]
+    res["fast_path_calls"] = replay.stats.get("lane", 0) - before.get("lane", 0)
     res["captured_graphs"] = replay.stats["captured"] - before["captured"]
     res["device_launched_graphs"] = replay.stats["device_launched"] - before["device_launched"]
     dist.barrier()
