@@ -3,7 +3,7 @@ and run on CPU tensors: every step a replayed call takes in Python, taken in C o
 
 The workspace here is the part of ``impl._Workspace`` the fast path reads (its epoch, pending join,
 watchdog, :class:`replay.Replays` and :class:`watchdog.Progress`, the real classes); the launch is a
-C callback that records what it was handed.  On a GPU, tests/test_fused_cuda.py's calls go through
+C callback that records what it was handed.  On a GPU, tests/test_fused_ipc_peer.py's calls go through
 the same path against real graphs.
 """
 from __future__ import annotations
@@ -65,9 +65,8 @@ class Graph:
 
 
 def _workspace() -> SimpleNamespace:
-    ws = SimpleNamespace(epoch=0, pending=None, dog=SimpleNamespace(failure=None), replays=replay.Replays(-1),
-                         progress=Progress(word=torch.zeros(1, dtype=torch.int32)))
-    return ws
+    return SimpleNamespace(epoch=0, pending=None, dog=SimpleNamespace(failure=None), replays=replay.Replays(-1),
+                           progress=Progress(word=torch.zeros(1, dtype=torch.int32)))
 
 
 CASES = {  # case -> (op, a, weights, group size, output shapes: the gathered rows first)

@@ -138,11 +138,5 @@ def register(op: str, a: torch.Tensor, b: "torch.Tensor | list[torch.Tensor]", s
     if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) in OFF:
         return
     key = built.key(OPS[op], a, b, schedule, group_name, group_size)
-    if key is not None and lanes.get(key) is not workspace:
+    if key is not None:
         lanes[key] = workspace
-
-
-def forget(workspace) -> None:
-    """Drop every key of ``workspace`` (it is being released)."""
-    for key in [k for k, w in lanes.items() if w is workspace]:
-        del lanes[key]
