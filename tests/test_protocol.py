@@ -96,6 +96,38 @@ def test_split_pieces_on_the_peer_path_too():
     _run_reducing("reduce_scatter", "ring", 3, block_rows=5, n_calls=30, seed=4, split=2)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_reduce_scatters_own_pieces_are_one_gemm(world):
+    """The pieces a rank keeps come back to back: one GEMM over its whole block, each piece still
+    summed on its own (and the simulator's sums stay right, above)."""
+    block, split = 8, 4
+    for staged in (False, True):
+        plan = pr.reduce_scatter_plan("direct", world, 0, block, split)
+        plan = pr.host_staged(plan) if staged else plan
+        own = [c for c in plan.commands if isinstance(c, pr.Matmul) and c.dst.start < block]
+        assert [(c.dst.start, c.dst.stop, c.src.start, c.src.stop) for c in own] == [(0, block, 0, block)]
+        assert sum(isinstance(c, pr.Reduce) and c.dst.buf == "OUT" for c in plan.commands) == split
+        peers = [c for c in plan.commands if isinstance(c, pr.Matmul) and c.dst.start >= block]
+        assert len(peers) == (world - 1) * split  # each published piece keeps its GEMM
+
+
+def test_only_adjoining_gemms_of_one_stream_and_weight_with_nothing_between_merge():
+    def mm(lo, hi, stream=pr.MAIN, weight=0, src_lo=None):
+        src_lo = lo if src_lo is None else src_lo
+        return pr.Matmul(stream, pr.Region("P", lo, hi), pr.Region("A", src_lo, src_lo + hi - lo), weight)
+
+    merged = pr.merged_matmuls([mm(0, 2), mm(2, 4), mm(4, 7)])
+    assert merged == [mm(0, 7)]
+    kept = [[mm(0, 2), pr.Record(pr.MAIN, "e"), mm(2, 4)],   # an event between: another stream may wait for the first
+            [mm(0, 2), mm(2, 4, weight=1)],                     # another weight
+            [mm(0, 2), mm(2, 4, stream=pr.TAIL)],               # another stream
+            [mm(0, 2), mm(3, 5)],                               # rows that do not adjoin
+            [mm(0, 2), mm(2, 4, src_lo=6)],                     # adjoining outputs of rows that do not adjoin
+            [mm(2, 4), mm(0, 2)]]                               # adjoining, but backwards
+    for cmds in kept:
+        assert pr.merged_matmuls(cmds) == cmds
+
+
 @pytest.mark.parametrize("world", [3, 5, 8])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_grouped_consumer_gemms_back_to_back(schedule, world):

@@ -248,7 +248,33 @@ def _piece_names(slot: dict[Piece, int], what: str) -> tuple[str, ...]:
 def _framed(cmds: list[Command]) -> tuple[Command, ...]:
     """The side stream starts after the caller's prior work (the inputs) and the caller's stream
     goes on only after the side stream's work (the outputs, and its reads of scratch buffers)."""
-    return (Record(MAIN, "start"), WaitEvent(COMM, "start"), *cmds, Record(COMM, "end"), WaitEvent(MAIN, "end"))
+    return (Record(MAIN, "start"), WaitEvent(COMM, "start"), *merged_matmuls(cmds), Record(COMM, "end"),
+            WaitEvent(MAIN, "end"))
+
+
+def _adjoins(first: Region, then: Region) -> bool:
+    return (then.buf, then.owner, then.index, then.start) == (first.buf, first.owner, first.index, first.stop)
+
+
+def merged_matmuls(cmds: list[Command]) -> list[Command]:
+    """``cmds`` with each run of GEMMs issued back to back on one stream, of one weight, whose rows
+    continue each other in both operands, as one GEMM over all their rows.
+
+    Why: a plan cuts every block into the pieces its schedule sends, so the pieces a rank keeps
+    (its own block of a reduce-scatter) came as one GEMM per piece with nothing between them; no
+    other stream can tell them apart (an event between them would be a command between them), and
+    one GEMM of all their rows is faster on the device (the H200's GEMM model: 4 x 1024 rows of
+    a 7168 x 4096 weight 1.03x one GEMM of 4096, 4 x 512 rows 1.11x) and one launch instead of
+    several for a call issued command by command."""
+    out: list[Command] = []
+    for cmd in cmds:
+        last = out[-1] if out else None
+        if (isinstance(cmd, Matmul) and isinstance(last, Matmul) and cmd.stream == last.stream
+                and cmd.weight == last.weight and _adjoins(last.dst, cmd.dst) and _adjoins(last.src, cmd.src)):
+            out[-1] = replace(last, dst=replace(last.dst, stop=cmd.dst.stop), src=replace(last.src, stop=cmd.src.stop))
+        else:
+            out.append(cmd)
+    return out
 
 
 WAVE_TILE_ELEMENTS = 128 * 256  # output elements of cuBLAS's largest bf16 tile on Hopper
