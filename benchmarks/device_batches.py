@@ -391,6 +391,12 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-w48-breakdown", "4,8", "h200-lane-w48-breakdown-host-pin-mps", 210, extra=("--breakdown",)),
         _host_time("host_time-peer-w48", "4,8", "h200-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
     ),
+    # Issue 27: one GEMM for a reduce-scatter's own block (protocol.merged_matmuls) against the GEMM per
+    # piece before it (`snapshot.py eafad5d --out scratch/snapshot-split-gemms`), in turns: the periods
+    "h200-merge-ab": tuple(
+        _host_time(f"merge-{side}-{turn}", "2,4", f"h200-merge-ab{turn}-{side}-host-pin-mps", 100,
+                   root=root, ops="matmul_reduce_scatter")
+        for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms"))),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
