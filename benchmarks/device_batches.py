@@ -32,6 +32,7 @@ INSTALL_MARGIN_S = 60       # the editable install and the machine's first CUDA 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HOST_STAGED = {"NCCL_P2P_DISABLE": "1"}   # NCCL through host memory: the regime of PCIe cards without peer access
 RESULTS = "{results}"      # replaced by OUT/results in the arguments
+MACHINE = "{machine}"      # replaced by the GPU's family (h100, h200) in the arguments: results name their machine
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Step:
     root: str = ""
 
     def command(self, results: Path) -> list[str]:
-        args = [a.replace(RESULTS, str(results)) for a in self.args]
+        args = [a.replace(RESULTS, str(results)).replace(MACHINE, machine_tag()) for a in self.args]
         if self.script == "compass-fx":
             program = ["compass-fx"] if self.ranks == 1 else ["--no-python", "compass-fx"]
         else:
@@ -59,6 +60,17 @@ class Step:
         if self.ranks > 1:
             return ["torchrun", "--standalone", f"--nproc-per-node={self.ranks}", *program, *args]
         return [*program, *args]
+
+
+def machine_tag() -> str:
+    """The GPU's family as results name it (``h200``, ``h100``; ``gpu`` where neither): a batch may run
+    on either kind of lent machine."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=False).stdout.lower()
+    except (OSError, subprocess.TimeoutExpired):
+        name = ""
+    return next((family for family in ("h200", "h100") if family in name), "gpu")
 
 
 def _grid(tag: str, env: dict[str, str], *extra: str, deadline_s: int = 200) -> Step:
@@ -388,13 +400,14 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # where four and eight ranks' host-staged calls spend their time through the fast path, and the peer
     # transport's four and eight ranks through it (one device call with what a session had left)
     "h200-lane-breakdown": (
-        _host_time("host_time-w48-breakdown", "4,8", "h200-lane-w48-breakdown-host-pin-mps", 210, extra=("--breakdown",)),
-        _host_time("host_time-peer-w48", "4,8", "h200-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
+        _host_time("host_time-w48-breakdown", "4,8", f"{MACHINE}-lane-w48-breakdown-host-pin-mps", 210,
+                   extra=("--breakdown",)),
+        _host_time("host_time-peer-w48", "4,8", f"{MACHINE}-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
     ),
     # Issue 27: one GEMM for a reduce-scatter's own block (protocol.merged_matmuls) against the GEMM per
     # piece before it (`snapshot.py eafad5d --out scratch/snapshot-split-gemms`), in turns: the periods
     "h200-merge-ab": tuple(
-        _host_time(f"merge-{side}-{turn}", "2,4", f"h200-merge-ab{turn}-{side}-host-pin-mps", 100,
+        _host_time(f"merge-{side}-{turn}", "2,4", f"{MACHINE}-merge-ab{turn}-{side}-host-pin-mps", 100,
                    root=root, ops="matmul_reduce_scatter")
         for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms"))),
     "h200-main-check": (
