@@ -52,8 +52,8 @@ def _parse_with_script(step: Step, monkeypatch) -> argparse.Namespace:
 def test_every_step_parses_with_its_scripts_parser(batch, step, monkeypatch):
     namespace = _parse_with_script(step, monkeypatch)
     tag = getattr(namespace, "tag", None)
-    if tag is not None:  # the machine in the results' names: x2-* batches two GPUs, h200-* one
-        machine = "h200x2" if batch.startswith("x2-") else "h200-"
+    if tag is not None:  # the machine in the results' names: x2-* batches two GPUs, h200-* one (or the one lent)
+        machine = ("h200x2",) if batch.startswith("x2-") else ("h200-", f"{device_batches.MACHINE}-")
         assert batch.startswith(("x2-", "h200-")) and tag.startswith(machine), (batch, step.name, tag)
         assert ("hoststaged" in tag) == (step.env.get("NCCL_P2P_DISABLE") == "1"), step.name
     out = getattr(namespace, "out_dir", None) or getattr(namespace, "out", None)
@@ -138,3 +138,14 @@ def test_a_snapshot_may_take_its_scripts_from_another_revision(tmp_path):
     shown = subprocess.run(["git", "show", f"{parent}:compass_fx/__init__.py"], cwd=ROOT, capture_output=True,
                            text=True).stdout
     assert (out / "compass_fx" / "__init__.py").read_text() == shown
+
+
+@pytest.mark.parametrize("name,family", [("NVIDIA H100 80GB HBM3\n", "h100"), ("NVIDIA H200\n", "h200"),
+                                         ("NVIDIA A100-SXM4-80GB\n", "gpu"), ("", "gpu")])
+def test_a_step_names_its_results_after_the_gpu_it_runs_on(name, family, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=name))
+    step = device_batches.BATCHES["h200-merge-ab"][0]
+    tag = step.command(Path("/tmp/results"))
+    assert tag[tag.index("--tag") + 1].startswith(f"{family}-merge-ab1-"), tag
