@@ -418,6 +418,24 @@ def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():
         "", "Goal at world 8 (<= 150 us): .graph 149-151 us, 1 of 2 rows within.", ""]
 
 
+def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(monkeypatch):
+    """``period_us``'s issue times: the first of 16 calls (after the wait for the device) apart from
+    the median of the other 15, on the host's clock; the mean over all 16 as before."""
+    fused_host_time = _bench("fused_host_time")
+    monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    def call():  # the first call of each round of 16 slow (4 ms), the others fast (0.2 ms)
+        calls.append(None)
+        fused_host_time.spin(4e-3 if len(calls) % 16 == 1 else 2e-4)
+
+    got = fused_host_time.period_us(call, calls=16, rounds=3)
+    assert len(calls) == 48
+    assert got["host_us_first_of_16"] >= 4000 and 200 <= got["host_us_steady"] < 1000, got
+    assert 15 * 200 + 4000 <= 16 * got["host_us_back_to_back"] < 16 * 1000 + 8000, got
+    assert got["period_us"] >= got["host_us_back_to_back"]
+
+
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""
