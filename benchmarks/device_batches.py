@@ -400,6 +400,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # where four and eight ranks' host-staged calls spend their time through the fast path, and the peer
     # transport's four and eight ranks through it (one device call with what a session had left)
     "h200-lane-breakdown": (
+        Step("graph_node_probe-cold", "graph_node_probe.py",
+             ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60),
         _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90),
         _host_time("host_time-w48-breakdown", "4,8", f"{MACHINE}-lane-w48-breakdown-host-pin-mps", 210,
                    extra=("--breakdown",)),

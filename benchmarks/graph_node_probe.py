@@ -25,6 +25,12 @@
   cost, and the device time and content of the 16.
 * ``guard``: device time of a graph shaped like a two-rank reduce-scatter of one host-staged piece,
   its pull after the graph guard's edge from the flag kernel or not (one process, no MPS).
+* ``cold``: host us of one launch of the same graph (8 copies to host memory, each followed by a
+  flag kernel, and 8 kernels: a host-staged call's publications) after different things: right
+  after another launch, after a wait for an idle GPU, after a wait of 1, 3 or 10 ms for a busy
+  one (with and without 3 ms of spinning after it), after the host slept 10 ms.  Does a launch
+  cost what its graph holds, or also what the host did before (the large fused_host_time rows
+  launch graphs of the same nodes as small rows in up to 1.9x the time)?
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -750,12 +756,99 @@ def guard_section(reps: int = 50) -> list[dict]:
     return rows_out
 
 
+COLD_WAITS_MS = (1, 3, 10)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def cold_section(rounds: int = 15) -> list[dict]:
+    """One graph (a host-staged call's publications: 8 copies of 1 MiB to host memory, a flag kernel
+    after each, 8 kernels on the caller's stream), its launch timed after each kind of wait: median
+    host us over ``rounds``, the conditions taking turns within every round."""
+    from compass_fx.kernels.cuda import driver, graph_flags
+
+    from host_cost_probe import SLEEP_CYCLES_PER_S
+
+    dev = torch.cuda.current_device()
+    memcpy = driver.raw("memcpy")
+    n, count = 1 << 20, 8
+    src = torch.empty(count * n, device="cuda", dtype=torch.uint8)
+    host = host_buffer(count * n)[2]
+    flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(count)]
+    x = torch.zeros(16, device="cuda")
+    cap, side = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+
+    def publications(h):
+        _after(side, torch.cuda.current_stream())
+        for i in range(count):
+            x.add_(1)
+            driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, side.cuda_stream), "memcpy")
+            writes[i](side.cuda_stream)
+        _after(torch.cuda.current_stream(), side)
+
+    g, other = graph_of(publications, cap), graph_of(publications, cap)
+    glaunch = driver.raw("graph_launch")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def launch(graph) -> float:
+        t0 = time.perf_counter()
+        driver.check(glaunch(graph.raw_cuda_graph_exec(), stream), "cuGraphLaunch")
+        return (time.perf_counter() - t0) * 1e6
+
+    def after_launch():
+        torch.cuda.synchronize()
+        launch(other)
+        return launch(g)
+
+    def after_idle():
+        torch.cuda.synchronize()
+        return launch(g)
+
+    def after_wait(ms: float, spin_s: float = 0.0):
+        def run():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(ms * 1e-3 * SLEEP_CYCLES_PER_S))
+            torch.cuda.synchronize()
+            _spin(spin_s)
+            return launch(g)
+        return run
+
+    def after_host_sleep():
+        torch.cuda.synchronize()
+        time.sleep(10e-3)
+        return launch(g)
+
+    conditions = {"right_after_another_launch": after_launch, "after_waiting_for_an_idle_gpu": after_idle,
+                  **{f"after_waiting_{ms}ms_for_the_gpu": after_wait(ms) for ms in COLD_WAITS_MS},
+                  **{f"after_waiting_{ms}ms_then_spinning_3ms": after_wait(ms, 3e-3) for ms in COLD_WAITS_MS},
+                  "after_the_host_slept_10ms": after_host_sleep}
+    for fn in conditions.values():  # every launch path warm once
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in conditions}
+    for _ in range(rounds):
+        for name, fn in conditions.items():
+            times[name].append(fn())
+    torch.cuda.synchronize()
+    nodes = _node_kinds(g.raw_cuda_graph())
+    rows = [{"case": name, "nodes": nodes, "launch_us": statistics.median(v), "min_us": min(v), "max_us": max(v)}
+            for name, v in times.items()]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
-    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines, guard")
+    p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines, guard, cold")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
