@@ -109,8 +109,8 @@ def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:
     ways of launching a call (say COMPASS_REPLAY_LAUNCH) measured alike.  Also the host's
     microseconds per call while it issues them (median over rounds): calls issued one after the
     other with no wait between, as a step issues them: on average (``issue``), the first call
-    (``first``: right after the wait for the device, on a host gone cold) and the median of the
-    others (``steady``: each issued while the calls before it run, the host warm, as in a step)."""
+    (``first``: right after the wait for the device) and the median of the others (``steady``: each
+    issued while the calls before it run, as in a step)."""
     per_round, issue, first, steady = [], [], [], []
     for _ in range(rounds):
         torch.cuda.synchronize()

@@ -262,10 +262,10 @@ def merged_matmuls(cmds: list[Command]) -> list[Command]:
 
     Why: a plan cuts every block into the pieces its schedule sends, so the pieces a rank keeps
     (its own block of a reduce-scatter) came as one GEMM per piece with nothing between them; no
-    other stream can tell them apart (an event between them would be a command between them), and
-    one GEMM of all their rows is faster on the device (the H200's GEMM model: 4 x 1024 rows of
-    a 7168 x 4096 weight 1.03x one GEMM of 4096, 4 x 512 rows 1.11x) and one launch instead of
-    several for a call issued command by command."""
+    other stream can tell them apart (an event between them would be a command between them).  One
+    GEMM of all their rows is one launch instead of several for a call issued command by command,
+    and the H200's GEMM model prices it faster (4 x 1024 rows of a 7168 x 4096 weight 1.03x one GEMM
+    of 4096 rows, 4 x 512 rows 1.11x); the fused calls' A/B is ``device_batches.py h200-merge-ab``."""
     out: list[Command] = []
     for cmd in cmds:
         last = out[-1] if out else None
