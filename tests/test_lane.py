@@ -293,3 +293,27 @@ def test_an_allocation_that_fails_leaves_the_call_to_the_python_path(fast):
     assert fast.module.call(0, a, [b], "direct", "g0", world) is None
     assert (ws.epoch, ws.progress.issued) == (0, 0)
     lane.lanes.clear()
+
+
+def test_a_first_build_says_it_takes_a_while_and_a_cached_one_does_not(fast, monkeypatch, caplog, tmp_path):
+    """The first workspace of a process compiles the extension where no build is cached (~20 s, in the
+    middle of a first step): a warning says so first; a cached build loads without a word."""
+    import logging
+
+    assert lane.is_cached()  # the fixture's build
+    monkeypatch.setattr(lane, "build_directory", lambda: tmp_path)
+    assert not lane.is_cached()
+
+    def no_compiler():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(lane, "compile_module", no_compiler)
+    for cached in (False, True):
+        if cached:
+            (tmp_path / "compass_lane.so").write_bytes(b"")
+        monkeypatch.setattr(lane, "_state", {})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="compass_fx"), \
+                pytest.warns(RuntimeWarning, match="host fast path is off .*no compiler here"):
+            assert lane.module(transports={}, join=object, raw_stream=None, capturing=None) is None
+        assert ("building the host fast path" in caplog.text) == (not cached), caplog.text

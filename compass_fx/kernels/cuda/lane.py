@@ -62,6 +62,12 @@ def build_directory() -> Path:
     return root / tag
 
 
+def is_cached() -> bool:
+    """Whether a build of the extension lies in :func:`build_directory` (the first workspace then
+    loads it instead of compiling for ~20 s)."""
+    return any(build_directory().glob("compass_lane*.so"))
+
+
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
 
 
@@ -114,6 +120,9 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
     try:
         if _ENV_DATA is None:
             raise RuntimeError("os.environ keeps no bytes dict on this platform")
+        if not is_cached():  # a first call that stops for ~20 s says why
+            log.warning("compass fused operators: building the host fast path (C++, once per torch version: about "
+                        "20 s; cached in %s; COMPASS_FUSED_LANE=0 skips it)", build_directory())
         built = compile_module()
         launch = ctypes.cast(driver.raw("graph_launch"), ctypes.c_void_p).value
         configure(built, transports=transports, join=join, raw_stream=raw_stream, capturing=capturing,
