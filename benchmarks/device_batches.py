@@ -413,6 +413,16 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time(f"merge-{side}-{turn}", "2,4", f"{MACHINE}-merge-ab{turn}-{side}-host-pin-mps", 100,
                    root=root, ops="matmul_reduce_scatter")
         for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms"))),
+    # Issue 27, the first call of a session lent one GPU (the rest: h200-lane-breakdown, h200-merge-ab): the
+    # launch after each kind of wait, the two-rank rows' steady issue times, the merge's A/B at two ranks (its
+    # snapshot first: `python benchmarks/snapshot.py eafad5d --out scratch/snapshot-split-gemms`)
+    "h200-first": (
+        Step("graph_node_probe-cold", "graph_node_probe.py",
+             ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60),
+        _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90),
+        *(_host_time(f"merge-{side}-{turn}", 2, f"{MACHINE}-merge-w2-ab{turn}-{side}-host-pin-mps", 60,
+                     root=root, ops="matmul_reduce_scatter")
+          for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms")))),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
