@@ -30,7 +30,8 @@
   after another launch, after a wait for an idle GPU, after a wait of 1, 3 or 10 ms for a busy
   one (with and without 3 ms of spinning after it), after the host slept 10 ms.  Does a launch
   cost what its graph holds, or also what the host did before (the large fused_host_time rows
-  launch graphs of the same nodes as small rows in up to 1.9x the time)?
+  launch graphs of the same nodes as small rows in up to 1.9x the time)?  And one ``torch.empty``
+  on the GPU by size (does a large output cost its call more to allocate?).
 
     python benchmarks/graph_node_probe.py --out X.json
 """
@@ -838,9 +839,41 @@ def cold_section(rounds: int = 15) -> list[dict]:
     nodes = _node_kinds(g.raw_cuda_graph())
     rows = [{"case": name, "nodes": nodes, "launch_us": statistics.median(v), "min_us": min(v), "max_us": max(v)}
             for name, v in times.items()]
+    rows += allocation_rows(rounds)
     for row in rows:
         print(row, flush=True)
     return rows
+
+
+ALLOCATIONS_MIB = (0.008, 1, 16, 64, 112)  # one row of 4096 bf16 columns ... a 4096-row gather's output
+
+
+def allocation_rows(rounds: int, per_round: int = 4) -> list[dict]:
+    """Host us of one ``torch.empty`` on the GPU by size, freed at once (as a fused call's outputs
+    are when the caller drops them): from an idle GPU and behind a 3 ms sleep.  Does an output's
+    allocation cost more the larger it is (fused_host_time's breakdowns read 14-20 us for the
+    largest outputs against 4-8 for one row each)?"""
+    from host_cost_probe import SLEEP_CYCLES_PER_S
+
+    def one(nbytes: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        return (time.perf_counter() - t0) / per_round * 1e6
+
+    sizes = {mib: int(mib * (1 << 20)) for mib in ALLOCATIONS_MIB}
+    times: dict[tuple[float, bool], list[float]] = {(mib, busy): [] for mib in sizes for busy in (False, True)}
+    for nbytes in sizes.values():  # cached once, as a call's outputs are after its first call
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for _ in range(rounds):
+        for (mib, busy), got in times.items():
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(int(3e-3 * SLEEP_CYCLES_PER_S))
+            got.append(one(sizes[mib]))
+    torch.cuda.synchronize()
+    return [{"case": f"torch.empty {mib:g} MiB" + (", GPU busy" if busy else ""), "alloc_us": statistics.median(v),
+             "min_us": min(v), "max_us": max(v)} for (mib, busy), v in times.items()]
 
 
 def main(argv=None) -> int:
