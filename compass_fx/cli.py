@@ -3,6 +3,7 @@
     compass-fx explain --world 4 --chunks 2      # what the backend does to the demo TP model
     compass-fx plan --model llama3-70b --tp 8 --tokens 8192 --topology a6000-nvlink-pairs-pcie-8
     compass-fx sweep --out-dir compass-sweep     # the 288-configuration planning grid
+    compass-fx prepare                           # build the fused calls' host fast path ahead
 
 Every error is one line on stderr (``compass-fx <command>: error: ...``); ``--debug`` shows the
 traceback instead.  Exit status: 0 done; 1 an unexpected internal error; 2 bad usage or input

@@ -97,7 +97,7 @@ def all_parsers(parser: argparse.ArgumentParser):
 
 def test_no_parser_accepts_abbreviations(capsys):
     parsers = list(all_parsers(build_parser()))
-    assert len(parsers) == 5 and not any(p.allow_abbrev for p in parsers)
+    assert len(parsers) == 6 and not any(p.allow_abbrev for p in parsers)
     status, _, err = run_main(capsys, "sweep", "--out", "sweep.csv")  # not a silent --out-dir
     assert status == 2 and "unrecognized arguments: --out sweep.csv" in err
 
@@ -219,3 +219,29 @@ def test_progress_in_a_log_is_plain_lines():
     for done in range(289):
         update(done, 288)
     assert tty.getvalue().count("\r") == 41 and tty.getvalue().endswith("288/288\n")
+
+
+@pytest.mark.slow  # may build the C++ extension (~20 s) where no build is cached
+def test_prepare_builds_the_host_fast_path_ahead_and_says_where(capsys):
+    from compass_fx.kernels.cuda import lane
+
+    status, out, err = run_main(capsys, "prepare")
+    assert status == 0 and err == "", err
+    assert out.startswith("host fast path ") and str(lane.build_directory()) in out, out
+    assert lane.is_cached()
+    status, out, _ = run_main(capsys, "prepare")  # the second time from the cache
+    assert status == 0 and out.startswith("host fast path loaded from the cache: "), out
+
+
+def test_prepare_without_a_compiler_is_one_line_with_status_4(capsys, monkeypatch):
+    from compass_fx.kernels.cuda import lane
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'compass_lane': g++: not found\nmore lines")
+
+    monkeypatch.setattr(lane, "compile_module", no_compiler)
+    status, out, err = run_main(capsys, "prepare")
+    assert status == 4 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("compass-fx prepare: error: the host fast path cannot be built here (RuntimeError: "
+                          "Error building extension 'compass_lane': g++: not found); fused calls take the Python "
+                          "path"), err

@@ -308,8 +308,29 @@ def _measure_collectives_if_launched(args: argparse.Namespace):
     return tables
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Build the fused calls' host fast path ahead (``kernels/cuda/lane.cpp``): otherwise the first
+    fused call of a machine's first run compiles it, ~20 s inside a training step.  No GPU needed;
+    the build lands in torch's extension cache, where every later process loads it."""
+    import time
+
+    from ..kernels.cuda import lane
+
+    cached = lane.is_cached()
+    started = time.perf_counter()
+    try:
+        lane.compile_module()
+    except Exception as e:  # noqa: BLE001 - a missing compiler, headers or the like: say what, exit 4
+        raise ImportError(f"the host fast path cannot be built here ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); fused calls take the Python path") from e
+    took = "loaded from the cache" if cached else f"built in {time.perf_counter() - started:.0f} s"
+    off = "; COMPASS_FUSED_LANE is off, so calls will not use it" if not lane.wanted() else ""
+    print(f"host fast path {took}: {lane.build_directory()}{off}")
+    return 0
+
+
 def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
-    """Register ``plan``, ``sweep`` and ``calibrate`` on the CLI's subparsers."""
+    """Register ``plan``, ``sweep``, ``calibrate`` and ``prepare`` on the CLI's subparsers."""
     p = subparsers.add_parser("plan", help="predict every strategy for each pair of one transformer layer",
                               description="Print the cost model's table for one TP transformer layer and draw "
                                           "a timeline of compute and communication lanes per strategy.",
@@ -370,3 +391,8 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
                         "GPU of this machine (run under torchrun, one process per GPU; NCCL_P2P_DISABLE=1 "
                         "measures the host-staged regime)")
     c.set_defaults(func=cmd_calibrate)
+
+    r = subparsers.add_parser("prepare", help="build the fused calls' host fast path ahead (else ~20 s in the first "
+                                              "fused call on a new machine or torch)",
+                              description=cmd_prepare.__doc__, allow_abbrev=False)
+    r.set_defaults(func=cmd_prepare)

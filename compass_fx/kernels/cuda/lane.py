@@ -122,7 +122,8 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
             raise RuntimeError("os.environ keeps no bytes dict on this platform")
         if not is_cached():  # a first call that stops for ~20 s says why
             log.warning("compass fused operators: building the host fast path (C++, once per torch version: about "
-                        "20 s; cached in %s; COMPASS_FUSED_LANE=0 skips it)", build_directory())
+                        "20 s; cached in %s; `compass-fx prepare` builds it ahead, COMPASS_FUSED_LANE=0 skips it)",
+                        build_directory())
         built = compile_module()
         launch = ctypes.cast(driver.raw("graph_launch"), ctypes.c_void_p).value
         configure(built, transports=transports, join=join, raw_stream=raw_stream, capturing=capturing,
