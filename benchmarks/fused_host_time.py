@@ -509,7 +509,8 @@ GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to 
 
 def goal_lines(rows: list[dict]) -> list[str]:
     """Per world, where the host-time goal stands: each form's range and how many rows are within
-    the goal (60 us at two ranks, 150 beyond)."""
+    the goal (60 us at two ranks, 150 beyond); for the rows over it, whether the host would set
+    their pace (their .graph host time over the GPU's time per call and rank, where measured)."""
     lines = []
     for world in sorted({r["world"] for r in rows}):
         goal = GOAL_US.get(world, 150.0)
@@ -519,8 +520,12 @@ def goal_lines(rows: list[dict]) -> list[str]:
             if got:
                 parts.append(f"{label} {min(got):.0f}-{max(got):.0f} us, {sum(v <= goal for v in got)} of "
                              f"{len(got)} rows within")
+        over = [r["host_us_graph"] / (r["period_us"] / world) for r in rows
+                if r["world"] == world and r.get("host_us_graph", 0) > goal and r.get("period_us")]
         if parts:
-            lines += [f"Goal at world {world} (<= {goal:.0f} us): " + "; ".join(parts) + ".", ""]
+            share = (f" (.graph over the goal: host / GPU per rank {min(over):.2f}-{max(over):.2f}, "
+                     f"{'below' if max(over) < 1 else 'not all below'} 1)") if over else ""
+            lines += [f"Goal at world {world} (<= {goal:.0f} us): " + "; ".join(parts) + share + ".", ""]
     return lines
 
 

@@ -407,15 +407,18 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
 
 def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():
     """The markdown's goal lines: per world each form's range and the rows within 60 us at two ranks,
-    150 beyond; a form no row has is left out, a world with none of them says nothing."""
+    150 beyond, and for the rows over it their host time over the GPU's per rank; a form no row has is
+    left out, a world with none of them says nothing."""
     fused_host_time = _bench("fused_host_time")
-    rows = [{"world": 2, "host_us_graph": 35.0, "host_us_back_to_back": 30.0},
-            {"world": 2, "host_us_graph": 90.4, "host_us_back_to_back": 60.0},
-            {"world": 8, "host_us_graph": 149.0}, {"world": 8, "host_us_graph": 151.0},
+    rows = [{"world": 2, "host_us_graph": 35.0, "host_us_back_to_back": 30.0, "period_us": 100.0},
+            {"world": 2, "host_us_graph": 90.4, "host_us_back_to_back": 60.0, "period_us": 1808.0},
+            {"world": 8, "host_us_graph": 149.0}, {"world": 8, "host_us_graph": 151.0, "period_us": 800.0},
             {"world": 4}]
     assert fused_host_time.goal_lines(rows) == [
-        "Goal at world 2 (<= 60 us): .graph 35-90 us, 1 of 2 rows within; 16 back to back 30-60 us, 2 of 2 rows within.",
-        "", "Goal at world 8 (<= 150 us): .graph 149-151 us, 1 of 2 rows within.", ""]
+        "Goal at world 2 (<= 60 us): .graph 35-90 us, 1 of 2 rows within; 16 back to back 30-60 us, 2 of 2 rows within "
+        "(.graph over the goal: host / GPU per rank 0.10-0.10, below 1).",
+        "", "Goal at world 8 (<= 150 us): .graph 149-151 us, 1 of 2 rows within "
+        "(.graph over the goal: host / GPU per rank 1.51-1.51, not all below 1).", ""]
 
 
 def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(monkeypatch):
