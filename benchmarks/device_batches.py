@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,8 @@ class Step:
     root: str = ""
 
     def command(self, results: Path) -> list[str]:
-        args = [a.replace(RESULTS, str(results)).replace(MACHINE, machine_tag()) for a in self.args]
+        args = [a.replace(RESULTS, str(results)) for a in self.args]
+        args = [a.replace(MACHINE, machine_tag()) if MACHINE in a else a for a in args]
         if self.script == "compass-fx":
             program = ["compass-fx"] if self.ranks == 1 else ["--no-python", "compass-fx"]
         else:
@@ -62,6 +64,7 @@ class Step:
         return [*program, *args]
 
 
+@lru_cache(maxsize=1)
 def machine_tag() -> str:
     """The GPU's family as results name it (``h200``, ``h100``; ``gpu`` where neither): a batch may run
     on either kind of lent machine."""

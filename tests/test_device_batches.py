@@ -146,6 +146,8 @@ def test_a_step_names_its_results_after_the_gpu_it_runs_on(name, family, monkeyp
     import subprocess
 
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=name))
+    device_batches.machine_tag.cache_clear()  # asked once a process: the GPU does not change
     step = device_batches.BATCHES["h200-merge-ab"][0]
     tag = step.command(Path("/tmp/results"))
+    device_batches.machine_tag.cache_clear()
     assert tag[tag.index("--tag") + 1].startswith(f"{family}-merge-ab1-"), tag

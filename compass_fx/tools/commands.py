@@ -394,5 +394,9 @@ def add_subcommands(subparsers: "argparse._SubParsersAction") -> None:
 
     r = subparsers.add_parser("prepare", help="build the fused calls' host fast path ahead (else ~20 s in the first "
                                               "fused call on a new machine or torch)",
-                              description=cmd_prepare.__doc__, allow_abbrev=False)
+                              description="Build the fused operators' host fast path (a C++ extension) into "
+                                          "torch's extension cache, or say that it is there; no GPU needed.  "
+                                          "Without it the first fused call on a new machine or torch builds it, "
+                                          "about 20 s inside a training step.",
+                              allow_abbrev=False)
     r.set_defaults(func=cmd_prepare)
