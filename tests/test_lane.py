@@ -311,6 +311,14 @@ def test_a_first_build_says_it_takes_a_while_and_a_cached_one_does_not(fast, mon
     for cached in (False, True):
         if cached:
             (tmp_path / "compass_lane.so").write_bytes(b"")
+            assert lane.is_cached()
+            source = tmp_path / "lane.cpp"  # a source changed after the build: built again, and said so
+            source.write_text("// changed")
+            later = (tmp_path / "compass_lane.so").stat().st_mtime + 60
+            os.utime(source, (later, later))
+            with monkeypatch.context() as m:
+                m.setattr(lane, "_SOURCE", source)
+                assert not lane.is_cached()
         monkeypatch.setattr(lane, "_state", {})
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="compass_fx"), \

@@ -63,9 +63,11 @@ def build_directory() -> Path:
 
 
 def is_cached() -> bool:
-    """Whether a build of the extension lies in :func:`build_directory` (the first workspace then
-    loads it instead of compiling for ~20 s)."""
-    return any(build_directory().glob("compass_lane*.so"))
+    """Whether a build of the extension newer than its source lies in :func:`build_directory` (the
+    first workspace then loads it instead of compiling for ~20 s; a source changed since, as by an
+    upgrade of this package, is built again)."""
+    source = _SOURCE.stat().st_mtime
+    return any(built.stat().st_mtime >= source for built in build_directory().glob("compass_lane*.so"))
 
 
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
