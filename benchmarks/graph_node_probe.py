@@ -28,7 +28,8 @@
 * ``cold``: host us of one launch of the same graph (8 copies to host memory, each followed by a
   flag kernel, and 8 kernels: a host-staged call's publications) after different things: right
   after another launch, after a wait for an idle GPU, after a wait of 1, 3 or 10 ms for a busy
-  one (with and without 3 ms of spinning after it), after the host slept 10 ms.  Does a launch
+  one (with and without 3 ms of spinning after it), after the host slept 10 ms, behind a graph on
+  its stream held by a wait for a host flag (as a call waiting for its peer).  Does a launch
   cost what its graph holds, or also what the host did before (the large fused_host_time rows
   launch graphs of the same nodes as small rows in up to 1.9x the time)?  And one ``torch.empty``
   on the GPU by size (does a large output cost its call more to allocate?).
@@ -825,10 +826,25 @@ def cold_section(rounds: int = 15) -> list[dict]:
         time.sleep(10e-3)
         return launch(g)
 
+    # a graph on the same stream held by a stream wait on a host word, as a call waiting for its peer is
+    _, word_tensor, word = host_buffer(4096)
+    released = word_tensor.view(torch.int32)
+    wait = driver.raw("wait")
+    blocker = graph_of(lambda h: driver.check(wait(h, word, 1, driver.WAIT_GEQ), "cuStreamWaitValue32"), cap)
+
+    def behind_a_waiting_graph():
+        torch.cuda.synchronize()
+        released[0] = 0
+        driver.check(glaunch(blocker.raw_cuda_graph_exec(), stream), "cuGraphLaunch")
+        took = launch(g)
+        released[0] = 1  # the wait ends, then the timed graph runs
+        return took
+
     conditions = {"right_after_another_launch": after_launch, "after_waiting_for_an_idle_gpu": after_idle,
                   **{f"after_waiting_{ms}ms_for_the_gpu": after_wait(ms) for ms in COLD_WAITS_MS},
                   **{f"after_waiting_{ms}ms_then_spinning_3ms": after_wait(ms, 3e-3) for ms in COLD_WAITS_MS},
-                  "after_the_host_slept_10ms": after_host_sleep}
+                  "after_the_host_slept_10ms": after_host_sleep,
+                  "behind_a_graph_waiting_for_a_host_flag": behind_a_waiting_graph}
     for fn in conditions.values():  # every launch path warm once
         fn()
     times: dict[str, list[float]] = {name: [] for name in conditions}
