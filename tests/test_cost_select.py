@@ -335,3 +335,28 @@ def test_cuda_graph_replays_are_priced_without_host_issue():
     assert select(graphs, nvlink).candidate("sequential").seconds == select(eager, nvlink).candidate("sequential").seconds
     # fewer host costs can only make the alternatives to sequential cheaper
     assert select(graphs, nvlink).predicted_s <= select(eager, nvlink).predicted_s
+
+
+def test_a_reason_says_where_a_fused_call_is_priced_at_its_hosts_issue():
+    """Eager, a fused call whose host issue is longer than its device time is priced at the host's:
+    the reason says so, with both figures, whether it won or was the best alternative; a device-bound
+    one, or the same call under CUDA graphs, says nothing of the host."""
+    from dataclasses import replace
+
+    staged, nvlink = Topology.preset("h200-host-staged-8"), Topology.preset("h200-nvswitch-8")
+    thin = Workload("matmul_reduce_scatter", 256, 4096, 7168, "bfloat16", 8)
+    won = select(thin, staged, fused_schedules=("direct",))
+    host, device = fused_host_seconds(thin, staged, "direct"), fused_breakdown(thin, staged, "direct").seconds
+    assert won.strategy == "fuse" and host > device and won.predicted_s == host >= 100e-6
+    assert (f"faster than sequential (priced at the host's issue of a call, {host * 1e6:.0f} us, over its "
+            f"{device * 1e6:.0f} us on the device), through host memory") in won.reason, won.reason
+    small = Workload("all_gather_matmul", 128, 4096, 1024, "bfloat16", 8)
+    lost = select(small, nvlink, fused_schedules=SCHEDULES)
+    best = min(lost.candidates[1:], key=lambda c: c.seconds)
+    small_host = fused_host_seconds(small, nvlink, best.schedule)
+    assert lost.strategy == "sequential" and best.strategy == "fuse" and best.seconds == small_host < 100e-6
+    assert (f"best alternative {best.label} would be" in lost.reason
+            and f"(priced at the host's issue of a call, {small_host * 1e6:.1f} us, over its" in lost.reason), lost.reason
+    graphs = select(replace(small, cuda_graphs=True), nvlink, fused_schedules=SCHEDULES)
+    big = select(Workload("all_gather_matmul", 8192, 4096, 7168, "bfloat16", 8), nvlink, fused_schedules=SCHEDULES)
+    assert "host's issue" not in graphs.reason and "host's issue" not in big.reason, (graphs.reason, big.reason)

@@ -9,11 +9,13 @@ then the earlier one; so every rank of a group reaches the same decision.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..machine.topology import Topology
 from .decision import SCHEDULES, Candidate, Decision
 from .hooks import apply_cost_hooks
-from .strategies import (decomposition_models, fused_commands, fused_host_seconds, fused_seconds, host_staged_in_pieces,
-                         sequential_seconds)
+from .strategies import (decomposition_models, fused_breakdown, fused_commands, fused_host_seconds, fused_seconds,
+                         host_staged_in_pieces, sequential_seconds)
 from .workload import Workload
 
 
@@ -31,15 +33,36 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else ("1.00x" if a == 0 else "infinitely")
 
 
-def _reason(winner: Candidate, candidates: list[Candidate]) -> str:
+def _reason(winner: Candidate, candidates: list[Candidate], priced: Callable[[Candidate], str]) -> str:
+    """The winner against sequential (or sequential against the best alternative), with what
+    ``priced`` says of how the candidate compared was priced."""
     seq = candidates[0]
     if winner is seq:
         others = [c for c in candidates[1:] if c.seconds is not None]
         if not others:
             return "sequential: no other strategy is feasible for this pair"
         best = min(others, key=lambda c: c.seconds)
-        return f"sequential: best alternative {best.label} would be {_ratio(best.seconds, seq.seconds)} slower"
-    return f"{winner.label} {_ratio(seq.seconds, winner.seconds)} faster than sequential"
+        return (f"sequential: best alternative {best.label} would be {_ratio(best.seconds, seq.seconds)} slower"
+                + priced(best))
+    return f"{winner.label} {_ratio(seq.seconds, winner.seconds)} faster than sequential" + priced(winner)
+
+
+def _host_bound(workload: Workload, topo: Topology, candidate: Candidate) -> str:
+    """Where a fused call is priced at its host's issue, not its device time (eager: the host issues
+    a call slower than the GPU runs it), the reason says so with both figures: the decision then
+    rests on the host cost model (``fused_host_seconds``), and a CUDA-graph mode would price it lower."""
+    if candidate.strategy != "fuse" or workload.cuda_graphs or workload.group_size == 1:
+        return ""
+    host = fused_host_seconds(workload, topo, candidate.schedule)
+    device = fused_breakdown(workload, topo, candidate.schedule).seconds
+    if host <= device or candidate.seconds != host:  # device-bound, or a cost hook set the price
+        return ""
+    return f" (priced at the host's issue of a call, {_us(host)}, over its {_us(device)} on the device)"
+
+
+def _us(seconds: float) -> str:
+    us = seconds * 1e6
+    return f"{us:.0f} us" if us >= 100 else f"{us:.1f} us"
 
 
 def _priced_as(workload: Workload) -> str:
@@ -123,7 +146,8 @@ def select(workload: Workload, topology: "Topology | str | None" = None, *,
         model = models[min(decomposed, key=lambda c: c.seconds).parts]
         coefficients, d_star = (model.A, model.B, model.C), model.d_star()
     return Decision(winner.strategy, winner.parts, winner.schedule, winner.seconds, tuple(candidates),
-                    _reason(winner, candidates) + _how(workload, topo, winner), coefficients, d_star, topo.name)
+                    _reason(winner, candidates, lambda c: _host_bound(workload, topo, c)) + _how(workload, topo, winner),
+                    coefficients, d_star, topo.name)
 
 
 def plan(workload: Workload, topology: "Topology | str | None" = None, *,
