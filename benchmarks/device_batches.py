@@ -126,6 +126,9 @@ EARLY_WAITS = "scratch/snapshot-early-waits"  # the candidate 391f0f2, not kept 
 EARLY_WAITS_AB = (("early-waits", EARLY_WAITS), ("main", ""))  # its A/B's two sides, candidate first
 GUARD_ORDER = "scratch/snapshot-guard-order"  # the candidate fc578ed, now opt-in (h200-guard-order)
 GUARD_ORDER_AB = (("guard-order", GUARD_ORDER), ("main", ""))
+SPLIT_GEMMS = "scratch/snapshot-split-gemms"  # eafad5d: a GEMM per piece of a reduce-scatter's own block
+# the snapshots a batch can make for itself where they are missing (scratch/ is not committed)
+SNAPSHOT_REVISIONS = {SPLIT_GEMMS: "eafad5d"}
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
 EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
@@ -411,21 +414,21 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w48", "4,8", f"{MACHINE}-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
     ),
     # Issue 27: one GEMM for a reduce-scatter's own block (protocol.merged_matmuls) against the GEMM per
-    # piece before it (`snapshot.py eafad5d --out scratch/snapshot-split-gemms`), in turns: the periods
+    # piece before it (a snapshot of eafad5d, made where missing), in turns: the periods
     "h200-merge-ab": tuple(
         _host_time(f"merge-{side}-{turn}", "2,4", f"{MACHINE}-merge-ab{turn}-{side}-host-pin-mps", 100,
                    root=root, ops="matmul_reduce_scatter")
-        for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms"))),
+        for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS))),
     # Issue 27, the first call of a session lent one GPU (the rest: h200-lane-breakdown, h200-merge-ab): the
     # launch after each kind of wait, the two-rank rows' steady issue times, the merge's A/B at two ranks (its
-    # snapshot first: `python benchmarks/snapshot.py eafad5d --out scratch/snapshot-split-gemms`)
+    # snapshot is made where missing: SNAPSHOT_REVISIONS)
     "h200-first": (
         Step("graph_node_probe-cold", "graph_node_probe.py",
              ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60),
         _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90),
         *(_host_time(f"merge-{side}-{turn}", 2, f"{MACHINE}-merge-w2-ab{turn}-{side}-host-pin-mps", 60,
                      root=root, ops="matmul_reduce_scatter")
-          for turn in (1, 2) for side, root in (("merged", ""), ("split", "scratch/snapshot-split-gemms")))),
+          for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS)))),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
@@ -467,9 +470,33 @@ def run_step(step: Step, out: Path) -> dict:
             "deadline_s": step.deadline_s, "seconds": round(time.time() - start, 1), "files": written}
 
 
+def ensure_snapshots(steps: tuple[Step, ...], root: Path = ROOT) -> list[str]:
+    """Make the snapshots the steps run from where they are missing under ``root``, from their
+    revisions in ``SNAPSHOT_REVISIONS`` (``benchmarks/snapshot.py``: needs the repository's git
+    history); what cannot be made, one line each (those steps then fail at once, the others run)."""
+    from snapshot import snapshot
+
+    problems = []
+    for where in sorted({s.root for s in steps if s.root}):
+        if (root / where / "compass_fx").is_dir():
+            continue
+        revision = SNAPSHOT_REVISIONS.get(where)
+        if revision is None:
+            problems.append(f"{where} is missing and no revision is known to make it from")
+            continue
+        try:
+            snapshot(revision, root / where)
+            print(f"snapshot of {revision} made in {where}", flush=True)
+        except (SystemExit, OSError) as e:
+            problems.append(f"{where}: the snapshot of {revision} could not be made ({e})")
+    return problems
+
+
 def run_batch(name: str, out: Path) -> list[dict]:
     steps = BATCHES[name]
     check_batch(steps)
+    for problem in ensure_snapshots(steps):
+        print(f"[{name}] {problem}", flush=True)
     rows = []
     for i, step in enumerate(steps, 1):
         print(f"[{name} {i}/{len(steps)}] {step.name} (deadline {step.deadline_s} s)", flush=True)
@@ -487,7 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("batch", nargs="?", choices=sorted(BATCHES))
     p.add_argument("--out", default=os.environ.get("OUT"), help="where logs and results go (default $OUT)")
     p.add_argument("--list", action="store_true", help="print the batches and their steps")
+    p.add_argument("--snapshots-only", action="store_true",
+                   help="make the snapshots the batch runs from, where missing, and stop (before a device call)")
     args = p.parse_args(argv)
+    if args.snapshots_only:
+        if not args.batch:
+            p.error("--snapshots-only needs a batch")
+        problems = ensure_snapshots(BATCHES[args.batch])
+        for problem in problems:
+            print(problem, file=sys.stderr)
+        return 1 if problems else 0
     if args.list or not args.batch:
         for name, steps in BATCHES.items():
             print(f"{name} ({sum(s.deadline_s for s in steps)} s of deadlines)")

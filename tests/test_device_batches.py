@@ -151,3 +151,25 @@ def test_a_step_names_its_results_after_the_gpu_it_runs_on(name, family, monkeyp
     tag = step.command(Path("/tmp/results"))
     device_batches.machine_tag.cache_clear()
     assert tag[tag.index("--tag") + 1].startswith(f"{family}-merge-ab1-"), tag
+
+
+def test_a_batch_makes_the_snapshots_it_runs_from_where_they_are_missing(tmp_path, monkeypatch, capsys):
+    """A step's snapshot (scratch/ is not committed) is made from its recorded revision before the
+    batch runs, and left alone where it exists; one with no known revision is named as a problem."""
+    import subprocess
+
+    parent = subprocess.run(["git", "rev-parse", "--short", "HEAD~1"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    monkeypatch.setitem(device_batches.SNAPSHOT_REVISIONS, "snap/known", parent)
+    steps = (Step("a", "fused_host_time.py", (), 10, root="snap/known"),
+             Step("b", "fused_host_time.py", (), 10, root="snap/unknown"), Step("c", "fused_host_time.py", (), 10))
+    problems = device_batches.ensure_snapshots(steps, root=tmp_path)
+    assert problems == ["snap/unknown is missing and no revision is known to make it from"]
+    made = tmp_path / "snap" / "known"
+    assert (made / "compass_fx" / "__init__.py").is_file() and (made / "benchmarks" / "fused_host_time.py").is_file()
+    assert (made / "COMMIT").read_text().strip() == parent
+    marker = made / "compass_fx" / "kept"
+    marker.write_text("")
+    assert device_batches.ensure_snapshots(steps[:1], root=tmp_path) == [] and marker.exists()  # not made again
+    assert device_batches.SNAPSHOT_REVISIONS[device_batches.SPLIT_GEMMS] == "eafad5d"
+    assert any(s.root == device_batches.SPLIT_GEMMS for s in BATCHES["h200-first"])
