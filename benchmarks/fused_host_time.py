@@ -36,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
-from harness.timing import host_us_per_call  # noqa: E402
+from harness.timing import host_us_per_call, spin  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -93,13 +93,6 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
                 dist.barrier()
     torch.cuda.synchronize()
     return {name: statistics.median(v) for name, v in per_round.items()}
-
-
-def spin(seconds: float) -> None:
-    """Keep the host busy for ``seconds`` (no sleep: a waiting core clocks down)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:

@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from host_cost_probe import _node_kinds, launch_us  # noqa: E402
+from harness.timing import spin  # noqa: E402
 
 GEMMS = [(8192, 4096, 7168), (4096, 4096, 7168), (2048, 4096, 7168), (1024, 4096, 7168), (512, 4096, 7168),
          (4096, 7168, 4096), (2048, 7168, 4096), (1024, 7168, 4096), (512, 7168, 4096), (256, 7168, 4096)]
@@ -761,12 +762,6 @@ def guard_section(reps: int = 50) -> list[dict]:
 COLD_WAITS_MS = (1, 3, 10)
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def cold_section(rounds: int = 15) -> list[dict]:
     """One graph (a host-staged call's publications: 8 copies of 1 MiB to host memory, a flag kernel
     after each, 8 kernels on the caller's stream), its launch timed after each kind of wait: median
@@ -817,7 +812,7 @@ def cold_section(rounds: int = 15) -> list[dict]:
             torch.cuda.synchronize()
             torch.cuda._sleep(int(ms * 1e-3 * SLEEP_CYCLES_PER_S))
             torch.cuda.synchronize()
-            _spin(spin_s)
+            spin(spin_s)
             return launch(g)
         return run
 

@@ -134,6 +134,13 @@ def host_us_per_call(fn: Callable[[], Any], calls: int = 4) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def spin(seconds: float) -> None:
+    """Keep the host busy for ``seconds`` (no sleep: a waiting core clocks down)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def python_loop() -> int:
     """A fixed piece of pure Python (200 additions): what the host's speed alone makes of it, beside
     the CUDA calls a probe times."""
