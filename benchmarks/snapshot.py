@@ -5,8 +5,9 @@ another commit's code only when the script runs from that commit's tree: ``pytho
 scratch/snapshot/benchmarks/fused_host_time.py ...`` imports the snapshot's ``compass_fx``
 (``PYTHONPATH`` does not: two runs meant as an A/B once ran one package twice).  The results
 record the package they imported (``environment.package``).  The snapshot lies under the
-git-ignored ``scratch/`` and travels to the device with ``carry``; a device batch's step runs from it
-with ``root`` (``device_batches.Step``).
+uncommitted ``scratch/`` (not git-ignored: it travels to the device with the checkout's other untracked
+files); a device batch's step runs from it with ``root`` (``device_batches.Step``), and the batch makes a
+missing one from ``device_batches.SNAPSHOT_REVISIONS``.
 
     python benchmarks/snapshot.py 402bf49            # writes scratch/snapshot
     python benchmarks/snapshot.py 659b7f9 --scripts HEAD   # 659b7f9's package, today's scripts
