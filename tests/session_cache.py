@@ -1,10 +1,12 @@
 """Work done once per test session, whichever pytest-xdist worker asks for it first.
 
 Several tests read one computation's result (the option sets of one shared trace,
-:mod:`shared_trace`); xdist may hand them to different workers.  The first to ask computes it and
-writes it beside the session's temporary directories; the others wait for it on a file lock and
-read it.  (xdist's own ``--dist loadgroup`` would keep them on one worker, but it marks the tests
-through ``item._nodeid``, which pytest 9.2 no longer reads: the groups are silently ignored.)
+:mod:`shared_trace`).  They sit in one file, and the suite runs each file whole on one xdist
+worker (``conftest.pytest_xdist_make_scheduler``), so one process computes it and the others read
+its memo.  Where the tests are spread anyway (``--dist worksteal``, or a file split some day), the
+first to ask computes it and writes it beside the session's temporary directories; the others wait
+for it on a file lock and read it.  (xdist's ``--dist loadgroup`` would not help: it marks the
+tests through ``item._nodeid``, which pytest 9.2 no longer reads, and silently ignores the groups.)
 """
 from __future__ import annotations
 

@@ -1,0 +1,33 @@
+"""The suite's own machinery: how pytest-xdist spreads the tests over its workers."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import conftest
+
+
+def _config(dist: str) -> SimpleNamespace:
+    """The part of pytest's config the scheduler hook reads, with xdist's scheduler's needs."""
+    option = SimpleNamespace(dist=dist, tx=["popen", "popen"], numprocesses=2, maxschedchunk=None,
+                             loadscopereorder=True)
+    return SimpleNamespace(getoption=lambda name: getattr(option, name), getvalue=lambda name: getattr(option, name),
+                           option=option)
+
+
+def test_each_file_runs_whole_on_one_worker_under_plain_n():
+    """``-n 2`` means ``--dist load``: the suite asks xdist for file-by-file scheduling instead,
+    so the tests sharing a computation (session_cache) never wait on another worker."""
+    pytest.importorskip("xdist")
+    from xdist.scheduler import LoadFileScheduling
+
+    scheduler = conftest.pytest_xdist_make_scheduler(_config("load"), log=None)
+    assert isinstance(scheduler, LoadFileScheduling)
+    assert scheduler._split_scope("tests/test_numerics.py::test_a[x-2]") == \
+        scheduler._split_scope("tests/test_numerics.py::test_b") != scheduler._split_scope("tests/test_cli.py::test_a")
+
+
+@pytest.mark.parametrize("dist", ["worksteal", "loadscope", "each"])
+def test_another_named_mode_is_left_to_xdist(dist):
+    assert conftest.pytest_xdist_make_scheduler(_config(dist), log=None) is None
