@@ -225,8 +225,13 @@ def test_progress_in_a_log_is_plain_lines():
 def test_prepare_builds_the_host_fast_path_ahead_and_says_where(capsys):
     from compass_fx.kernels.cuda import lane
 
+    cached = lane.is_cached()
     status, out, err = run_main(capsys, "prepare")
     assert status == 0 and err == "", err
+    if not cached:  # said before the build starts, then how long it took
+        building, out = out.split("\n", 1)
+        assert building.startswith("building the host fast path (") and building.endswith(" ..."), building
+        assert out.startswith("host fast path built in "), out
     assert out.startswith("host fast path ") and str(lane.build_directory()) in out, out
     assert lane.is_cached()
     status, out, _ = run_main(capsys, "prepare")  # the second time from the cache
