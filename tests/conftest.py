@@ -76,10 +76,11 @@ def fake_mesh(request):
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist it is never called
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n``, each test file runs whole on one worker (``--dist loadfile``; a mode other
-    than ``load``, which ``-n`` means by default, is left alone).  The tests that read one shared computation sit in one file
-    (:mod:`session_cache`): spread over two workers, one would wait, idle, for the other to
-    compute it (up to a minute for an Inductor compile's option sets), and every module's
-    fixtures would be set up on both.  The suite, cold caches, 2026-12-05: 8:34 -> 6:47-7:17."""
+    than ``load``, which ``-n`` means by default, is left alone).  The tests that read one shared
+    computation sit in one file (:mod:`session_cache`): spread over two workers, one would wait,
+    idle, for the other to compute it (up to a minute for an Inductor compile's option sets), and
+    every module's fixtures would be set up on both.  The suite, cold caches, 2026-12-05:
+    8:34 -> 6:47-7:17."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadFileScheduling
