@@ -29,9 +29,11 @@
   flag kernel, and 8 kernels: a host-staged call's publications) after different things: right
   after another launch, after a wait for an idle GPU, after a wait of 1, 3 or 10 ms for a busy
   one (with and without 3 ms of spinning after it), after the host slept 10 ms, behind a graph on
-  its stream held by a wait for a host flag (as a call waiting for its peer).  Does a launch
-  cost what its graph holds, or also what the host did before (the large fused_host_time rows
-  launch graphs of the same nodes as small rows in up to 1.9x the time)?  And one ``torch.empty``
+  its stream held by a wait for a host flag (as a call waiting for its peer); and the same graph
+  with copies of 64 KiB, 4 and 16 MiB instead of 1 MiB, after a wait for an idle GPU.  Does a
+  launch cost what its graph holds, the bytes its copies move, or also what the host did before
+  (the large fused_host_time rows launch graphs of the same nodes as small rows in up to 1.9x the
+  time)?  And one ``torch.empty``
   on the GPU by size (does a large output cost its call more to allocate?).
 
     python benchmarks/graph_node_probe.py --out X.json
@@ -760,36 +762,42 @@ def guard_section(reps: int = 50) -> list[dict]:
 
 
 COLD_WAITS_MS = (1, 3, 10)
+COLD_COPY_MIB = (0.0625, 1, 4, 16)  # each of the 8 copies; 1 MiB: every other condition's graph
 
 
 def cold_section(rounds: int = 15) -> list[dict]:
     """One graph (a host-staged call's publications: 8 copies of 1 MiB to host memory, a flag kernel
-    after each, 8 kernels on the caller's stream), its launch timed after each kind of wait: median
-    host us over ``rounds``, the conditions taking turns within every round."""
+    after each, 8 kernels on the caller's stream), its launch timed after each kind of wait, and
+    graphs of the same nodes copying other sizes (``COLD_COPY_MIB``) after a wait for an idle GPU:
+    median host us over ``rounds``, the conditions taking turns within every round."""
     from compass_fx.kernels.cuda import driver, graph_flags
 
     from host_cost_probe import SLEEP_CYCLES_PER_S
 
     dev = torch.cuda.current_device()
     memcpy = driver.raw("memcpy")
-    n, count = 1 << 20, 8
-    src = torch.empty(count * n, device="cuda", dtype=torch.uint8)
-    host = host_buffer(count * n)[2]
+    count, largest = 8, int(max(COLD_COPY_MIB) * (1 << 20))
+    src = torch.empty(count * largest, device="cuda", dtype=torch.uint8)
+    host = host_buffer(count * largest)[2]
     flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
     writes = [graph_flags.write_code(dev, flags.data_ptr() + 4 * i, 1) for i in range(count)]
     x = torch.zeros(16, device="cuda")
     cap, side = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
 
-    def publications(h):
-        _after(side, torch.cuda.current_stream())
-        for i in range(count):
-            x.add_(1)
-            driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, side.cuda_stream), "memcpy")
-            writes[i](side.cuda_stream)
-        _after(torch.cuda.current_stream(), side)
+    def publications(n: int):
+        def capture(h):
+            _after(side, torch.cuda.current_stream())
+            for i in range(count):
+                x.add_(1)
+                driver.check(memcpy(host + i * n, src.data_ptr() + i * n, n, side.cuda_stream), "memcpy")
+                writes[i](side.cuda_stream)
+            _after(torch.cuda.current_stream(), side)
+        return capture
 
-    g, other = graph_of(publications, cap), graph_of(publications, cap)
+    g, other = graph_of(publications(1 << 20), cap), graph_of(publications(1 << 20), cap)
+    # the same nodes copying other sizes: does a copy node's launch cost grow with its bytes?
+    by_size = {mib: graph_of(publications(int(mib * (1 << 20))), cap) for mib in COLD_COPY_MIB if mib != 1}
     glaunch = driver.raw("graph_launch")
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -835,11 +843,20 @@ def cold_section(rounds: int = 15) -> list[dict]:
         released[0] = 1  # the wait ends, then the timed graph runs
         return took
 
+    def sized(graph):
+        def run():
+            torch.cuda.synchronize()
+            return launch(graph)
+        return run
+
+    sized_cases = {f"copies_of_{mib:g}MiB_after_waiting_for_an_idle_gpu": (mib, graph)
+                   for mib, graph in by_size.items()}
     conditions = {"right_after_another_launch": after_launch, "after_waiting_for_an_idle_gpu": after_idle,
                   **{f"after_waiting_{ms}ms_for_the_gpu": after_wait(ms) for ms in COLD_WAITS_MS},
                   **{f"after_waiting_{ms}ms_then_spinning_3ms": after_wait(ms, 3e-3) for ms in COLD_WAITS_MS},
                   "after_the_host_slept_10ms": after_host_sleep,
-                  "behind_a_graph_waiting_for_a_host_flag": behind_a_waiting_graph}
+                  "behind_a_graph_waiting_for_a_host_flag": behind_a_waiting_graph,
+                  **{name: sized(graph) for name, (_, graph) in sized_cases.items()}}
     for fn in conditions.values():  # every launch path warm once
         fn()
     times: dict[str, list[float]] = {name: [] for name in conditions}
@@ -848,8 +865,8 @@ def cold_section(rounds: int = 15) -> list[dict]:
             times[name].append(fn())
     torch.cuda.synchronize()
     nodes = _node_kinds(g.raw_cuda_graph())
-    rows = [{"case": name, "nodes": nodes, "launch_us": statistics.median(v), "min_us": min(v), "max_us": max(v)}
-            for name, v in times.items()]
+    rows = [{"case": name, "nodes": nodes, "copy_mib": sized_cases.get(name, (1, None))[0],
+             "launch_us": statistics.median(v), "min_us": min(v), "max_us": max(v)} for name, v in times.items()]
     rows += allocation_rows(rounds)
     for row in rows:
         print(row, flush=True)
