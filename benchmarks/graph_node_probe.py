@@ -36,7 +36,8 @@
   time)?  And one ``torch.empty``
   on the GPU by size (does a large output cost its call more to allocate?).
 
-    python benchmarks/graph_node_probe.py --out X.json
+    python benchmarks/graph_node_probe.py --out X.json     # and X.md, each section's rows as a table
+    python benchmarks/graph_node_probe.py --render X.json  # that markdown again, printed, from the JSON alone
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from host_cost_probe import _node_kinds, launch_us  # noqa: E402
+from harness.output import markdown_table  # noqa: E402
 from harness.timing import spin  # noqa: E402
 
 GEMMS = [(8192, 4096, 7168), (4096, 4096, 7168), (2048, 4096, 7168), (1024, 4096, 7168), (512, 4096, 7168),
@@ -904,17 +906,54 @@ def allocation_rows(rounds: int, per_round: int = 4) -> list[dict]:
              "min_us": min(v), "max_us": max(v)} for (mib, busy), v in times.items()]
 
 
+def render(res: dict, title: str) -> str:
+    """Markdown of a probe's results: each section's rows as one table (its columns every key its
+    rows hold, in the order first seen; a graph's node kinds as JSON), the seconds it took, or the
+    last line of the error that stopped it; a note the JSON carries comes first."""
+    lines = [f"# {title}", ""]
+    if isinstance(res.get("note"), str):
+        lines += [res["note"], ""]
+    for name, value in res.items():
+        if name == "note" or name.endswith("_s"):
+            continue
+        took = res.get(f"{name}_s")
+        lines.append(f"## {name}" + (f" ({took:.1f} s)" if isinstance(took, (int, float)) else ""))
+        lines.append("")
+        if isinstance(value, dict) and "error" in value:
+            lines += [f"failed: `{str(value['error']).strip().splitlines()[-1]}`", ""]
+            continue
+        rows = [{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()}
+                for row in value if isinstance(row, dict)] if isinstance(value, list) else []
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        lines += [markdown_table(rows, columns) if rows else "no rows", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def markdown_path(out: str) -> str:
+    """Where the markdown of the JSON file ``out`` goes: beside it, ``.md`` for its suffix."""
+    root, ext = os.path.splitext(out)
+    return (root if ext == ".json" else out) + ".md"
+
+
 def main(argv=None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="the JSON file to write (rewritten after each section)")
+    p.add_argument("--out", help="the JSON file to write (rewritten after each section), its markdown beside it")
+    p.add_argument("--render", metavar="JSON", help="print the markdown of a JSON file this probe wrote (a committed "
+                   "result's .md holds a reading too: nothing is overwritten), and stop")
     p.add_argument("--sections", default="launch,copy,memset", help="comma-separated, of launch, copy, memset, chain, shape, hostmap, lines, guard, cold")
     p.add_argument("--memset-child", help=argparse.SUPPRESS)  # internal: one cuBLAS setting, in a subprocess
     args = p.parse_args(argv)
     if args.memset_child:
         print(json.dumps(memset_child(args.memset_child)))
         return 0
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f), os.path.basename(os.path.splitext(args.render)[0])), end="")
+        return 0
+    if not args.out:
+        p.error("--out is required (or --render)")
     out, sections = args.out, args.sections.split(",")
     res = {}
     for name in sections:
@@ -926,6 +965,8 @@ def main(argv=None) -> int:
         res[f"{name}_s"] = time.time() - t0
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
+        with open(markdown_path(out), "w") as f:
+            f.write(render(res, f"{os.path.basename(os.path.splitext(out)[0])} ({', '.join(sections)})"))
     return 0
 
 

@@ -582,3 +582,38 @@ def test_replay_trace_reads_what_torch_profiler_exports(tmp_path):
     prof.export_chrome_trace(str(tmp_path / "trace.json"))
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert events and replay_trace.summarize(events) == {"calls": 0}
+
+
+def test_graph_node_probe_renders_each_section_as_a_table():
+    """The probe's markdown from a committed result (issue 27's lines section, run on an H200): the
+    note first, the section with its seconds, one table row per case with every key its rows hold;
+    a section that failed says how, in one line."""
+    probe = _bench("graph_node_probe")
+    committed = BENCH / "results" / "graph_node_probe" / "graph_node_probe-h200-lines.json"
+    res = json.loads(committed.read_text())
+    md = probe.render(res, "graph_node_probe-h200-lines")
+    assert md.startswith("# graph_node_probe-h200-lines\n\n" + res["note"] + "\n\n## lines (7.8 s)\n\n"), md[:400]
+    header = "| case | nodes | idle_us | busy_x4_us | ms | gb_s | content_right |"
+    assert header in md
+    for row in res["lines"]:
+        (line,) = [x for x in md.splitlines() if x.startswith(f"| {row['case']} |")]
+        assert line.count("|") == header.count("|"), line
+    assert '| h2d16_one_2d | {"memcpy": 1} | 6.926 | 6.699 | - | - | - |' in md
+    failed = probe.render({"copy": {"error": "Traceback ...\nDriverError: cuMemHostRegister failed\n"}, "copy_s": 0.01}, "x")
+    assert failed == "# x\n\n## copy (0.0 s)\n\nfailed: `DriverError: cuMemHostRegister failed`\n"
+
+
+def test_graph_node_probe_writes_json_and_markdown_after_each_section(tmp_path, capsys):
+    """A run writes X.json and X.md beside it after every section (here one the probe does not have:
+    its failure, without a GPU); ``--render`` prints the same markdown again from the JSON."""
+    probe = _bench("graph_node_probe")
+    out = tmp_path / "probe.json"
+    assert probe.main(["--out", str(out), "--sections", "no_such"]) == 0
+    res = json.loads(out.read_text())
+    assert "no_such_section" in res["no_such"]["error"]
+    md = (tmp_path / "probe.md").read_text()
+    assert md.startswith("# probe (no_such)\n\n## no_such (") and "failed: `KeyError: 'no_such_section'`" in md
+    capsys.readouterr()
+    assert probe.main(["--render", str(out)]) == 0
+    assert capsys.readouterr().out == md.replace("# probe (no_such)", "# probe", 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json", "probe.md"]  # --render wrote nothing
