@@ -33,8 +33,8 @@
   with copies of 64 KiB, 4 and 16 MiB instead of 1 MiB, after a wait for an idle GPU.  Does a
   launch cost what its graph holds, the bytes its copies move, or also what the host did before
   (the large fused_host_time rows launch graphs of the same nodes as small rows in up to 1.9x the
-  time)?  And one ``torch.empty``
-  on the GPU by size (does a large output cost its call more to allocate?).
+  time)?  And one ``torch.empty`` on the GPU by size (does a large output cost its call more to
+  allocate?).
 
     python benchmarks/graph_node_probe.py --out X.json     # and X.md, each section's rows as a table
     python benchmarks/graph_node_probe.py --render X.json  # that markdown again, printed, from the JSON alone
