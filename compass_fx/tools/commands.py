@@ -318,7 +318,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     cached = lane.is_cached()
     if not cached:  # the build gives no sign of life for its ~20 s
-        print(f"building the host fast path (g++ on one core, about 20 s; once per torch version) in "
+        print(f"building the host fast path (a C++ build on one core, about 20 s; once per torch version) in "
               f"{lane.build_directory()} ...", flush=True)
     started = time.perf_counter()
     try:
