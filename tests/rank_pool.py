@@ -77,7 +77,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.comp
 _context = None
 
 
-def _fork_context():
+def fork_context():
     """The forkserver context the pools' ranks come from (started on first use)."""
     global _context
     if _context is None:
@@ -93,7 +93,7 @@ class RankPool:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._stopping = False
-        ctx = _fork_context()
+        ctx = fork_context()
         port = _free_port()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]

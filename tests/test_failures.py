@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from rank_pool import fork_context
 
 pytestmark = pytest.mark.slow  # fresh ranks killed or timed out on purpose
 
@@ -87,7 +88,7 @@ def test_peer_death_during_a_rewritten_pair_raises():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()  # fresh processes, forked from a server that imported torch once
     results = ctx.Queue()
     procs = [ctx.Process(target=_dying_peer, args=(r, port, results), daemon=True) for r in range(2)]
     for p in procs:
