@@ -129,6 +129,20 @@ GUARD_ORDER_AB = (("guard-order", GUARD_ORDER), ("main", ""))
 SPLIT_GEMMS = "scratch/snapshot-split-gemms"  # eafad5d: a GEMM per piece of a reduce-scatter's own block
 # the snapshots a batch can make for itself where they are missing (scratch/ is not committed)
 SNAPSHOT_REVISIONS = {SPLIT_GEMMS: "eafad5d"}
+# issue 27: the launch after each kind of wait (one process), and the two-rank rows' steady issue times
+COLD_PROBE = Step("graph_node_probe-cold", "graph_node_probe.py",
+                  ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60)
+W2_STEADY = _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90)
+
+
+def _merge_ab(worlds: str, label: str, deadline_s: int) -> tuple[Step, ...]:
+    """Issue 27: one GEMM for a reduce-scatter's own block (protocol.merged_matmuls) against the GEMM
+    per piece before it (the snapshot SPLIT_GEMMS, made where missing), in two turns: the periods."""
+    return tuple(_host_time(f"merge-{side}-{turn}", worlds, f"{MACHINE}-{label}{turn}-{side}-host-pin-mps", deadline_s,
+                            root=root, ops="matmul_reduce_scatter")
+                 for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS)))
+
+
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
 EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
@@ -406,29 +420,18 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # where four and eight ranks' host-staged calls spend their time through the fast path, and the peer
     # transport's four and eight ranks through it (one device call with what a session had left)
     "h200-lane-breakdown": (
-        Step("graph_node_probe-cold", "graph_node_probe.py",
-             ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60),
-        _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90),
+        COLD_PROBE,
+        W2_STEADY,
         _host_time("host_time-w48-breakdown", "4,8", f"{MACHINE}-lane-w48-breakdown-host-pin-mps", 210,
                    extra=("--breakdown",)),
         _host_time("host_time-peer-w48", "4,8", f"{MACHINE}-lane-peer-w48-pin-mps", 170, extra=("--transport", "peer")),
     ),
-    # Issue 27: one GEMM for a reduce-scatter's own block (protocol.merged_matmuls) against the GEMM per
-    # piece before it (a snapshot of eafad5d, made where missing), in turns: the periods
-    "h200-merge-ab": tuple(
-        _host_time(f"merge-{side}-{turn}", "2,4", f"{MACHINE}-merge-ab{turn}-{side}-host-pin-mps", 100,
-                   root=root, ops="matmul_reduce_scatter")
-        for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS))),
+    # Issue 27: the merge's A/B at two and four ranks
+    "h200-merge-ab": _merge_ab("2,4", "merge-ab", 100),
     # Issue 27, the first call of a session lent one GPU (the rest: h200-lane-breakdown, h200-merge-ab): the
     # launch after each kind of wait, the two-rank rows' steady issue times, the merge's A/B at two ranks (its
     # snapshot is made where missing: SNAPSHOT_REVISIONS)
-    "h200-first": (
-        Step("graph_node_probe-cold", "graph_node_probe.py",
-             ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60),
-        _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90),
-        *(_host_time(f"merge-{side}-{turn}", 2, f"{MACHINE}-merge-w2-ab{turn}-{side}-host-pin-mps", 60,
-                     root=root, ops="matmul_reduce_scatter")
-          for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS)))),
+    "h200-first": (COLD_PROBE, W2_STEADY, *_merge_ab("2", "merge-w2-ab", 60)),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
