@@ -813,9 +813,11 @@ def cold_section(rounds: int = 15) -> list[dict]:
         launch(other)
         return launch(g)
 
-    def after_idle():
-        torch.cuda.synchronize()
-        return launch(g)
+    def after_idle(graph):
+        def run():
+            torch.cuda.synchronize()
+            return launch(graph)
+        return run
 
     def after_wait(ms: float, spin_s: float = 0.0):
         def run():
@@ -845,20 +847,14 @@ def cold_section(rounds: int = 15) -> list[dict]:
         released[0] = 1  # the wait ends, then the timed graph runs
         return took
 
-    def sized(graph):
-        def run():
-            torch.cuda.synchronize()
-            return launch(graph)
-        return run
-
     sized_cases = {f"copies_of_{mib:g}MiB_after_waiting_for_an_idle_gpu": (mib, graph)
                    for mib, graph in by_size.items()}
-    conditions = {"right_after_another_launch": after_launch, "after_waiting_for_an_idle_gpu": after_idle,
+    conditions = {"right_after_another_launch": after_launch, "after_waiting_for_an_idle_gpu": after_idle(g),
                   **{f"after_waiting_{ms}ms_for_the_gpu": after_wait(ms) for ms in COLD_WAITS_MS},
                   **{f"after_waiting_{ms}ms_then_spinning_3ms": after_wait(ms, 3e-3) for ms in COLD_WAITS_MS},
                   "after_the_host_slept_10ms": after_host_sleep,
                   "behind_a_graph_waiting_for_a_host_flag": behind_a_waiting_graph,
-                  **{name: sized(graph) for name, (_, graph) in sized_cases.items()}}
+                  **{name: after_idle(graph) for name, (_, graph) in sized_cases.items()}}
     for fn in conditions.values():  # every launch path warm once
         fn()
     times: dict[str, list[float]] = {name: [] for name in conditions}
