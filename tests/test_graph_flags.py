@@ -7,14 +7,11 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 
 import pytest
 
 from compass_fx.kernels.cuda import graph_flags
-
-KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy", "compass_write_code",
-           "compass_wait_code", "compass_copy_wide", "compass_count", "compass_memset")
-
 
 def _nvrtc() -> ctypes.CDLL:
     try:
@@ -49,10 +46,15 @@ def _compile(source: str, arch: str = "compute_90", *extra: str) -> tuple[int, s
     return result, log.value.decode(), ptx
 
 
-def test_the_captured_calls_kernels_compile_for_hopper():
+def test_the_captured_calls_kernels_compile_for_hopper_in_one_module():
+    """One compile of SOURCE holds every kernel under its own name (``graph_flags._functions``
+    compiles and loads once): each is extern "C", and KERNELS lists them all."""
+    declared = re.findall(r'(extern "C" )?__global__ void (\w+)', graph_flags.SOURCE)
+    assert declared and all(extern for extern, _ in declared), declared
+    assert sorted(name for _, name in declared) == sorted(graph_flags.KERNELS)
     result, log, ptx = _compile(graph_flags.SOURCE)
     assert result == 0, log
-    for name in KERNELS:
+    for name in graph_flags.KERNELS:
         assert f".entry {name}(" in ptx, name
     assert "globaltimer" in ptx and "trap" in ptx  # the bounded wait reads the clock and stops on timeout
 

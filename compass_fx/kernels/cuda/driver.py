@@ -174,10 +174,20 @@ def host_register(addr: int, nbytes: int) -> int:
 
 def load_function(ptx: bytes, name: str) -> int:
     """The handle of kernel ``name`` in the compiled module ``ptx`` (loaded into the current context)."""
-    module, function = _ptr(), _ptr()
+    return load_functions(ptx, (name,))[name]
+
+
+def load_functions(ptx: bytes, names: tuple[str, ...]) -> dict[str, int]:
+    """The handles of kernels ``names`` in the compiled module ``ptx``, loaded once into the current
+    context (one module for all of them: each load is a module of its own in the context)."""
+    module = _ptr()
     check(_lib()["module_load"](ctypes.byref(module), ptx), "cuModuleLoadData")
-    check(_lib()["module_function"](ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
-    return function.value
+    out = {}
+    for name in names:
+        function = _ptr()
+        check(_lib()["module_function"](ctypes.byref(function), module, name.encode()), "cuModuleGetFunction")
+        out[name] = function.value
+    return out
 
 
 def launcher(function: int, args: list, blocks: int = 1, threads: int = 1):

@@ -160,6 +160,10 @@ extern "C" __global__ void compass_wait_flag(const volatile int* flag, const vol
 """
 
 
+KERNELS = ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy", "compass_write_code",
+           "compass_wait_code", "compass_copy_wide", "compass_count", "compass_memset")
+
+
 @lru_cache(maxsize=None)
 def _functions(device_index: int) -> dict[str, int]:
     """The kernels, compiled (NVRTC, through torch) and loaded for ``device_index``'s context."""
@@ -172,13 +176,12 @@ def _functions(device_index: int) -> dict[str, int]:
                            f"(torch >= 2.8 with NVRTC): {e}") from e
     with torch.cuda.device(device_index):
         torch.cuda.current_stream().synchronize()  # the context exists before the driver loads into it
-        out = {}
-        for name in ("compass_bump_epoch", "compass_wait_flag", "compass_set_flag", "compass_copy",
-                     "compass_write_code", "compass_wait_code", "compass_copy_wide", "compass_count",
-                     "compass_memset"):
-            ptx, mangled = _nvrtc_compile(SOURCE, name)
-            out[name] = driver.load_function(ptx, mangled)
-    return out
+        # One compile holds every kernel of SOURCE (each is extern "C" and no template, so NVRTC emits
+        # them all under their own names): compiling once per kernel cost ~50-100 ms each at start.
+        ptx, mangled = _nvrtc_compile(SOURCE, KERNELS[0])
+        if mangled != KERNELS[0]:
+            raise RuntimeError(f"NVRTC named {KERNELS[0]} {mangled!r}: graph_flags.SOURCE's kernels must be extern \"C\"")
+        return driver.load_functions(ptx, KERNELS)
 
 
 def bump(device_index: int, epoch_address: int, last_use_address: int, fence_target_address: int):
