@@ -23,9 +23,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
+
+from harness import cpu_power
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_CALL_LIMIT_S = 600      # the device tool's limit per call
@@ -41,7 +44,9 @@ class Step:
     """One run: ``script`` is a path under benchmarks/ or ``compass-fx``; ``ranks`` > 1 runs it under
     torchrun with that many processes (scripts that spawn their own ranks leave it at 1); ``root``:
     a snapshot of another commit under the repository to run the script from, with that commit's
-    package (``benchmarks/snapshot.py``; empty: this checkout)."""
+    package (``benchmarks/snapshot.py``; empty: this checkout); ``cpus_awake``: the host's cores are
+    kept out of deep idle states while it runs (``harness/cpu_power.py``; the step fails at once
+    where that cannot be done)."""
 
     name: str
     script: str
@@ -50,6 +55,7 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     ranks: int = 1
     root: str = ""
+    cpus_awake: bool = False
 
     def command(self, results: Path) -> list[str]:
         args = [a.replace(RESULTS, str(results)) for a in self.args]
@@ -133,6 +139,24 @@ SNAPSHOT_REVISIONS = {SPLIT_GEMMS: "eafad5d"}
 COLD_PROBE = Step("graph_node_probe-cold", "graph_node_probe.py",
                   ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60)
 W2_STEADY = _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90)
+
+
+def _cpus_awake_ab() -> tuple[Step, ...]:
+    """Issue 27: the same graph's launch after the host slept 10 ms took 68 us against 27-30 right
+    after a wait for an idle GPU, whatever its copies' bytes (64 KiB-16 MiB: 39-43 us): the first
+    fused call after a wait is 2-5x the steady ones.  Is it the cores' deep idle states?  The cold
+    probe and the two- and eight-rank host times, each as the host is and with the cores kept
+    out of deep idle states (``Step.cpus_awake``)."""
+    steps = []
+    for side, awake in (("base", False), ("awake", True)):
+        steps += [Step(f"cold-{side}", "graph_node_probe.py",
+                       ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold-{side}.json"), 40,
+                       cpus_awake=awake),
+                  replace(_host_time(f"host_time-w2-{side}", 2, f"{MACHINE}-wake-w2-{side}-host-pin-mps", 90),
+                          cpus_awake=awake),
+                  replace(_host_time(f"host_time-w8-{side}", 8, f"{MACHINE}-wake-w8-{side}-host-pin-mps", 120),
+                          cpus_awake=awake)]
+    return tuple(steps)
 
 
 def _merge_ab(worlds: str, label: str, deadline_s: int) -> tuple[Step, ...]:
@@ -432,6 +456,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # launch after each kind of wait, the two-rank rows' steady issue times, the merge's A/B at two ranks (its
     # snapshot is made where missing: SNAPSHOT_REVISIONS)
     "h200-first": (COLD_PROBE, W2_STEADY, *_merge_ab("2", "merge-w2-ab", 60)),
+    # Issue 27: whether the cores' deep idle states make the first call after a wait slow
+    "h200-cpus-awake": _cpus_awake_ab(),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
@@ -460,17 +486,27 @@ def run_step(step: Step, out: Path) -> dict:
     with open(logs / f"{step.name}.log", "w") as log:
         log.write(f"$ {' '.join(cmd)}\n# env {step.env}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=step.deadline_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: spawned ranks and torchrun's workers too
-            rc, timed_out = proc.wait(), True
+            with cpu_power.kept_awake() if step.cpus_awake else nullcontext():
+                rc, timed_out = _run_until(cmd, env, log, step.deadline_s)
+        except OSError as e:  # the cores could not be kept awake: the step's condition is missing
+            log.write(f"the cores could not be kept out of deep idle states ({e}): step not run\n")
+            rc, timed_out = None, False
     written = sorted(str(p.relative_to(out)) for p in results.rglob("*")
                      if p.is_file() and before.get(p) != p.stat().st_mtime)
-    return {"step": step.name, "command": cmd, "env": step.env, "rc": rc, "timed_out": timed_out,
-            "deadline_s": step.deadline_s, "seconds": round(time.time() - start, 1), "files": written}
+    return {"step": step.name, "command": cmd, "env": step.env, "cpus_awake": step.cpus_awake, "rc": rc,
+            "timed_out": timed_out, "deadline_s": step.deadline_s, "seconds": round(time.time() - start, 1),
+            "files": written}
+
+
+def _run_until(cmd: list[str], env: dict[str, str], log, deadline_s: int) -> tuple[int, bool]:
+    """(exit status, whether killed): ``cmd`` in its own process group, killed at the deadline."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=deadline_s), False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: spawned ranks and torchrun's workers too
+        return proc.wait(), True
 
 
 def ensure_snapshots(steps: tuple[Step, ...], root: Path = ROOT) -> list[str]:
@@ -505,7 +541,7 @@ def run_batch(name: str, out: Path) -> list[dict]:
         print(f"[{name} {i}/{len(steps)}] {step.name} (deadline {step.deadline_s} s)", flush=True)
         row = run_step(step, out)
         rows.append(row)
-        state = "timed out" if row["timed_out"] else f"rc {row['rc']}"
+        state = "timed out" if row["timed_out"] else "not run" if row["rc"] is None else f"rc {row['rc']}"
         print(f"[{name} {i}/{len(steps)}] {step.name}: {state} in {row['seconds']} s, {len(row['files'])} files",
               flush=True)
         (out / f"batch-{name}.json").write_text(json.dumps({"batch": name, "steps": rows}, indent=1))
@@ -531,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, steps in BATCHES.items():
             print(f"{name} ({sum(s.deadline_s for s in steps)} s of deadlines)")
             for step in steps:
-                print(f"  {step.name}: {' '.join(step.command(Path('OUT/results')))}  {step.env or ''}")
+                awake = "  (cores kept awake)" if step.cpus_awake else ""
+                print(f"  {step.name}: {' '.join(step.command(Path('OUT/results')))}  {step.env or ''}{awake}")
         return 0
     if not args.out:
         p.error("--out (or $OUT) is required")

@@ -93,6 +93,34 @@ def test_runner_kills_a_step_at_its_deadline_and_goes_on(tmp_path, monkeypatch):
     assert (out / "logs" / "quick.log").read_text().startswith("$ ")
 
 
+def test_a_step_runs_with_the_cores_kept_awake_or_not_at_all(tmp_path, monkeypatch):
+    """``cpus_awake``: the step runs while the latency request (0 us) is held, and not at all where it
+    cannot be made; the batch goes on and the summary says which."""
+    from harness import cpu_power
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench.py").write_text("import sys, pathlib\n"
+                                                      "pathlib.Path(sys.argv[2]).write_bytes(pathlib.Path(sys.argv[1]).read_bytes())\n")
+    request = tmp_path / "cpu_dma_latency"
+    request.write_bytes((2_000_000_000).to_bytes(4, "little"))
+    monkeypatch.setattr(device_batches, "ROOT", tmp_path)
+    monkeypatch.setattr(cpu_power, "PM_QOS", request)
+    seen = f"{device_batches.RESULTS}/seen.bin"
+    steps = (Step("held", "bench.py", (str(request), seen), 30, cpus_awake=True),
+             Step("missing", "bench.py", (str(request), seen), 30, cpus_awake=True))
+    monkeypatch.setitem(BATCHES, "probe", steps[:1])
+    rows = device_batches.run_batch("probe", tmp_path / "out")
+    assert rows[0]["rc"] == 0 and rows[0]["cpus_awake"] is True
+    assert (tmp_path / "out" / "results" / "seen.bin").read_bytes() == (0).to_bytes(4, "little")
+
+    monkeypatch.setattr(cpu_power, "PM_QOS", tmp_path / "no" / "such" / "device")
+    monkeypatch.setitem(BATCHES, "probe", (steps[1], Step("after", "bench.py", (str(request), seen), 30)))
+    rows = device_batches.run_batch("probe", tmp_path / "out2")
+    assert rows[0]["rc"] is None and rows[0]["files"] == [] and rows[1]["rc"] == 0
+    assert "step not run" in (tmp_path / "out2" / "logs" / "missing.log").read_text()
+    assert device_batches.main(["probe", "--out", str(tmp_path / "out3")]) == 1
+
+
 def test_a_step_runs_from_the_snapshot_it_names(tmp_path):
     """A step with ``root`` runs its script from that snapshot, whose harness imports the snapshot's
     package (benchmarks/snapshot.py); without one, from this checkout."""

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import NO_MULTICAST_ENV, RESULTS, ROOT
+from . import NO_MULTICAST_ENV, RESULTS, ROOT, cpu_power
 from .ranks import Ctx
 
 # Said by the launcher when a rank died tearing down after its work was done; recorded with the results.
@@ -68,6 +68,7 @@ def environment(dry_run: bool) -> dict:
         "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT",
                                            "CUDA_DEVICE_MAX_CONNECTIONS")},
         "teardown_warnings": list(TEARDOWN_WARNINGS),
+        "cpu_power": cpu_power.state(),  # a host time depends on how deep the cores may sleep
     }
     if not dry_run and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
