@@ -147,16 +147,14 @@ def _cpus_awake_ab() -> tuple[Step, ...]:
     fused call after a wait is 2-5x the steady ones.  Is it the cores' deep idle states?  The cold
     probe and the two- and eight-rank host times, each as the host is and with the cores kept
     out of deep idle states (``Step.cpus_awake``)."""
-    steps = []
-    for side, awake in (("base", False), ("awake", True)):
-        steps += [Step(f"cold-{side}", "graph_node_probe.py",
-                       ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold-{side}.json"), 40,
-                       cpus_awake=awake),
-                  replace(_host_time(f"host_time-w2-{side}", 2, f"{MACHINE}-wake-w2-{side}-host-pin-mps", 90),
-                          cpus_awake=awake),
-                  replace(_host_time(f"host_time-w8-{side}", 8, f"{MACHINE}-wake-w8-{side}-host-pin-mps", 120),
-                          cpus_awake=awake)]
-    return tuple(steps)
+    sides = (("base", False), ("awake", True))
+    cold = tuple(Step(f"cold-{side}", "graph_node_probe.py",
+                      ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold-{side}.json"), 40,
+                      cpus_awake=awake) for side, awake in sides)
+    host = tuple(replace(_host_time(f"host_time-w{world}-{side}", world, f"{MACHINE}-wake-w{world}-{side}-host-pin-mps",
+                                    deadline_s), cpus_awake=awake)
+                 for world, deadline_s in ((2, 90), (8, 120)) for side, awake in sides)
+    return cold + host  # each question's two sides one after the other, the shortest first
 
 
 def _merge_ab(worlds: str, label: str, deadline_s: int) -> tuple[Step, ...]:
