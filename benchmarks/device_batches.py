@@ -45,8 +45,8 @@ class Step:
     torchrun with that many processes (scripts that spawn their own ranks leave it at 1); ``root``:
     a snapshot of another commit under the repository to run the script from, with that commit's
     package (``benchmarks/snapshot.py``; empty: this checkout); ``cpus_awake``: the host's cores are
-    kept out of deep idle states while it runs (``harness/cpu_power.py``; the step fails at once
-    where that cannot be done)."""
+    kept out of deep idle states while it runs (``harness/cpu_power.py``; where that cannot be
+    done, the step is not run)."""
 
     name: str
     script: str
