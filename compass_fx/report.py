@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .cost.decision import strategy_label
+from .cost.layer import format_seconds
 
 
 @dataclass
@@ -92,12 +93,6 @@ class Report:
         return format_report(self)
 
 
-def _fmt_seconds(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
-
-
 def format_report(report: Report) -> str:
     """A readable table: one row per pair, then the collectives left alone and why."""
     header = ("graph", "collective", "kind", "dim", "m x n x k", "group", "decision", "status", "why")
@@ -131,7 +126,7 @@ def format_report(report: Report) -> str:
         lines.append(f"cost model constants: {', '.join(calibrations)}")
     for p in report.pairs:
         if len(p.candidates) > 1 and any(c.get("seconds") is not None for c in p.candidates):
-            cands = ", ".join(f"{c['label']}={_fmt_seconds(c.get('seconds'))}" for c in p.candidates)
+            cands = ", ".join(f"{c['label']}={format_seconds(c.get('seconds'))}" for c in p.candidates)
             d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
             lines.append(f"candidates {p.graph}/{p.collective}{d_star}: {cands}")
     for p in report.pairs:
