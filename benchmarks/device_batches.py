@@ -456,6 +456,13 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     "h200-first": (COLD_PROBE, W2_STEADY, *_merge_ab("2", "merge-w2-ab", 60)),
     # Issue 27: whether the cores' deep idle states make the first call after a wait slow
     "h200-cpus-awake": _cpus_awake_ab(),
+    # Issue 27 asks for little host work "for every schedule": the cost model picks the ring and the double
+    # ring too where GPUs reach each other (the peer transport; host-staged runs "direct" alone), and only
+    # "direct" was timed; one run each at worlds 2, 4, 8, "direct" in the same call as the baseline
+    "h200-peer-schedules": tuple(
+        _host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}-peer-pin-mps", 170,
+                   extra=("--transport", "peer", "--schedule", schedule))
+        for schedule in ("ring", "double_ring", "direct")),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),

@@ -200,7 +200,8 @@ def _graph_nodes(ws, a, b, outs: list, gathered) -> dict:
     return kinds
 
 
-def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a, b, rounds: int) -> dict:
+def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a, b, rounds: int,
+              schedule: str = "direct") -> dict:
     """Where a replayed call's host microseconds go, without a profiler's overhead: forms timed in
     turns (every rank runs the same sequence: launches are collective).  ``call``: the ``.graph``
     call; ``alloc_launch``: the same outputs allocated, the epoch raised and the call's replay
@@ -215,7 +216,7 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     ws = _workspace_of(op, rows)
     if ws is None or ws.progress is None:
         return {"error": "no single replaying workspace with a progress count"}
-    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, world)
+    args = ([b] if op == "all_gather_matmul" else b, schedule, group_name, world)
     graph_op = getattr(torch.ops.compass, op).graph
     out_rows = {"all_gather_matmul": rows * world, "matmul_reduce_scatter": rows // world,
                 "matmul_all_reduce": rows}[op]
@@ -272,7 +273,7 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
 
 
 def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_name: str, rounds: int,
-            profile: bool = False, split: bool = False) -> dict:
+            profile: bool = False, split: bool = False, schedule: str = "direct") -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
@@ -284,7 +285,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
     direct = getattr(cuda, op)
-    args = ([b] if op == "all_gather_matmul" else b, "direct", group_name, world)
+    args = ([b] if op == "all_gather_matmul" else b, schedule, group_name, world)
     graph_op = through_op.graph
 
     def checked(name: str, fn) -> float:
@@ -352,7 +353,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
     if split:  # the same, without a profiler: forms timed in turns
-        res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds)
+        res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds, schedule)
         dist.barrier()
     res["replayed_calls"] = replay.stats["replayed"] - before["replayed"]
     res["fast_path_calls"] = replay.stats.get("lane", 0) - before.get("lane", 0)
@@ -361,20 +362,20 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
     host = os.environ["COMPASS_FUSED_TRANSPORT"] == "host"
-    plans = call_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host, piece_bytes=host_piece_bytes(),
+    plans = call_plans(op, schedule, world, rank, rows, cols, 1, 2, host=host, piece_bytes=host_piece_bytes(),
                        most_pieces=host_most_pieces_setting())
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
             counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
     res["commands"] = counts
-    res["plan_digest"] = plan_digest(plans + graph_plans(op, "direct", world, rank, rows, cols, 1, 2, host=host,
+    res["plan_digest"] = plan_digest(plans + graph_plans(op, schedule, world, rank, rows, cols, 1, 2, host=host,
                                                          piece_bytes=host_piece_bytes(),
                                                          most_pieces=host_most_pieces_setting()))
     m = rows * world if op == "all_gather_matmul" else rows
     w = Workload(op, m, n, k, "bfloat16", world)
     topo = Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8")
-    res["model_us"] = fused_host_seconds(w, topo, "direct") * 1e6
+    res["model_us"] = fused_host_seconds(w, topo, schedule) * 1e6
     return res
 
 
@@ -392,7 +393,8 @@ def pin(rank: int) -> list[int]:
 
 
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
-           pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None) -> None:
+           pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None,
+           schedule: str = "direct") -> None:
     cpus = pin(rank) if pinned else []
     if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
         torch._C._set_sm_carveout_experimental(carveout)
@@ -406,7 +408,7 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
     payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus}
     for case in cases or CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
-                      profile and case in (CASES[0], CASES[4]), split)
+                      profile and case in (CASES[0], CASES[4]), split, schedule)
         payload["rows"].append(row)
         if rank == 0:
             print(f"world {world} {row['op']} rows={row['rows']}: {row['host_us_graph']:.0f} us per call through "
@@ -426,7 +428,7 @@ def markdown(payload: dict) -> str:
              "Host microseconds of one fused call (ranks sharing one GPU, "
              + ("peer transport: each other's buffers of the GPU mapped with CUDA IPC, device-to-device copies"
                 if payload.get("transport") == "peer" else "host-staged transport") + ", schedule "
-             "direct, bf16); median of 15 rounds (9 beyond two ranks) of 4 calls issued after the device went "
+             + payload.get("schedule", "direct") + ", bf16); median of 15 rounds (9 beyond two ranks) of 4 calls issued after the device went "
              "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
              "recur; issued from C by the host fast path, compass_fx/kernels/cuda/lane.cpp, once its graph "
@@ -557,12 +559,19 @@ def main(argv=None) -> int:
                    help="how the ranks meet: pinned host memory (default) or each other's GPU buffers (CUDA IPC)")
     p.add_argument("--carveout", type=int, default=0,
                    help="SMs every rank's cuBLAS GEMMs leave free (torch._C._set_sm_carveout_experimental)")
+    from compass_fx.kernels.schedules import SCHEDULES
+
+    p.add_argument("--schedule", choices=SCHEDULES, default="direct",
+                   help="the fused calls' schedule (the host-staged transport runs only 'direct' in rewritten graphs)")
     p.add_argument("--ops", default="",
                    help="only these operators' cases, comma-separated (e.g. all_gather_matmul); default: all")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     cases = selected_cases(args.ops)
+    if args.transport == "host" and args.schedule != "direct":
+        p.error("--schedule: the host-staged transport runs only 'direct' in rewritten graphs (cost.select); "
+                "measure the others with --transport peer")
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_time needs a CUDA GPU (the host time measured is the CUDA path's)")
     payload = {"launch_us": {}, "rows": [], "benchmark": NAME, "tag": args.tag,
@@ -570,6 +579,7 @@ def main(argv=None) -> int:
     if args.carveout:
         payload["settings"]["sm_carveout"] = args.carveout
     payload["transport"] = args.transport
+    payload["schedule"] = args.schedule
     if args.ops:
         payload["ops"] = args.ops
     from compass_fx.kernels.cuda import replay
@@ -585,7 +595,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
-                                   args.pin, args.carveout, args.transport, cases), nprocs=world)
+                                   args.pin, args.carveout, args.transport, cases, args.schedule), nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
         payload.setdefault("rank0_cpus", {})[world] = got["cpus"]

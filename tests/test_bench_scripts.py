@@ -453,6 +453,24 @@ def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
         fused_host_time.selected_cases("all_gather")
 
 
+def test_fused_host_time_measures_a_schedule_the_transport_runs(capsys):
+    """``--schedule``: the peer transport's calls may run any schedule (the cost model chooses among
+    them there); the host-staged transport runs only "direct" in rewritten graphs, so asking it for
+    another is an error before any GPU is needed; a result says which schedule it timed."""
+    fused_host_time = _bench("fused_host_time")
+    with pytest.raises(SystemExit):
+        fused_host_time.main(["--schedule", "ring"])
+    assert "host-staged transport runs only 'direct'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        fused_host_time.main(["--schedule", "triple_ring", "--transport", "peer"])
+    row = {"world": 2, "op": "matmul_all_reduce", "rows": 512, "k": 7168, "n": 4096, "commands": {"Matmul": 2},
+           "host_us_graph": 30.0, "model_us": 40.0}
+    for schedule, said in (("double_ring", "schedule double_ring"), (None, "schedule direct")):
+        payload = {"tag": "t", "transport": "peer", "launch_us": {}, "rows": [row],
+                   **({"schedule": schedule} if schedule else {})}
+        assert said + ", bf16" in fused_host_time.markdown(payload)
+
+
 def test_the_fit_prices_each_two_rank_all_reduce_run_with_the_plan_it_captured():
     """``fit_model_constants`` rebuilds a run's two-rank host-staged all-reduce from the commands it
     recorded: a run of the one-round plan (before or after its slot reuse added events) as today's
