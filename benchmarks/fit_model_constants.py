@@ -195,9 +195,14 @@ def _run_most_pieces(run: dict, world: int) -> int:
     return setting or max(2, min(8, 16 // world))
 
 
-def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
+REPLAY_COLUMNS = ("host_us_graph", "host_us_steady")
+
+
+def fit_replay(runs: dict[str, dict], world: int = 2, column: str = "host_us_graph") -> dict:
     """The replayed fused call's host constants fitted to ``fused_host_time.py`` runs (name ->
-    payload): the ``.graph`` host time of each case at ``world`` ranks, scaled by its run's launch
+    payload): the ``.graph`` host time of each case at ``world`` ranks (``column``: or the steady
+    one, each call issued while the ones before it run, as a step issues them: what a host that
+    sets the pace pays per call; the first call after a wait for the GPU costs 2-5x), scaled by its run's launch
     speed (the median over command kinds of the run's launch alone / the runs' median launch of
     that kind: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
     fitted by least squares as per-call + per-slow-node * slow nodes (a run's transport: its
@@ -213,8 +218,10 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
         most = _run_most_pieces(run, world)
-        points += [(_slow_nodes(r, world, host, batched, most), r["host_us_graph"] / speed, "host" if host else "peer")
-                   for r in run["rows"] if r["world"] == world and r.get("host_us_graph")]
+        points += [(_slow_nodes(r, world, host, batched, most), r[column] / speed, "host" if host else "peer")
+                   for r in run["rows"] if r["world"] == world and r.get(column)]
+    if len(points) < 2:
+        raise SystemExit(f"fit_replay: {len(points)} case(s) with {column} at world {world} in {list(runs)}")
     n = len(points)
     mean_x = statistics.fmean(x for x, _, _ in points)
     mean_y = statistics.fmean(y for _, y, _ in points)
@@ -223,7 +230,7 @@ def fit_replay(runs: dict[str, dict], world: int = 2) -> dict:
     call_us, node_us = round(mean_y - slope * mean_x), round(slope, 2)
     ratio = {t: sorted((call_us + node_us * x) / y for x, y, tt in points if tt == t) for t in ("host", "peer")}
     errors = sorted(abs((call_us + node_us * x) / y - 1) for x, y, _ in points)
-    return {"runs": list(runs), "world": world, "points": n, "call_us": call_us, "node_us": node_us,
+    return {"runs": list(runs), "world": world, "column": column, "points": n, "call_us": call_us, "node_us": node_us,
             "launch_us": reference, "median_error": statistics.median(errors),
             "p90_error": errors[int(0.9 * (n - 1))],
             "median_priced_over_measured": {t: r[len(r) // 2] for t, r in ratio.items() if r}}
@@ -246,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="h200x2")
     p.add_argument("--replay-runs", default=",".join(REPLAY_RUNS),
                    help="fused_host_time JSON files (under --host-results) the replay constants are fitted to")
+    p.add_argument("--replay-column", choices=REPLAY_COLUMNS, default="host_us_graph",
+                   help="the runs' host time the replay constants are fitted to: each call after a wait for the "
+                        "GPU (.graph), or issued while the ones before it run (steady)")
     p.add_argument("--host-results", default=str(output.RESULTS / "fused_host_time"),
                    help="where the fused_host_time runs are")
     p.add_argument("--replay-constants", default=None, metavar="CALL_US,NODE_US,LAUNCH_JSON",
@@ -254,7 +264,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
     replay_fit = fit_replay({name: json.loads((Path(args.host_results) / name).read_text())
-                             for name in args.replay_runs.split(",")})
+                             for name in args.replay_runs.split(",")}, column=args.replay_column)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
     # the grids repriced as the code prices now: eager fused calls replayed from captured graphs
@@ -288,7 +298,7 @@ def main(argv=None) -> int:
              "them)", "", output.markdown_table(call_rows, columns), "",
              f"## The replayed call's host constants: **{replay_fit['call_us']} us + {replay_fit['node_us']} us "
              "per slow node** (a copy to or from host memory, or a stream wait, in its replay graph; least squares "
-             f"over the `.graph` host times of {replay_fit['points']} cases at {replay_fit['world']} ranks sharing "
+             f"over the `{replay_fit['column']}` host times of {replay_fit['points']} cases at {replay_fit['world']} ranks sharing "
              f"one H200, each run scaled to the runs' median launches; median error {replay_fit['median_error']:.1%}, "
              f"p90 {replay_fit['p90_error']:.1%}; priced / measured, median: "
              + ", ".join(f"{t} {v:.2f}" for t, v in replay_fit["median_priced_over_measured"].items()) + ")", "",

@@ -212,6 +212,24 @@ def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
     assert why == f"decompose(d=4) not applied by the compiler: {outcome}"
 
 
+def test_the_replay_fit_takes_the_column_it_is_asked_for():
+    """``fit_replay(column=...)``: the line through the cases' host times of that column (each run
+    scaled by its launches), and a clear error where the runs lack it (runs before the steady column)."""
+    fit = _bench("fit_model_constants")
+    launch = {"2": {"Copy": 8.0, "Matmul": 16.0, "WaitFlag": 4.0}}
+    rows = [{"world": 2, "op": "matmul_reduce_scatter", "rows": rows, "k": 7168, "n": 4096,
+             "host_us_graph": 99.0, "host_us_steady": None} for rows in (512, 8192)]
+    slow = [fit._slow_nodes(r, 2, True, True, fit._run_most_pieces({}, 2)) for r in rows]
+    assert slow[0] < slow[1]
+    for r, x in zip(rows, slow):
+        r["host_us_steady"] = 10.0 + 3.0 * x
+    got = fit.fit_replay({"a": {"launch_us": launch, "rows": rows, "replay_waits": "batch"}}, column="host_us_steady")
+    assert (got["call_us"], got["node_us"], got["column"]) == (10, 3.0, "host_us_steady")
+    with pytest.raises(SystemExit, match="host_us_steady"):
+        fit.fit_replay({"a": {"launch_us": launch, "rows": [dict(r, host_us_steady=None) for r in rows]}},
+                       column="host_us_steady")
+
+
 def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path):
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
