@@ -13,15 +13,25 @@ and the batch goes on), writes each step's output to ``OUT/logs/<step>.log``, le
 its results under ``OUT/results`` and ends with ``OUT/batch-<name>.json``: per step the command,
 exit status, seconds and the files it wrote.  ``tests/test_device_batches.py`` parses every step's
 arguments with its script's own parser, so a plan cannot rot while the scripts change.
+
+``--pack``: OUT holds one file, ``batch-<name>.tgz`` (the logs, results and summary under
+``batch-<name>/``), rewritten after every step: the device tool brings back at most 8 files, and a
+batch writes two per result and one log per step (a first call of 2026-12-05 lost 11 of its files
+so), and a call cut short still brings back every step done.
+
+    python benchmarks/device_batches.py h200-first --out "$OUT" --pack
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -536,21 +546,40 @@ def ensure_snapshots(steps: tuple[Step, ...], root: Path = ROOT) -> list[str]:
     return problems
 
 
-def run_batch(name: str, out: Path) -> list[dict]:
+def run_batch(name: str, out: Path, pack: bool = False) -> list[dict]:
+    """Run batch ``name``'s steps one after another into ``out`` (``pack``: into a folder beside it,
+    packed into ``out/batch-<name>.tgz`` after every step)."""
     steps = BATCHES[name]
     check_batch(steps)
     for problem in ensure_snapshots(steps):
         print(f"[{name}] {problem}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix=f"batch-{name}-")) / f"batch-{name}" if pack else out
     rows = []
-    for i, step in enumerate(steps, 1):
-        print(f"[{name} {i}/{len(steps)}] {step.name} (deadline {step.deadline_s} s)", flush=True)
-        row = run_step(step, out)
-        rows.append(row)
-        state = "timed out" if row["timed_out"] else "not run" if row["rc"] is None else f"rc {row['rc']}"
-        print(f"[{name} {i}/{len(steps)}] {step.name}: {state} in {row['seconds']} s, {len(row['files'])} files",
-              flush=True)
-        (out / f"batch-{name}.json").write_text(json.dumps({"batch": name, "steps": rows}, indent=1))
+    try:
+        for i, step in enumerate(steps, 1):
+            print(f"[{name} {i}/{len(steps)}] {step.name} (deadline {step.deadline_s} s)", flush=True)
+            row = run_step(step, work)
+            rows.append(row)
+            state = "timed out" if row["timed_out"] else "not run" if row["rc"] is None else f"rc {row['rc']}"
+            print(f"[{name} {i}/{len(steps)}] {step.name}: {state} in {row['seconds']} s, {len(row['files'])} files",
+                  flush=True)
+            (work / f"batch-{name}.json").write_text(json.dumps({"batch": name, "steps": rows}, indent=1))
+            if pack:
+                pack_folder(work, out / f"batch-{name}.tgz")
+    finally:
+        if pack:
+            shutil.rmtree(work.parent, ignore_errors=True)
     return rows
+
+
+def pack_folder(folder: Path, archive: Path) -> None:
+    """``folder`` as a gzipped tar at ``archive``, its entries under the folder's name; written
+    beside and renamed into place, so that a call cut short leaves the last whole archive."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(folder, arcname=folder.name)
+    os.replace(partial, archive)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("batch", nargs="?", choices=sorted(BATCHES))
     p.add_argument("--out", default=os.environ.get("OUT"), help="where logs and results go (default $OUT)")
     p.add_argument("--list", action="store_true", help="print the batches and their steps")
+    p.add_argument("--pack", action="store_true",
+                   help="leave one file in --out, batch-<name>.tgz, rewritten after every step (the device tool "
+                        "brings back at most 8 files)")
     p.add_argument("--snapshots-only", action="store_true",
                    help="make the snapshots the batch runs from, where missing, and stop (before a device call)")
     args = p.parse_args(argv)
@@ -577,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         p.error("--out (or $OUT) is required")
-    rows = run_batch(args.batch, Path(args.out))
+    rows = run_batch(args.batch, Path(args.out), pack=args.pack)
     return 0 if all(r["rc"] == 0 and not r["timed_out"] for r in rows) else 1
 
 

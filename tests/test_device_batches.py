@@ -93,6 +93,38 @@ def test_runner_kills_a_step_at_its_deadline_and_goes_on(tmp_path, monkeypatch):
     assert (out / "logs" / "quick.log").read_text().startswith("$ ")
 
 
+def test_a_packed_batch_leaves_one_archive_rewritten_after_every_step(tmp_path, monkeypatch):
+    """``--pack``: OUT holds batch-<name>.tgz alone (the device tool brings back at most 8 files);
+    while a step runs, the archive already holds every step before it (a call cut short keeps
+    them), and the working folder is gone at the end."""
+    import tarfile
+
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench.py").write_text(
+        "import sys, tarfile, pathlib\n"
+        "archive = pathlib.Path(sys.argv[1])\n"
+        "names = sorted(tarfile.open(archive).getnames()) if archive.exists() else []\n"
+        "pathlib.Path(sys.argv[2]).write_text('\\n'.join(names))\n")
+    monkeypatch.setattr(device_batches, "ROOT", tmp_path)
+    out = tmp_path / "out"
+    archive = out / "batch-probe.tgz"
+    steps = (Step("first", "bench.py", (str(archive), f"{device_batches.RESULTS}/first.txt"), 30),
+             Step("second", "bench.py", (str(archive), f"{device_batches.RESULTS}/second.txt"), 30))
+    monkeypatch.setitem(BATCHES, "probe", steps)
+    assert device_batches.main(["probe", "--out", str(out), "--pack"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["batch-probe.tgz"]
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        seen_by_second = tar.extractfile("batch-probe/results/second.txt").read().decode().split("\n")
+        summary = json.loads(tar.extractfile("batch-probe/batch-probe.json").read())
+    assert {"batch-probe/logs/first.log", "batch-probe/logs/second.log", "batch-probe/results/first.txt",
+            "batch-probe/results/second.txt", "batch-probe/batch-probe.json"} <= names
+    assert "batch-probe/results/first.txt" in seen_by_second and "batch-probe/logs/second.log" not in seen_by_second
+    assert [r["step"] for r in summary["steps"]] == ["first", "second"]
+    assert summary["steps"][1]["files"] == ["results/second.txt"]
+    assert not list(Path(device_batches.tempfile.gettempdir()).glob("batch-probe-*"))
+
+
 def test_a_step_runs_with_the_cores_kept_awake_or_not_at_all(tmp_path, monkeypatch):
     """``cpus_awake``: the step runs while the latency request (0 us) is held, and not at all where it
     cannot be made; the batch goes on and the summary says which."""
