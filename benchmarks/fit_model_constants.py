@@ -144,15 +144,16 @@ def _replay_priced(call_s: float, node_s: float, launch_s: dict[str, float]):
         strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S, strategies._REPLAY_FITTED_LAUNCH_S = real
 
 
-def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pieces: int = 0) -> int:
+def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pieces: int = 0,
+                schedule: str = "direct") -> int:
     """The slow nodes (:func:`compass_fx.cost.strategies.replay_slow_nodes`) of one case's replay
-    graphs, rank 0's plans as the model prices them (``batched_waits``, ``most_pieces``: as the run
-    captured and cut them)."""
+    graphs, rank 0's plans as the model prices them (``batched_waits``, ``most_pieces``, ``schedule``:
+    as the run captured, cut and scheduled them)."""
     from compass_fx.cost.strategies import replay_slow_nodes
     from compass_fx.kernels.issue_order import call_plans
 
     cols = row["k"] if row["op"] == "all_gather_matmul" else row["n"]
-    plans = call_plans(row["op"], "direct", world, 0, row["rows"], cols, 1, 2, host=host, most_pieces=most_pieces)
+    plans = call_plans(row["op"], schedule, world, 0, row["rows"], cols, 1, 2, host=host, most_pieces=most_pieces)
     if row["op"] == "matmul_all_reduce" and host and world == 2 and row.get("commands") is not None \
             and _census(plans) != _census_of(row["commands"]):
         plans = (_reduce_scatter_then_gather(row["rows"], cols, most_pieces),)  # what runs before 2026-12-04 captured
@@ -218,7 +219,8 @@ def fit_replay(runs: dict[str, dict], world: int = 2, column: str = "host_us_gra
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
         most = _run_most_pieces(run, world)
-        points += [(_slow_nodes(r, world, host, batched, most), r[column] / speed, "host" if host else "peer")
+        schedule = run.get("schedule", "direct")  # runs before fused_host_time --schedule timed "direct"
+        points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed, "host" if host else "peer")
                    for r in run["rows"] if r["world"] == world and r.get(column)]
     if len(points) < 2:
         raise SystemExit(f"fit_replay: {len(points)} case(s) with {column} at world {world} in {list(runs)}")

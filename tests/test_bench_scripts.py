@@ -228,6 +228,10 @@ def test_the_replay_fit_takes_the_column_it_is_asked_for():
     with pytest.raises(SystemExit, match="host_us_steady"):
         fit.fit_replay({"a": {"launch_us": launch, "rows": [dict(r, host_us_steady=None) for r in rows]}},
                        column="host_us_steady")
+    # a run of another schedule (fused_host_time --schedule, peer transport) is priced with its plans
+    ring, direct = (fit._slow_nodes(dict(rows[1], op="all_gather_matmul", k=4096, n=7168), 4, False, True, 0, s)
+                    for s in ("double_ring", "direct"))
+    assert ring > direct
 
 
 def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path):
