@@ -35,6 +35,17 @@ def test_the_state_lists_idle_states_shallowest_first_with_governor_and_request(
                    "governor": "powersave", "latency_request_us": cpu_power.NO_REQUEST_US}
 
 
+def test_odd_sysfs_contents_read_as_unknown_rather_than_failing_a_run(tmp_path):
+    """A result's environment is written after its run: a state whose latency is unreadable, or a
+    folder named oddly, must not fail it."""
+    cpus = _cpu_tree(tmp_path / "cpu")
+    (cpus / "cpu0" / "cpuidle" / "state1" / "latency").write_text("n/a\n")
+    (cpus / "cpu0" / "cpuidle" / "stateX").mkdir()
+    states = cpu_power.idle_states(0, cpus)
+    assert [s["name"] for s in states] == ["POLL", "C1", "C6", None]
+    assert states[1]["exit_latency_us"] is None and states[2]["exit_latency_us"] == 170
+
+
 def test_a_host_without_sysfs_or_the_device_reads_as_unknown(tmp_path):
     assert cpu_power.state(tmp_path / "none", tmp_path / "none" / "dev") == {
         "idle_states": None, "governor": None, "latency_request_us": None}

@@ -32,9 +32,10 @@ def idle_states(cpu: int = 0, cpus: Path | None = None) -> list[dict] | None:
     if not folder.is_dir():
         return None
     states = []
-    for state in sorted(folder.glob("state*"), key=lambda p: int(p.name[5:])):
+    for state in sorted(folder.glob("state*"), key=lambda p: (len(p.name), p.name)):  # state2 before state10
         latency = _read(state / "latency")
-        states.append({"name": _read(state / "name"), "exit_latency_us": int(latency) if latency else None,
+        states.append({"name": _read(state / "name"),
+                       "exit_latency_us": int(latency) if latency and latency.isdigit() else None,
                        "disabled": _read(state / "disable") == "1"})
     return states
 
