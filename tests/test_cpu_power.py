@@ -57,6 +57,13 @@ def test_the_request_is_zero_while_held(tmp_path):
         assert cpu_power.latency_request_us(request) == 0
 
 
+def test_a_request_that_does_not_take_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_power, "latency_request_us", lambda path=None: 100)
+    with pytest.raises(OSError, match="100 us is in force"):
+        with cpu_power.kept_awake(tmp_path / "cpu_dma_latency"):
+            raise AssertionError("the block ran without the request in force")
+
+
 def test_a_request_that_cannot_be_made_raises(tmp_path):
     ran = []
     with pytest.raises(FileNotFoundError):

@@ -62,6 +62,10 @@ def kept_awake(pm_qos: Path | None = None) -> Iterator[None]:
     """Keep every core out of idle states slower than 0 us to leave while the block runs (a PM QoS
     request, dropped when the file closes).  Raises OSError where the request cannot be made (no
     such device, not root): a run meant to hold it must not silently run without it."""
-    with open(pm_qos or PM_QOS, "wb", buffering=0) as request:
+    path = pm_qos or PM_QOS
+    with open(path, "wb", buffering=0) as request:
         request.write(struct.pack("<i", 0))
+        in_force = latency_request_us(path)
+        if in_force is not None and in_force != 0:  # the kernel took the write but another bound rules
+            raise OSError(f"{path}: a request of 0 us was written but {in_force} us is in force")
         yield
