@@ -28,7 +28,8 @@
 * ``cold``: host us of one launch of the same graph (8 copies to host memory, each followed by a
   flag kernel, and 8 kernels: a host-staged call's publications) after different things: right
   after another launch, after a wait for an idle GPU, after a wait of 1, 3 or 10 ms for a busy
-  one (with and without 3 ms of spinning after it), after the host slept 10 ms, behind a graph on
+  one (with and without 3 ms of spinning after it; or 10 ms polling an event from Python instead of
+  the driver's wait), after 10 ms of spinning with the GPU idle, after the host slept 10 ms, behind a graph on
   its stream held by a wait for a host flag (as a call waiting for its peer); and the same graph
   with copies of 64 KiB, 4 and 16 MiB instead of 1 MiB, after a wait for an idle GPU.  Does a
   launch cost what its graph holds, the bytes its copies move, or also what the host did before
@@ -833,6 +834,24 @@ def cold_section(rounds: int = 15) -> list[dict]:
         time.sleep(10e-3)
         return launch(g)
 
+    def after_polling(ms: float):  # the host busy in Python for the whole wait, not in the driver's
+        def run():
+            torch.cuda.synchronize()
+            done = torch.cuda.Event()
+            torch.cuda._sleep(int(ms * 1e-3 * SLEEP_CYCLES_PER_S))
+            done.record()
+            while not done.query():
+                pass
+            return launch(g)
+        return run
+
+    def after_spinning(ms: float):  # the GPU idle the whole time, the host busy: the GPU's state or the host's?
+        def run():
+            torch.cuda.synchronize()
+            spin(ms * 1e-3)
+            return launch(g)
+        return run
+
     # a graph on the same stream held by a stream wait on a host word, as a call waiting for its peer is
     _, word_tensor, word = host_buffer(4096)
     released = word_tensor.view(torch.int32)
@@ -853,6 +872,8 @@ def cold_section(rounds: int = 15) -> list[dict]:
                   **{f"after_waiting_{ms}ms_for_the_gpu": after_wait(ms) for ms in COLD_WAITS_MS},
                   **{f"after_waiting_{ms}ms_then_spinning_3ms": after_wait(ms, 3e-3) for ms in COLD_WAITS_MS},
                   "after_the_host_slept_10ms": after_host_sleep,
+                  "after_polling_10ms_for_the_gpu": after_polling(10),
+                  "after_spinning_10ms_the_gpu_idle": after_spinning(10),
                   "behind_a_graph_waiting_for_a_host_flag": behind_a_waiting_graph,
                   **{name: after_idle(graph) for name, (_, graph) in sized_cases.items()}}
     for fn in conditions.values():  # every launch path warm once
