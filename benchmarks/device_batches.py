@@ -145,9 +145,17 @@ GUARD_ORDER_AB = (("guard-order", GUARD_ORDER), ("main", ""))
 SPLIT_GEMMS = "scratch/snapshot-split-gemms"  # eafad5d: a GEMM per piece of a reduce-scatter's own block
 # the snapshots a batch can make for itself where they are missing (scratch/ is not committed)
 SNAPSHOT_REVISIONS = {SPLIT_GEMMS: "eafad5d"}
+
+
+def _cold_probe(name: str, label: str, deadline_s: int, cpus_awake: bool = False) -> Step:
+    """``graph_node_probe.py --sections cold`` (one process) into ``graph_node_probe-<gpu>-<label>.json``."""
+    return Step(name, "graph_node_probe.py",
+                ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-{label}.json"), deadline_s,
+                cpus_awake=cpus_awake)
+
+
 # issue 27: the launch after each kind of wait (one process), and the two-rank rows' steady issue times
-COLD_PROBE = Step("graph_node_probe-cold", "graph_node_probe.py",
-                  ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold.json"), 60)
+COLD_PROBE = _cold_probe("graph_node_probe-cold", "cold", 60)
 W2_STEADY = _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90)
 
 
@@ -158,9 +166,7 @@ def _cpus_awake_ab() -> tuple[Step, ...]:
     probe and the two- and eight-rank host times, each as the host is and with the cores kept
     out of deep idle states (``Step.cpus_awake``)."""
     sides = (("base", False), ("awake", True))
-    cold = tuple(Step(f"cold-{side}", "graph_node_probe.py",
-                      ("--sections", "cold", "--out", f"{RESULTS}/graph_node_probe-{MACHINE}-cold-{side}.json"), 40,
-                      cpus_awake=awake) for side, awake in sides)
+    cold = tuple(_cold_probe(f"cold-{side}", f"cold-{side}", 40, awake) for side, awake in sides)
     host = tuple(replace(_host_time(f"host_time-w{world}-{side}", world, f"{MACHINE}-wake-w{world}-{side}-host-pin-mps",
                                     deadline_s), cpus_awake=awake)
                  for world, deadline_s in ((2, 90), (8, 120)) for side, awake in sides)
