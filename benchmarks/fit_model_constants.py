@@ -19,10 +19,11 @@ as in the code) and reports the measures per grid; the best value is the one bes
 together.  ``tests/test_bench_scripts.py`` checks that the code's constants are these values.
 The replayed fused call's host constants (``FUSED_REPLAY_CALL_S``, ``FUSED_REPLAY_SLOW_NODE_S`` and
 the launches alone they were fitted with, ``_REPLAY_FITTED_LAUNCH_S``) are fitted here too, to the
-``.graph`` host times of two ranks sharing one H200 in the committed ``fused_host_time.py`` runs
-(``--replay-runs``, both transports): each run's times scaled to the runs' median launches (the
-median ratio of its launches to those, as a calibration scales the constants), then a
-least-squares line in the replay graph's slow nodes (copies to or from host memory, stream waits).
+steady host times (each call issued while the ones before it run, as a step issues them) of 2, 4
+and 8 ranks sharing one H200 in the committed ``fused_host_time.py`` runs (``--replay-runs``,
+both transports): each run's times at each world scaled to the median launches (the median ratio
+of its launches to those, as a calibration scales the constants), then one least-squares line in
+the replay graph's slow nodes (copies to or from host memory, stream waits).
 Then the grids are repriced as the code prices now: eager fused calls
 replayed from captured CUDA graphs at those constants.
 
@@ -48,10 +49,14 @@ from harness import output  # noqa: E402
 NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
-# the default fused path timed on one H200, ten cases at world 2 each, since replayed calls are issued from C
-# (kernels/cuda/lane.cpp, 2026-12-05): host-staged on two machine starts, the peer transport on the second
-REPLAY_RUNS = ("fused_host_time-h200-lane-w2-breakdown-host-pin-mps.json", "fused_host_time-h200-lane-w2-run2-host-pin-mps.json",
-               "fused_host_time-h200-lane-peer-w2-pin-mps.json")
+# the default fused path timed on one H200 since replayed calls are issued from C (kernels/cuda/lane.cpp),
+# each with the steady column (2026-12-05): two ranks host-staged on two machine starts, four and eight ranks
+# host-staged and on the peer transport
+REPLAY_RUNS = ("fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
+               "fused_host_time-h200-lane-w2-steady-run2-host-pin-mps.json",
+               "fused_host_time-h200-lane-w48-breakdown-host-pin-mps.json",
+               "fused_host_time-h200-lane-peer-w48-pin-mps.json")
+REPLAY_WORLDS = (2, 4, 8)
 
 
 @contextlib.contextmanager
@@ -199,43 +204,56 @@ def _run_most_pieces(run: dict, world: int) -> int:
 REPLAY_COLUMNS = ("host_us_graph", "host_us_steady")
 
 
-def fit_replay(runs: dict[str, dict], world: int = 2, column: str = "host_us_graph") -> dict:
+def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), column: str = "host_us_steady") -> dict:
     """The replayed fused call's host constants fitted to ``fused_host_time.py`` runs (name ->
-    payload): the ``.graph`` host time of each case at ``world`` ranks (``column``: or the steady
-    one, each call issued while the ones before it run, as a step issues them: what a host that
-    sets the pace pays per call; the first call after a wait for the GPU costs 2-5x), scaled by its run's launch
-    speed (the median over command kinds of the run's launch alone / the runs' median launch of
-    that kind: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
+    payload): each case's host time at the ``worlds`` a run measured, in ``column`` (the steady
+    one by default: each call issued while the ones before it run, as a step issues them, what a
+    host that sets the pace pays per call; ``host_us_graph``, each call after a wait for an idle
+    GPU, costs the first call after a wait, 2-5x), scaled by its run's launch speed at that world
+    (the median over command kinds of the launch alone / the median launch of that kind over every
+    run and world: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
     fitted by least squares as per-call + per-slow-node * slow nodes (a run's transport: its
-    ``transport``, host-staged where it names none).  Rounded as the code holds them: the launches
-    to 0.01 us, the call to 1 us, the node to 0.01 us."""
-    launches = {name: run["launch_us"][str(world)] for name, run in runs.items()}
+    ``transport``, host-staged where it names none; its schedule, "direct" where it names none).
+    One line for every world: the replay graph's slow nodes carry what grows with the ranks.
+    Rounded as the code holds them: the launches to 0.01 us, the call to 1 us, the node to 0.01 us."""
+    launches = {(name, world): run["launch_us"][str(world)]
+                for name, run in runs.items() for world in worlds if str(world) in run.get("launch_us", {})}
+    if not launches:
+        raise SystemExit(f"fit_replay: no run of {list(runs)} measured worlds {list(worlds)}")
     kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
     reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
     points = []
-    for name, run in runs.items():
-        ratios = sorted(launches[name][k] / reference[k] for k in kinds)
+    for (name, world), launch in launches.items():
+        run = runs[name]
+        ratios = sorted(launch[k] / reference[k] for k in kinds)
         speed = ratios[len(ratios) // 2]
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
         most = _run_most_pieces(run, world)
         schedule = run.get("schedule", "direct")  # runs before fused_host_time --schedule timed "direct"
-        points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed, "host" if host else "peer")
+        points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed,
+                    "host" if host else "peer", world)
                    for r in run["rows"] if r["world"] == world and r.get(column)]
     if len(points) < 2:
-        raise SystemExit(f"fit_replay: {len(points)} case(s) with {column} at world {world} in {list(runs)}")
+        raise SystemExit(f"fit_replay: {len(points)} case(s) with {column} at worlds {list(worlds)} in {list(runs)}")
     n = len(points)
-    mean_x = statistics.fmean(x for x, _, _ in points)
-    mean_y = statistics.fmean(y for _, y, _ in points)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y, _ in points)
-             / sum((x - mean_x) ** 2 for x, _, _ in points))
+    mean_x = statistics.fmean(p[0] for p in points)
+    mean_y = statistics.fmean(p[1] for p in points)
+    slope = (sum((p[0] - mean_x) * (p[1] - mean_y) for p in points)
+             / sum((p[0] - mean_x) ** 2 for p in points))
     call_us, node_us = round(mean_y - slope * mean_x), round(slope, 2)
-    ratio = {t: sorted((call_us + node_us * x) / y for x, y, tt in points if tt == t) for t in ("host", "peer")}
-    errors = sorted(abs((call_us + node_us * x) / y - 1) for x, y, _ in points)
-    return {"runs": list(runs), "world": world, "column": column, "points": n, "call_us": call_us, "node_us": node_us,
-            "launch_us": reference, "median_error": statistics.median(errors),
-            "p90_error": errors[int(0.9 * (n - 1))],
-            "median_priced_over_measured": {t: r[len(r) // 2] for t, r in ratio.items() if r}}
+
+    def priced_over_measured(keep) -> list[float]:
+        return sorted((call_us + node_us * x) / y for x, y, t, w in points if keep(t, w))
+
+    by_transport = {t: priced_over_measured(lambda tt, w: tt == t) for t in ("host", "peer")}
+    by_world = {str(world): priced_over_measured(lambda t, w: w == world) for world in worlds}
+    errors = sorted(abs(r - 1) for r in priced_over_measured(lambda t, w: True))
+    return {"runs": list(runs), "worlds": [w for w in worlds if by_world[str(w)]], "column": column, "points": n,
+            "call_us": call_us, "node_us": node_us, "launch_us": reference,
+            "median_error": statistics.median(errors), "p90_error": errors[int(0.9 * (n - 1))],
+            "median_priced_over_measured": {t: r[len(r) // 2] for t, r in by_transport.items() if r},
+            "median_priced_over_measured_by_world": {w: r[len(r) // 2] for w, r in by_world.items() if r}}
 
 
 def strategies_replay_call_us() -> float:
@@ -255,9 +273,11 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="h200x2")
     p.add_argument("--replay-runs", default=",".join(REPLAY_RUNS),
                    help="fused_host_time JSON files (under --host-results) the replay constants are fitted to")
-    p.add_argument("--replay-column", choices=REPLAY_COLUMNS, default="host_us_graph",
-                   help="the runs' host time the replay constants are fitted to: each call after a wait for the "
-                        "GPU (.graph), or issued while the ones before it run (steady)")
+    p.add_argument("--replay-column", choices=REPLAY_COLUMNS, default="host_us_steady",
+                   help="the runs' host time the replay constants are fitted to: issued while the ones before it "
+                        "run (steady, as a step issues them), or each call after a wait for the GPU (.graph)")
+    p.add_argument("--replay-worlds", default=",".join(map(str, REPLAY_WORLDS)),
+                   help="the ranks sharing the GPU whose rows the replay constants are fitted to")
     p.add_argument("--host-results", default=str(output.RESULTS / "fused_host_time"),
                    help="where the fused_host_time runs are")
     p.add_argument("--replay-constants", default=None, metavar="CALL_US,NODE_US,LAUNCH_JSON",
@@ -266,7 +286,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
     replay_fit = fit_replay({name: json.loads((Path(args.host_results) / name).read_text())
-                             for name in args.replay_runs.split(",")}, column=args.replay_column)
+                             for name in args.replay_runs.split(",")},
+                            worlds=tuple(int(w) for w in args.replay_worlds.split(",")), column=args.replay_column)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
     # the grids repriced as the code prices now: eager fused calls replayed from captured graphs
@@ -300,10 +321,13 @@ def main(argv=None) -> int:
              "them)", "", output.markdown_table(call_rows, columns), "",
              f"## The replayed call's host constants: **{replay_fit['call_us']} us + {replay_fit['node_us']} us "
              "per slow node** (a copy to or from host memory, or a stream wait, in its replay graph; least squares "
-             f"over the `{replay_fit['column']}` host times of {replay_fit['points']} cases at {replay_fit['world']} ranks sharing "
-             f"one H200, each run scaled to the runs' median launches; median error {replay_fit['median_error']:.1%}, "
-             f"p90 {replay_fit['p90_error']:.1%}; priced / measured, median: "
-             + ", ".join(f"{t} {v:.2f}" for t, v in replay_fit["median_priced_over_measured"].items()) + ")", "",
+             f"over the `{replay_fit['column']}` host times of {replay_fit['points']} cases at "
+             f"{', '.join(map(str, replay_fit['worlds']))} ranks sharing one H200, each run and world scaled to the "
+             f"median launches; median error {replay_fit['median_error']:.1%}, p90 {replay_fit['p90_error']:.1%}; "
+             "priced / measured, median: "
+             + ", ".join(f"{t} {v:.2f}" for t, v in replay_fit["median_priced_over_measured"].items()) + "; by ranks: "
+             + ", ".join(f"{w}: {v:.2f}" for w, v in replay_fit["median_priced_over_measured_by_world"].items())
+             + ")", "",
              f"Runs: {', '.join(replay_fit['runs'])}.  Launches alone the constants hold for (us): "
              + ", ".join(f"{k} {v}" for k, v in replay_fit["launch_us"].items()) + ".", "",
              "## Repriced as the code prices now (eager fused calls replayed from captured graphs: "

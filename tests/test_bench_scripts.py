@@ -238,8 +238,9 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
     were priced with) gives the values in the code; so do the replayed call's host constants,
-    refitted to the committed world-2 ``fused_host_time`` runs of the default path on one H200 (both
-    transports), price neither transport's calls far off (median priced / measured within 0.8-1.25)."""
+    refitted to the steady column of the committed ``fused_host_time`` runs of the default path on one
+    H200 (2, 4 and 8 ranks, both transports), price no transport's and no world's calls far off
+    (median priced / measured within 0.8-1.25)."""
     from compass_fx.cost import strategies
     from compass_fx.machine.gpus import GPUS
 
@@ -252,14 +253,17 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
     replay = fit["replay_fit"]
-    assert replay["runs"] == ["fused_host_time-h200-lane-w2-breakdown-host-pin-mps.json",
-                              "fused_host_time-h200-lane-w2-run2-host-pin-mps.json",
-                              "fused_host_time-h200-lane-peer-w2-pin-mps.json"]  # the runs strategies.py names
-    assert replay["world"] == 2 and replay["points"] == 30
+    assert replay["runs"] == ["fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
+                              "fused_host_time-h200-lane-w2-steady-run2-host-pin-mps.json",
+                              "fused_host_time-h200-lane-w48-breakdown-host-pin-mps.json",
+                              "fused_host_time-h200-lane-peer-w48-pin-mps.json"]  # the runs strategies.py names
+    assert replay["column"] == "host_us_steady" and replay["worlds"] == [2, 4, 8] and replay["points"] == 60
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
     for transport in ("host", "peer"):
         assert 0.8 <= replay["median_priced_over_measured"][transport] <= 1.25, replay
+    for world in ("2", "4", "8"):
+        assert 0.8 <= replay["median_priced_over_measured_by_world"][world] <= 1.25, replay
     assert {k: v * 1e-6 for k, v in replay["launch_us"].items()} == pytest.approx(strategies._REPLAY_FITTED_LAUNCH_S)
 
 

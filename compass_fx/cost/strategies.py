@@ -40,22 +40,25 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # transport's pieces) or a stream wait (a flag wait), ~1.5-4 us each, and next to nothing for the
 # rest (a kernel ~0.1 us, a device-to-device copy ~0: benchmarks/results/graph_node_probe/).
 # Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares in the plan's slow nodes
-# over 30 cases, each run scaled to the runs' median launches) to the ".graph" host times of two
-# ranks sharing one H200 since replayed calls are issued from C (kernels/cuda/lane.cpp): three runs
-# of the default path, two host-staged on two machine starts and one on the peer transport
-# (benchmarks/results/fused_host_time/: -lane-w2-breakdown-host-pin-mps, -lane-w2-run2-host-pin-mps,
-# -lane-peer-w2-pin-mps): 20 us + 7.0 us per slow node at launches a third slower than the fit before
-# (median error 17%, p90 38%; priced / measured 1.04 host-staged, 1.07 peer).  The Python path before
-# fitted 35 us + 2.97 us per slow node over seven runs (median error 21%, p90 52%): the call's fixed
-# work went to C, what is left grows with the graph's launch.  tests/test_bench_scripts.py checks
-# that the fit gives these.  FUSED_CALLS_REPLAYED = False prices every call issued command
-# by command instead (the constants below; a deferred call, fused_async, is issued so).
+# over 60 cases, each run and world scaled to the median launches) to the steady host times of 2, 4
+# and 8 ranks sharing one H200 since replayed calls are issued from C: each call issued while the
+# ones before it run, as a step issues them, which is what a host that sets the pace pays per call
+# (benchmarks/results/fused_host_time/: -lane-w2-steady-run1/-run2-host-pin-mps, host-staged on two
+# machine starts; -lane-w48-breakdown-host-pin-mps and -lane-peer-w48-pin-mps, both transports):
+# 19 us + 2.19 us per slow node (median error 12%, p90 45%; priced / measured 0.96 host-staged,
+# 1.08 peer; 0.98, 1.08, 0.95 at 2, 4, 8 ranks).  The first call after the host waited for an idle
+# GPU costs 2-5x that (the ".graph" column; the fit before, to that column at two ranks: 20 us + 7.0
+# per slow node), but a step pays it once per synchronisation, when the GPU is idle anyway.  The
+# Python path before fitted 35 us + 2.97 us per slow node (".graph", median error 21%, p90 52%).
+# tests/test_bench_scripts.py checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices
+# every call issued command by command instead (the constants below; a deferred call, fused_async,
+# is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 20e-6
-FUSED_REPLAY_SLOW_NODE_S = 7.0e-6
-_REPLAY_FITTED_LAUNCH_S = {"Copy": 8.4e-6, "Matmul": 16.76e-6, "Record": 1.39e-6, "Reduce": 9.35e-6,
-                           "SetFlag": 3.6e-6, "WaitEvent": 1.39e-6,
-                           "WaitFlag": 3.58e-6}  # the launches alone on the host of that fit (the runs' median)
+FUSED_REPLAY_CALL_S = 19e-6
+FUSED_REPLAY_SLOW_NODE_S = 2.19e-6
+_REPLAY_FITTED_LAUNCH_S = {"Copy": 8.3e-6, "Matmul": 18.47e-6, "Record": 1.47e-6, "Reduce": 8.94e-6,
+                           "SetFlag": 3.6e-6, "WaitEvent": 1.57e-6,
+                           "WaitFlag": 3.68e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
 # a copy or a stream memory operation through the driver, an event) after the custom op's dispatch.
