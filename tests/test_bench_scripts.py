@@ -224,7 +224,18 @@ def test_the_replay_fit_takes_the_column_it_is_asked_for():
     for r, x in zip(rows, slow):
         r["host_us_steady"] = 10.0 + 3.0 * x
     got = fit.fit_replay({"a": {"launch_us": launch, "rows": rows, "replay_waits": "batch"}}, column="host_us_steady")
-    assert (got["call_us"], got["node_us"], got["column"]) == (10, 3.0, "host_us_steady")
+    assert (got["call_us"], got["node_us"], got["column"], got["worlds"]) == (10, 3.0, "host_us_steady", [2])
+    # one line for every world: a run's rows at four ranks, on a host launching twice as slowly there,
+    # are scaled by that world's launches before the fit, to the median launches (1.5x those at two ranks)
+    four = [dict(r, world=4) for r in rows]
+    for r in four:
+        r["host_us_steady"] = 2 * (10.0 + 3.0 * fit._slow_nodes(r, 4, True, True, fit._run_most_pieces({}, 4)))
+    both = {"a": {"launch_us": launch, "rows": rows, "replay_waits": "batch"},
+            "b": {"launch_us": {"4": {k: 2 * v for k, v in launch["2"].items()}}, "rows": four, "replay_waits": "batch"}}
+    got = fit.fit_replay(both, worlds=(2, 4))
+    assert (got["call_us"], got["node_us"], got["worlds"], got["points"]) == (15, 4.5, [2, 4], 4), got
+    assert got["launch_us"] == {k: pytest.approx(1.5 * v) for k, v in launch["2"].items()}
+    assert got["median_priced_over_measured_by_world"] == {"2": pytest.approx(1.0), "4": pytest.approx(1.0)}
     with pytest.raises(SystemExit, match="host_us_steady"):
         fit.fit_replay({"a": {"launch_us": launch, "rows": [dict(r, host_us_steady=None) for r in rows]}},
                        column="host_us_steady")
