@@ -18,7 +18,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
 def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transport: str = "peer",
                           our_kernels: bool = True) -> None:
     """Ten calls of each fused operator through the ``.graph`` overloads (issued, captured, then
-    replayed: from C by the host fast path, but for one call from Python), on new seeded values each
+    replayed: from C by the host fast path, but for one call from Python; on the peer transport the
+    all-reduce also on the ring, whose two replays run from C as one call), on new seeded values each
     time, against references from every rank's inputs (at four ranks the all-reduce's replay waits
     for each chunk's three peers as one batch).
     ``transport``: "host" for the host-staged plans; ``our_kernels`` False: replay graphs as where
@@ -79,6 +80,11 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "direct", group, world)
             worst = max(worst, _close(reduced, total))
             del reduced
+            if transport == "peer":  # the ring's all-reduce (the cost model picks the ring where GPUs reach
+                # each other): a fused reduce-scatter, then a gather of the sums, two replays from one lane
+                reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "ring", group, world)
+                worst = max(worst, _close(reduced, total))
+                del reduced
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
         result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],

@@ -72,6 +72,7 @@ def _workspace() -> SimpleNamespace:
 CASES = {  # case -> (op, a, weights, group size, output shapes: the gathered rows first)
     "gather": ("all_gather_matmul", (4, 8), [(8, 6)], 2, [(8, 8), (8, 6)]),
     "gather, three weights": ("all_gather_matmul", (4, 8), [(8, 6), (8, 5), (8, 3)], 2, [(8, 8), (8, 6), (8, 5), (8, 3)]),
+    "gather without weights": ("all_gather_matmul", (4, 8), [], 2, [(8, 8)]),  # a ring all-reduce's second call
     "reduce-scatter": ("matmul_reduce_scatter", (8, 8), [(8, 6)], 2, [(4, 6)]),
     "all-reduce": ("matmul_all_reduce", (8, 8), [(8, 6)], 4, [(8, 6)]),
 }
@@ -154,6 +155,68 @@ def test_a_replayed_call_takes_every_step_of_the_python_path(fast, case):
         assert out is not None
         assert fast.launches.seen[-1][0] & 0xF == epoch % 4
         assert ws.epoch == epoch and ws.progress.issued == epoch and ws.progress.epochs[epoch - 1] == epoch
+    lane.lanes.clear()
+
+
+def _ring_all_reduce(fast, world: int = 4):
+    """A ring all-reduce's lane: the reduce-scatter's workspace and the gather's, as
+    lane.register_ring_all_reduce leaves them."""
+    a, b = _meta(8, 8), _meta(8, 6)
+    rs, ag = _workspace(), _workspace()
+    lane.lanes[_key(fast, "matmul_all_reduce", a, b, world)] = (rs, ag)
+    return a, b, rs, ag
+
+
+def test_a_ring_all_reduce_replays_both_its_calls_or_neither(fast):
+    """The ring schedules' all-reduce is two calls in Python (the fused reduce-scatter, then a
+    gather of the sums without weights): from C both replays are prepared before either runs, so a
+    missing graph of the second leaves the first untouched too; once both exist, one call runs
+    the reduce-scatter's graph, then the gather's, each with its workspace's epoch and ring."""
+    world = 4
+    a, b, rs, ag = _ring_all_reduce(fast, world)
+    launches = len(fast.launches.seen)
+    assert _call(fast, "matmul_all_reduce", a, b, world) is None  # no graph of the reduce-scatter yet
+    scattered = _meta(2, 6)
+    rs_addresses = impl._Workspace._addresses({"A": [a], "W": [b], "OUT": [scattered], "GATHERED": []})
+    assert fast.module.last_addresses() == rs_addresses
+    rs.replays.graphs[rs_addresses] = [Graph(0x1000 + phase) for phase in range(4)]
+    assert _call(fast, "matmul_all_reduce", a, b, world) is None  # no graph of the gather yet
+    gathered = _meta(8, 6)
+    ag_addresses = impl._Workspace._addresses({"A": [scattered], "W": [], "OUT": [], "GATHERED": [gathered]})
+    assert fast.module.last_addresses() == ag_addresses
+    assert (rs.epoch, rs.progress.issued, ag.epoch, ag.progress.issued) == (0, 0, 0, 0)
+    assert len(fast.launches.seen) == launches  # the reduce-scatter's graph did not run alone
+    ag.replays.graphs[ag_addresses] = [Graph(0x2000 + phase) for phase in range(4)]
+    for epoch in range(1, 6):
+        replayed, from_c = replay.stats["replayed"], replay.stats["lane"]
+        out = _call(fast, "matmul_all_reduce", a, b, world)
+        assert tuple(out.shape) == (8, 6) and out.dtype == a.dtype and out.device == a.device
+        assert fast.launches.seen[-2:] == [(0x1000 + epoch % 4, STREAM), (0x2000 + epoch % 4, STREAM)]
+        for ws in (rs, ag):
+            assert ws.epoch == epoch and ws.progress.issued == epoch and ws.progress.epochs[epoch - 1] == epoch
+        assert (replay.stats["replayed"], replay.stats["lane"]) == (replayed + 2, from_c + 2)
+    # the gather's ring full: neither runs
+    ag.progress.issued, ag.progress.done.value = Progress.RING - 1 + 5, 5
+    before = (rs.epoch, rs.progress.issued, ag.epoch, len(fast.launches.seen))
+    assert _call(fast, "matmul_all_reduce", a, b, world) is None
+    assert (rs.epoch, rs.progress.issued, ag.epoch, len(fast.launches.seen)) == before
+    lane.lanes.clear()
+
+
+def test_the_python_path_registers_a_ring_all_reduce_once_both_its_calls_are(fast, monkeypatch):
+    a, b, scattered = torch.randn(8, 8), torch.randn(8, 6), torch.randn(2, 6)
+    monkeypatch.setitem(lane._state, "module", fast.module)
+    rs, ag = _workspace(), _workspace()
+    lane.register("matmul_reduce_scatter", a, b, "ring", "g0", 4, rs)
+    lane.register_ring_all_reduce(a, b, scattered, "ring", "g0", 4)
+    assert list(lane.lanes.values()) == [rs]  # the gather's workspace is not known yet
+    lane.register("all_gather_matmul", scattered, [], "ring", "g0", 4, ag)
+    lane.register_ring_all_reduce(a, b, scattered, "ring", "g0", 4)
+    assert lane.lanes[fast.module.key(lane.OPS["matmul_all_reduce"], a, b, "ring", "g0", 4)] == (rs, ag)
+    lane.lanes.clear()
+    # a single workspace under an all-reduce's key is the direct schedule's; a pair elsewhere is refused
+    lane.lanes[fast.module.key(lane.OPS["matmul_reduce_scatter"], _meta(8, 8), _meta(8, 6), "direct", "g0", 4)] = (rs, ag)
+    assert _call(fast, "matmul_reduce_scatter", _meta(8, 8), _meta(8, 6), 4) is None
     lane.lanes.clear()
 
 

@@ -852,7 +852,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: list[torch.Tensor], schedule: s
     join = ws.run({"A": [a_shard], "W": list(bs), "OUT": outs, "GATHERED": [gathered]}, deferred)
     if join is not None:
         _register_join(gathered, join)
-    elif bs:
+    else:  # without weights: a ring all-reduce's gather of its sums (lane.register_ring_all_reduce)
         lane.register("all_gather_matmul", a_shard, bs, schedule, group_name, group_size, ws)
     return gathered, outs
 
@@ -902,6 +902,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     if not chunks:
         scattered = matmul_reduce_scatter(a, b, schedule, group_name, group_size)
         gathered, _ = all_gather_matmul(scattered, [], schedule, group_name, group_size, deferred)
+        if not deferred:
+            lane.register_ring_all_reduce(a, b, scattered, schedule, group_name, group_size)
         return gathered
     a = a.contiguous()
     key = ("ar", group_name, group_size, rows, n, a.dtype, a.get_device(), host, deferred)

@@ -78,7 +78,8 @@ bool unpack(PyObject* obj, const at::Tensor** out) {
   return true;
 }
 
-// The weights of a call: the gather's list (one or more), the others' one tensor.
+// The weights of a call: the gather's list (none where it gathers alone: a ring all-reduce's sums),
+// the others' one tensor.
 bool unpack_weights(long op, PyObject* obj, Weights* ws) {
   if (op != GATHER) {
     const at::Tensor* w;
@@ -86,7 +87,7 @@ bool unpack_weights(long op, PyObject* obj, Weights* ws) {
     ws->push_back(w);
     return true;
   }
-  if (!PyList_Check(obj) || PyList_GET_SIZE(obj) == 0) return false;
+  if (!PyList_Check(obj)) return false;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(obj); ++i) {
     const at::Tensor* w;
     if (!unpack(PyList_GET_ITEM(obj, i), &w)) return false;
@@ -115,9 +116,9 @@ bool settings_allow() {
   return capturing == Py_False;
 }
 
-// Holds new references and drops them on scope exit (`issue` takes 20 at most).
+// Holds new references and drops them on scope exit (`issue` takes ~40 at most, for two replays).
 struct Refs {
-  PyObject* items[40] = {};
+  PyObject* items[64] = {};
   int n = 0;
   PyObject* operator()(PyObject* o) {
     if (o) items[n++] = o;
@@ -133,8 +134,130 @@ PyObject* decline() {
   Py_RETURN_NONE;
 }
 
+// impl._Workspace._addresses of a call (a new reference, or nullptr): the input, each weight and its
+// strides, -1, the outputs, the gathered rows (or None).
+PyObject* addresses_of(const at::Tensor& a, const Weights& ws, const std::vector<at::Tensor>& outs,
+                       const at::Tensor* gathered) {
+  PyObject* addresses = PyTuple_New(1 + 2 * (Py_ssize_t)ws.size() + 1 + (Py_ssize_t)outs.size() + 1);
+  if (!addresses) return nullptr;
+  Py_ssize_t slot = 0;
+  PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(a.data_ptr()));
+  for (const at::Tensor* w : ws) {
+    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(w->data_ptr()));
+    PyTuple_SET_ITEM(addresses, slot++, Py_BuildValue("(LL)", (long long)w->stride(0), (long long)w->stride(1)));
+  }
+  Py_INCREF(minus_one);
+  PyTuple_SET_ITEM(addresses, slot++, minus_one);
+  for (const at::Tensor& out : outs) PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(out.data_ptr()));
+  if (gathered) {
+    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(gathered->data_ptr()));
+  } else {
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(addresses, slot++, Py_None);
+  }
+  for (Py_ssize_t i = 0; i < slot; ++i)
+    if (!PyTuple_GET_ITEM(addresses, i)) {  // a number that could not be made
+      Py_DECREF(addresses);
+      return nullptr;
+    }
+  return addresses;
+}
+
+// One workspace's replay, looked up and checked before anything changes (`prepare`), then run
+// (`commit`), as _Workspace.run's replay branch does it.
+struct Replay {
+  PyObject* workspace = nullptr;      // borrowed from the lanes
+  PyObject* progress = nullptr;       // these: held by the call's Refs
+  PyObject* graphs_by_key = nullptr;
+  PyObject* addresses = nullptr;
+  PyObject* issued_obj = nullptr;
+  void* exec = nullptr;
+  unsigned long long issued = 0;
+  long long epoch = 0;
+  bool same = false;  // the caller's stream is the one the workspace's last replay ran on
+};
+
+// Whether `workspace` can replay the call whose graph key is `addresses` (a new reference, handed
+// over) on `stream` now: its settings, its graph for the next epoch's phase, room in its watchdog ring.
+bool prepare(PyObject* workspace, PyObject* addresses, PyObject* stream, Refs& refs, Replay* r) {
+  if (!refs(addresses)) return false;
+  Py_INCREF(addresses);
+  Py_XSETREF(last_addresses, addresses);
+  r->workspace = workspace;
+  r->addresses = addresses;
+  PyObject* pending = refs(PyObject_GetAttr(workspace, s_pending));
+  if (pending != Py_None) return false;
+  PyObject* dog = refs(PyObject_GetAttr(workspace, s_dog));
+  PyObject* failure = dog ? refs(PyObject_GetAttr(dog, s_failure)) : nullptr;
+  if (!failure || PyObject_IsTrue(failure) != 0) return false;
+  PyObject* replays = refs(PyObject_GetAttr(workspace, s_replays));
+  r->progress = refs(PyObject_GetAttr(workspace, s_progress));
+  if (!replays || replays == Py_None || !r->progress || r->progress == Py_None) return false;
+  PyObject* epoch_obj = refs(PyObject_GetAttr(workspace, s_epoch));
+  r->epoch = epoch_obj ? PyLong_AsLongLong(epoch_obj) + 1 : -1;
+  if (r->epoch <= 0) return false;
+  r->graphs_by_key = refs(PyObject_GetAttr(replays, s_graphs));
+  if (!r->graphs_by_key || !PyDict_Check(r->graphs_by_key)) return false;
+  PyObject* graphs = PyDict_GetItemWithError(r->graphs_by_key, addresses);  // borrowed: a list per phase
+  if (!graphs || !PyList_Check(graphs) || PyList_GET_SIZE(graphs) != cfg.period) return false;
+  PyObject* graph = PyList_GET_ITEM(graphs, r->epoch % cfg.period);
+  if (graph == Py_None) return false;
+  PyObject* exec_obj = refs(PyObject_GetAttr(graph, s_exec));
+  r->exec = exec_obj && exec_obj != Py_None ? PyLong_AsVoidPtr(exec_obj) : nullptr;
+  if (!r->exec) return false;
+  // watchdog.Progress.room on the caller's stream
+  PyObject* address = refs(PyObject_GetAttr(r->progress, s_address));
+  r->issued_obj = refs(PyObject_GetAttr(r->progress, s_issued));
+  PyObject* replay_stream = refs(PyObject_GetAttr(r->progress, s_stream));
+  if (!address || !r->issued_obj || !replay_stream) return false;
+  auto* done = static_cast<volatile uint32_t*>(PyLong_AsVoidPtr(address));
+  r->issued = PyLong_AsUnsignedLongLong(r->issued_obj);
+  if (PyErr_Occurred() || !done) return false;
+  unsigned long long outstanding = (r->issued - *done) & 0xFFFFFFFFull;
+  int same = PyObject_RichCompareBool(stream, replay_stream, Py_EQ);
+  if (same < 0) return false;
+  r->same = same == 1;
+  return r->same ? outstanding < (unsigned long long)(cfg.ring - 1) : outstanding == 0;
+}
+
+// Run a prepared replay: the epoch, the graphs' recency, the stats, the watchdog's ring, the launch.
+// False with a Python error set where something failed (the launch's: not counted in the ring).
+bool commit(Replay& r, PyObject* stream, void* stream_handle, Refs& refs) {
+  if (!r.same && PyObject_SetAttr(r.progress, s_stream, stream) < 0) return false;
+  PyObject* new_epoch = refs(PyLong_FromLongLong(r.epoch));
+  if (!new_epoch || PyObject_SetAttr(r.workspace, s_epoch, new_epoch) < 0) return false;
+  PyObject* moved = PyObject_CallMethodOneArg(r.graphs_by_key, s_move_to_end, r.addresses);
+  if (!moved) return false;
+  Py_DECREF(moved);
+  for (PyObject* name : {s_replayed, s_lane}) {  // replays, and those issued from here
+    PyObject* count = PyDict_GetItemWithError(cfg.stats, name);
+    PyObject* more = count ? refs(PyNumber_Add(count, one)) : nullptr;
+    if (!more || PyDict_SetItem(cfg.stats, name, more) < 0) return false;
+  }
+  PyObject* epochs = refs(PyObject_GetAttr(r.progress, s_epochs));
+  if (!epochs || !PyList_Check(epochs)) return false;
+  Py_INCREF(new_epoch);
+  if (PyList_SetItem(epochs, r.issued % cfg.ring, new_epoch) < 0) return false;
+  PyObject* next = refs(PyLong_FromUnsignedLongLong(r.issued + 1));
+  if (!next || PyObject_SetAttr(r.progress, s_issued, next) < 0) return false;
+  int result = cfg.launch(r.exec, stream_handle);
+  if (result) {
+    PyObject_SetAttr(r.progress, s_issued, r.issued_obj);
+    PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, s_launch_what);  // raises
+    if (raised) {
+      Py_DECREF(raised);
+      PyErr_Format(PyExc_RuntimeError, "cuGraphLaunch failed: CUDA driver error %d", result);
+    }
+    return false;
+  }
+  return true;
+}
+
 // The body of `call`; `committed` turns true once the call is this path's (a C++ exception before
 // that, say an allocation that failed, declines: the Python path meets it again and raises its error).
+// A ring all-reduce (impl.matmul_all_reduce without pull chunks) is two calls in Python, the fused
+// reduce-scatter and a gather of its sums without weights: its lane holds both workspaces, and both
+// replays are prepared before either runs, so the call is this path's whole or not at all.
 PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   if (!configured || nargs != 6) return decline();
   long op = PyLong_AsLong(args[0]);
@@ -152,104 +275,41 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   if (!key) return decline();
   PyObject* workspace = PyDict_GetItemWithError(cfg.lanes, key);  // borrowed
   if (!workspace) return decline();
-  PyObject* pending = refs(PyObject_GetAttr(workspace, s_pending));
-  if (pending != Py_None) return decline();
-  PyObject* dog = refs(PyObject_GetAttr(workspace, s_dog));
-  PyObject* failure = dog ? refs(PyObject_GetAttr(dog, s_failure)) : nullptr;
-  if (!failure || PyObject_IsTrue(failure) != 0) return decline();
-  PyObject* replays = refs(PyObject_GetAttr(workspace, s_replays));
-  PyObject* progress = refs(PyObject_GetAttr(workspace, s_progress));
-  if (!replays || replays == Py_None || !progress || progress == Py_None) return decline();
-  PyObject* epoch_obj = refs(PyObject_GetAttr(workspace, s_epoch));
-  long long epoch = epoch_obj ? PyLong_AsLongLong(epoch_obj) + 1 : -1;
-  if (epoch <= 0) return decline();
-
-  // the outputs, as the Python path allocates them (their addresses are part of the graph's key)
+  bool ring = PyTuple_Check(workspace);  // (reduce-scatter's, gather's): a ring all-reduce
+  if (ring && (op != ALL_REDUCE || PyTuple_GET_SIZE(workspace) != 2)) return decline();
   long long world = PyLong_AsLongLong(group_size);
   if (world < 2) return decline();
-  at::Tensor gathered;
-  std::vector<at::Tensor> outs;
-  outs.reserve(ws.size());
-  long long out_rows = op == GATHER ? a.size(0) * world : op == SCATTER ? a.size(0) / world : a.size(0);
-  if (op == GATHER) gathered = at::empty({out_rows, a.size(1)}, a.options());
-  for (const at::Tensor* w : ws) outs.push_back(at::empty({out_rows, w->size(1)}, a.options()));
-  // impl._Workspace._addresses: the input, each weight and its strides, -1, the outputs, the gathered rows
-  PyObject* addresses = refs(PyTuple_New(1 + 2 * (Py_ssize_t)ws.size() + 1 + (Py_ssize_t)outs.size() + 1));
-  if (!addresses) return decline();
-  Py_ssize_t slot = 0;
-  PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(a.data_ptr()));
-  for (const at::Tensor* w : ws) {
-    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(w->data_ptr()));
-    PyTuple_SET_ITEM(addresses, slot++, Py_BuildValue("(LL)", (long long)w->stride(0), (long long)w->stride(1)));
-  }
-  Py_INCREF(minus_one);
-  PyTuple_SET_ITEM(addresses, slot++, minus_one);
-  for (const at::Tensor& out : outs) PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(out.data_ptr()));
-  if (op == GATHER) {
-    PyTuple_SET_ITEM(addresses, slot++, PyLong_FromVoidPtr(gathered.data_ptr()));
-  } else {
-    Py_INCREF(Py_None);
-    PyTuple_SET_ITEM(addresses, slot++, Py_None);
-  }
-  for (Py_ssize_t i = 0; i < slot; ++i)
-    if (!PyTuple_GET_ITEM(addresses, i)) return decline();  // a number that could not be made
-  Py_INCREF(addresses);
-  Py_XSETREF(last_addresses, addresses);
-  PyObject* graphs_by_key = refs(PyObject_GetAttr(replays, s_graphs));
-  if (!graphs_by_key || !PyDict_Check(graphs_by_key)) return decline();
-  PyObject* graphs = PyDict_GetItemWithError(graphs_by_key, addresses);  // borrowed: a list per phase
-  if (!graphs || !PyList_Check(graphs) || PyList_GET_SIZE(graphs) != cfg.period) return decline();
-  PyObject* graph = PyList_GET_ITEM(graphs, epoch % cfg.period);
-  if (graph == Py_None) return decline();
-  PyObject* exec_obj = refs(PyObject_GetAttr(graph, s_exec));
-  void* exec = exec_obj && exec_obj != Py_None ? PyLong_AsVoidPtr(exec_obj) : nullptr;
-  if (!exec) return decline();
-
-  // watchdog.Progress.room on the caller's stream
   PyObject* device = refs(PyLong_FromLong(a.get_device()));
   PyObject* stream = device ? refs(PyObject_CallOneArg(cfg.raw_stream, device)) : nullptr;
-  PyObject* address = refs(PyObject_GetAttr(progress, s_address));
-  PyObject* issued_obj = refs(PyObject_GetAttr(progress, s_issued));
-  PyObject* replay_stream = refs(PyObject_GetAttr(progress, s_stream));
-  if (!stream || !address || !issued_obj || !replay_stream) return decline();
-  auto* done = static_cast<volatile uint32_t*>(PyLong_AsVoidPtr(address));
-  unsigned long long issued = PyLong_AsUnsignedLongLong(issued_obj);
-  if (PyErr_Occurred() || !done) return decline();
-  unsigned long long outstanding = (issued - *done) & 0xFFFFFFFFull;
-  int same = PyObject_RichCompareBool(stream, replay_stream, Py_EQ);
-  if (same < 0) return decline();
-  if (same ? outstanding >= (unsigned long long)(cfg.ring - 1) : outstanding != 0) return decline();
+  if (!stream) return decline();
   void* stream_handle = PyLong_AsVoidPtr(stream);
   if (PyErr_Occurred()) return decline();
 
-  // committed: from here on the call is this path's, as _Workspace.run's replay branch does it
-  committed = true;
-  if (!same && PyObject_SetAttr(progress, s_stream, stream) < 0) return nullptr;
-  PyObject* new_epoch = refs(PyLong_FromLongLong(epoch));
-  if (!new_epoch || PyObject_SetAttr(workspace, s_epoch, new_epoch) < 0) return nullptr;
-  PyObject* moved = PyObject_CallMethodOneArg(graphs_by_key, s_move_to_end, addresses);
-  if (!moved) return nullptr;
-  Py_DECREF(moved);
-  for (PyObject* name : {s_replayed, s_lane}) {  // replays, and those issued from here
-    PyObject* count = PyDict_GetItemWithError(cfg.stats, name);
-    PyObject* more = count ? refs(PyNumber_Add(count, one)) : nullptr;
-    if (!more || PyDict_SetItem(cfg.stats, name, more) < 0) return nullptr;
+  // the outputs, as the Python path allocates them (their addresses are part of the graphs' keys)
+  std::vector<at::Tensor> outs;
+  at::Tensor gathered;
+  Replay first, second;
+  if (ring) {  // the reduce-scatter's sums, then the gather of every rank's sums
+    outs.push_back(at::empty({a.size(0) / world, ws[0]->size(1)}, a.options()));
+    gathered = at::empty({a.size(0) / world * world, ws[0]->size(1)}, a.options());
+    const std::vector<at::Tensor> none;
+    if (!prepare(PyTuple_GET_ITEM(workspace, 0), addresses_of(a, ws, outs, nullptr), stream, refs, &first) ||
+        !prepare(PyTuple_GET_ITEM(workspace, 1), addresses_of(outs[0], {}, none, &gathered), stream, refs, &second))
+      return decline();
+  } else {
+    long long out_rows = op == GATHER ? a.size(0) * world : op == SCATTER ? a.size(0) / world : a.size(0);
+    if (op == GATHER) gathered = at::empty({out_rows, a.size(1)}, a.options());
+    for (const at::Tensor* w : ws) outs.push_back(at::empty({out_rows, w->size(1)}, a.options()));
+    if (!prepare(workspace, addresses_of(a, ws, outs, op == GATHER ? &gathered : nullptr), stream, refs, &first))
+      return decline();
   }
-  PyObject* epochs = refs(PyObject_GetAttr(progress, s_epochs));
-  if (!epochs || !PyList_Check(epochs)) return nullptr;
-  Py_INCREF(new_epoch);
-  if (PyList_SetItem(epochs, issued % cfg.ring, new_epoch) < 0) return nullptr;
-  PyObject* next = refs(PyLong_FromUnsignedLongLong(issued + 1));
-  if (!next || PyObject_SetAttr(progress, s_issued, next) < 0) return nullptr;
-  int result = cfg.launch(exec, stream_handle);
-  if (result) {
-    PyObject_SetAttr(progress, s_issued, issued_obj);
-    PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, s_launch_what);  // raises
-    if (raised) {
-      Py_DECREF(raised);
-      PyErr_Format(PyExc_RuntimeError, "cuGraphLaunch failed: CUDA driver error %d", result);
-    }
-    return nullptr;
+
+  // committed: from here on the call is this path's
+  committed = true;
+  if (!commit(first, stream, stream_handle, refs)) return nullptr;
+  if (ring) {
+    if (!commit(second, stream, stream_handle, refs)) return nullptr;
+    return THPVariable_Wrap(std::move(gathered));
   }
   if (op == GATHER) {
     PyObject* listed = PyList_New((Py_ssize_t)outs.size());

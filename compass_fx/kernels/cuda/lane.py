@@ -152,3 +152,21 @@ def register(op: str, a: torch.Tensor, b: "torch.Tensor | list[torch.Tensor]", s
     key = built.key(OPS[op], a, b, schedule, group_name, group_size)
     if key is not None:
         lanes[key] = workspace
+
+
+def register_ring_all_reduce(a: torch.Tensor, b: torch.Tensor, scattered: torch.Tensor, schedule: str,
+                             group_name: str, group_size: int) -> None:
+    """Let later ring all-reduces of these arguments' key run from C: the Python path runs one as
+    the fused reduce-scatter of ``a @ b`` into ``scattered``, then a gather of the sums without
+    weights, and registered both workspaces (:func:`register`); the all-reduce's lane holds the pair,
+    and ``lane.cpp`` replays both or neither.  Issued from Python, such a call cost the host 2-3x a
+    single call (41-117 us as a step issues them at 2-8 ranks on one H200, peer transport)."""
+    built = _state.get("module")
+    if built is None or env_raw(_OFF_KEY) in OFF:
+        return
+    parts = (lanes.get(built.key(OPS["matmul_reduce_scatter"], a, b, schedule, group_name, group_size)),
+             lanes.get(built.key(OPS["all_gather_matmul"], scattered, [], schedule, group_name, group_size)))
+    key = built.key(OPS["matmul_all_reduce"], a, b, schedule, group_name, group_size)
+    if key is not None and None not in parts:
+        lanes[key] = parts
+
