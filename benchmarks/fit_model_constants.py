@@ -50,12 +50,17 @@ NAME = "model_constants_fit"
 PART_OVERHEAD_US = (182, 120, 70, 50, 30, 20, 10, 5)
 FUSED_CALL_REST_US = (38, 100, 200, 300, 400, 500, 600, 800)
 # the default fused path timed on one H200 since replayed calls are issued from C (kernels/cuda/lane.cpp),
-# each with the steady column (2026-12-05): two ranks host-staged on two machine starts, four and eight ranks
-# host-staged and on the peer transport
+# each with the steady column, on two machine starts (2026-12-05): host-staged at two ranks (three runs),
+# four and eight ranks (two), the peer transport at four and eight ranks and on the "direct" schedule at
+# 2, 4, 8 (twice; the ring schedules' runs held all-reduces issued from Python)
 REPLAY_RUNS = ("fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
                "fused_host_time-h200-lane-w2-steady-run2-host-pin-mps.json",
                "fused_host_time-h200-lane-w48-breakdown-host-pin-mps.json",
-               "fused_host_time-h200-lane-peer-w48-pin-mps.json")
+               "fused_host_time-h200-lane-peer-w48-pin-mps.json",
+               "fused_host_time-h200-wake-w2-base-host-pin-mps.json",
+               "fused_host_time-h200-wake-w8-base-host-pin-mps.json",
+               "fused_host_time-h200-schedule-direct-run1-peer-pin-mps.json",
+               "fused_host_time-h200-schedule-direct-run2-peer-pin-mps.json")
 REPLAY_WORLDS = (2, 4, 8)
 
 

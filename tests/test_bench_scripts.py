@@ -267,8 +267,12 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert replay["runs"] == ["fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
                               "fused_host_time-h200-lane-w2-steady-run2-host-pin-mps.json",
                               "fused_host_time-h200-lane-w48-breakdown-host-pin-mps.json",
-                              "fused_host_time-h200-lane-peer-w48-pin-mps.json"]  # the runs strategies.py names
-    assert replay["column"] == "host_us_steady" and replay["worlds"] == [2, 4, 8] and replay["points"] == 60
+                              "fused_host_time-h200-lane-peer-w48-pin-mps.json",
+                              "fused_host_time-h200-wake-w2-base-host-pin-mps.json",
+                              "fused_host_time-h200-wake-w8-base-host-pin-mps.json",
+                              "fused_host_time-h200-schedule-direct-run1-peer-pin-mps.json",
+                              "fused_host_time-h200-schedule-direct-run2-peer-pin-mps.json"]  # as strategies.py
+    assert replay["column"] == "host_us_steady" and replay["worlds"] == [2, 4, 8] and replay["points"] == 140
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
     for transport in ("host", "peer"):

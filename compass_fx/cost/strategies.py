@@ -40,24 +40,25 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # transport's pieces) or a stream wait (a flag wait), ~1.5-4 us each, and next to nothing for the
 # rest (a kernel ~0.1 us, a device-to-device copy ~0: benchmarks/results/graph_node_probe/).
 # Fitted by benchmarks/fit_model_constants.py (fit_replay: least squares in the plan's slow nodes
-# over 60 cases, each run and world scaled to the median launches) to the steady host times of 2, 4
+# over 140 cases, each run and world scaled to the median launches) to the steady host times of 2, 4
 # and 8 ranks sharing one H200 since replayed calls are issued from C: each call issued while the
 # ones before it run, as a step issues them, which is what a host that sets the pace pays per call
-# (benchmarks/results/fused_host_time/: -lane-w2-steady-run1/-run2-host-pin-mps, host-staged on two
-# machine starts; -lane-w48-breakdown-host-pin-mps and -lane-peer-w48-pin-mps, both transports):
-# 19 us + 2.19 us per slow node (median error 12%, p90 45%; priced / measured 0.96 host-staged,
-# 1.08 peer; 0.98, 1.08, 0.95 at 2, 4, 8 ranks).  The first call after the host waited for an idle
-# GPU costs 2-5x that (the ".graph" column; the fit before, to that column at two ranks: 20 us + 7.0
-# per slow node), but a step pays it once per synchronisation, when the GPU is idle anyway.  The
-# Python path before fitted 35 us + 2.97 us per slow node (".graph", median error 21%, p90 52%).
-# tests/test_bench_scripts.py checks that the fit gives these.  FUSED_CALLS_REPLAYED = False prices
-# every call issued command by command instead (the constants below; a deferred call, fused_async,
-# is issued so).
+# (benchmarks/results/fused_host_time/, eight runs on two machine starts, both transports:
+# -lane-w2-steady-run1/-run2, -lane-w48-breakdown, -wake-w2-base, -wake-w8-base host-staged;
+# -lane-peer-w48 and -schedule-direct-run1/-run2 on the peer transport): 21 us + 2.13 us per slow
+# node (median error 16%, p90 47%; priced / measured 0.97 host-staged, 1.09 peer; 1.02, 1.09, 1.01
+# at 2, 4, 8 ranks; the first start's four runs alone gave 19 + 2.19).  The first call after the
+# host waited for an idle GPU costs 2-5x that (the ".graph" column; the fit before, to that column at
+# two ranks: 20 us + 7.0 per slow node), but a step pays it once per synchronisation, when the GPU
+# is idle anyway.  The Python path before fitted 35 us + 2.97 us per slow node (".graph", median
+# error 21%, p90 52%).  tests/test_bench_scripts.py checks that the fit gives these.
+# FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants
+# below; a deferred call, fused_async, is issued so).
 FUSED_CALLS_REPLAYED = True
-FUSED_REPLAY_CALL_S = 19e-6
-FUSED_REPLAY_SLOW_NODE_S = 2.19e-6
-_REPLAY_FITTED_LAUNCH_S = {"Copy": 8.3e-6, "Matmul": 18.47e-6, "Record": 1.47e-6, "Reduce": 8.94e-6,
-                           "SetFlag": 3.6e-6, "WaitEvent": 1.57e-6,
+FUSED_REPLAY_CALL_S = 21e-6
+FUSED_REPLAY_SLOW_NODE_S = 2.13e-6
+_REPLAY_FITTED_LAUNCH_S = {"Copy": 8.3e-6, "Matmul": 17.66e-6, "Record": 1.51e-6, "Reduce": 9.31e-6,
+                           "SetFlag": 3.7e-6, "WaitEvent": 1.6e-6,
                            "WaitFlag": 3.68e-6}  # the launches alone on the host of that fit (the runs' median)
 
 # Issued command by command, Python issues one launch per command of the plan (a cuBLAS GEMM,
