@@ -264,14 +264,10 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
     replay = fit["replay_fit"]
-    assert replay["runs"] == ["fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
-                              "fused_host_time-h200-lane-w2-steady-run2-host-pin-mps.json",
-                              "fused_host_time-h200-lane-w48-breakdown-host-pin-mps.json",
-                              "fused_host_time-h200-lane-peer-w48-pin-mps.json",
-                              "fused_host_time-h200-wake-w2-base-host-pin-mps.json",
-                              "fused_host_time-h200-wake-w8-base-host-pin-mps.json",
-                              "fused_host_time-h200-schedule-direct-run1-peer-pin-mps.json",
-                              "fused_host_time-h200-schedule-direct-run2-peer-pin-mps.json"]  # as strategies.py
+    runs = _bench("fit_model_constants").REPLAY_RUNS  # eight runs, two machine starts, both transports
+    assert replay["runs"] == list(runs) and len(runs) == 8
+    assert {"host", "peer"} == {json.loads((BENCH / "results" / "fused_host_time" / r).read_text()).get("transport", "host")
+                                for r in runs}
     assert replay["column"] == "host_us_steady" and replay["worlds"] == [2, 4, 8] and replay["points"] == 140
     assert replay["call_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_CALL_S)
     assert replay["node_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_SLOW_NODE_S)
