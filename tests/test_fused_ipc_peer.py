@@ -18,8 +18,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
 def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transport: str = "peer",
                           our_kernels: bool = True) -> None:
     """Ten calls of each fused operator through the ``.graph`` overloads (issued, captured, then
-    replayed: from C by the host fast path, but for one call from Python; on the peer transport the
-    all-reduce also on the ring, whose two replays run from C as one call), on new seeded values each
+    replayed: from C by the host fast path, but for one call from Python; then, on the peer transport,
+    ten all-reduces on the ring, whose two replays run from C as one call), on new seeded values each
     time, against references from every rank's inputs (at four ranks the all-reduce's replay waits
     for each chunk's three peers as one batch).
     ``transport``: "host" for the host-staged plans; ``our_kernels`` False: replay graphs as where
@@ -80,15 +80,23 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "direct", group, world)
             worst = max(worst, _close(reduced, total))
             del reduced
-            if transport == "peer":  # the ring's all-reduce (the cost model picks the ring where GPUs reach
-                # each other): a fused reduce-scatter, then a gather of the sums, two replays from one lane
-                reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "ring", group, world)
-                worst = max(worst, _close(reduced, total))
-                del reduced
+        torch.cuda.synchronize()
+        stats = dict(replay.stats)
+        ring_from_c = []  # the ring's all-reduce (the cost model picks the ring where GPUs reach each other): a
+        # fused reduce-scatter, then a gather of the sums; once both have graphs, two replays from one lane
+        for step in range(10 if transport == "peer" else 0):
+            g = torch.Generator().manual_seed(100 + step)
+            full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
+            a.copy_(full[rank])
+            before = replay.stats["lane"]
+            reduced = torch.ops.compass.matmul_all_reduce.graph(a, w, "ring", group, world)
+            ring_from_c.append(replay.stats["lane"] - before)
+            worst = max(worst, _close(reduced, sum(x @ w_host for x in full)))
+            del reduced
         torch.cuda.synchronize()
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
-        result = {"worst": worst, "workspaces": len(mapped), "replayed": replay.stats["replayed"],
-                  "captured": replay.stats["captured"], "from_c": replay.stats["lane"],
+        result = {"worst": worst, "workspaces": len(mapped), "replayed": stats["replayed"],
+                  "captured": stats["captured"], "from_c": stats["lane"], "ring_from_c": ring_from_c,
                   "python_step": python_step, "fast_path_off": lane._state.get("failed"),
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
                   "ipc": transport == "peer" and all(isinstance(ws.memory[1], dict) for ws in mapped),
@@ -136,6 +144,8 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         assert r["python_step"]["lane"] == 0 and r["fast_path_off"] is None, r
         assert r["from_c"] == r["replayed"] - r["captured"] - r["python_step"]["replayed"] >= 4 * 3, r
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
+        # the ring's all-reduce, once its two calls' graphs exist (by the sixth call): both replays from C, every call
+        assert r["ring_from_c"][6:] == [2] * 4, r
 
 
 @pytest.mark.gpu
