@@ -479,6 +479,16 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}-peer-pin-mps", 170,
                    extra=("--transport", "peer", "--schedule", schedule))
         for schedule in ("ring", "double_ring", "direct")),
+    # Issue 27: the ring schedules' all-reduce replayed from C as one call (141d8bc; two calls from Python before:
+    # 40-210 us as a step issues them), each row beside its Python path in the same rounds; and the host-staged
+    # two-rank rows on a third machine start (their largest rows read 50-70 us steady, start to start).  Run
+    # tests/test_fused_ipc_peer.py first: its ring all-reduce from C, checked against the reference.
+    "h200-ring-lane": (
+        *(_host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}-lane-peer-pin-mps", 170,
+                     extra=("--transport", "peer", "--schedule", schedule))
+          for schedule in ("ring", "double_ring")),
+        _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-run3-host-pin-mps", 90),
+    ),
     "h200-main-check": (
         _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
