@@ -181,6 +181,14 @@ def _merge_ab(worlds: str, label: str, deadline_s: int) -> tuple[Step, ...]:
                  for turn in (1, 2) for side, root in (("merged", ""), ("split", SPLIT_GEMMS)))
 
 
+def _peer_schedules(schedules: tuple[str, ...], label: str) -> tuple[Step, ...]:
+    """Issue 27: the peer transport's calls on each of ``schedules`` at 2, 4 and 8 ranks, one run each
+    (``fused_host_time-<gpu>-schedule-<schedule><label>-peer-pin-mps``)."""
+    return tuple(_host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}{label}-peer-pin-mps",
+                            170, extra=("--transport", "peer", "--schedule", schedule))
+                 for schedule in schedules)
+
+
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
 EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
@@ -475,18 +483,13 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # Issue 27 asks for little host work "for every schedule": the cost model picks the ring and the double
     # ring too where GPUs reach each other (the peer transport; host-staged runs "direct" alone), and only
     # "direct" was timed; one run each at worlds 2, 4, 8, "direct" in the same call as the baseline
-    "h200-peer-schedules": tuple(
-        _host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}-peer-pin-mps", 170,
-                   extra=("--transport", "peer", "--schedule", schedule))
-        for schedule in ("ring", "double_ring", "direct")),
+    "h200-peer-schedules": _peer_schedules(("ring", "double_ring", "direct"), ""),
     # Issue 27: the ring schedules' all-reduce replayed from C as one call (141d8bc; two calls from Python before:
     # 40-210 us as a step issues them), each row beside its Python path in the same rounds; and the host-staged
     # two-rank rows on a third machine start (their largest rows read 50-70 us steady, start to start).  Run
     # tests/test_fused_ipc_peer.py first: its ring all-reduce from C, checked against the reference.
     "h200-ring-lane": (
-        *(_host_time(f"host_time-peer-{schedule}", "2,4,8", f"{MACHINE}-schedule-{schedule}-lane-peer-pin-mps", 170,
-                     extra=("--transport", "peer", "--schedule", schedule))
-          for schedule in ("ring", "double_ring")),
+        *_peer_schedules(("ring", "double_ring"), "-lane"),
         _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-run3-host-pin-mps", 90),
     ),
     "h200-main-check": (
