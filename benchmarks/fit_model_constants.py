@@ -221,6 +221,8 @@ def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), colum
     ``transport``, host-staged where it names none; its schedule, "direct" where it names none).
     One line for every world: the replay graph's slow nodes carry what grows with the ranks.
     Rounded as the code holds them: the launches to 0.01 us, the call to 1 us, the node to 0.01 us."""
+    from compass_fx.cost.strategies import _launch_speed
+
     launches = {(name, world): run["launch_us"][str(world)]
                 for name, run in runs.items() for world in worlds if str(world) in run.get("launch_us", {})}
     if not launches:
@@ -230,8 +232,7 @@ def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), colum
     points = []
     for (name, world), launch in launches.items():
         run = runs[name]
-        ratios = sorted(launch[k] / reference[k] for k in kinds)
-        speed = ratios[len(ratios) // 2]
+        _, speed = _launch_speed({"launch_s": launch}, reference)  # as a calibration scales the constants
         host = run.get("transport", "host") == "host"
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
         most = _run_most_pieces(run, world)
