@@ -12,6 +12,8 @@ from compass_fx.cost.collective import collective_time
 from compass_fx.machine.calibration import gpu_spec, use_calibration
 from compass_fx.machine.gpus import with_overrides
 
+from calibrated_host import calibrated_fused_host
+
 
 def _measure(rank: int) -> list[dict]:
     from compass_fx.tools.calibrate import measure_collectives
@@ -115,17 +117,12 @@ def test_a_calibrated_host_prices_the_fused_calls(tmp_path):
     dispatch = st.FUSED_HOST_CALL_S - st.FUSED_HOST_CALL_REST_S
 
     def priced(fused_host: dict | None) -> tuple[float, dict, float]:
-        path = tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json"
-        extra = {"device": "NVIDIA H200", **({"fused_host": fused_host} if fused_host else {})}
-        write_calibration(path, [gpu_spec("H200")], extra)
-        with use_calibration(path):
+        with calibrated_fused_host(tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json", fused_host):
             call, per_command = st.fused_host_costs()
             return call, per_command, st.fused_host_seconds(w, staged, "direct", replayed=False)
 
     def replay_priced(launch_s: dict) -> float:
-        path = tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json"
-        write_calibration(path, [gpu_spec("H200")], {"device": "NVIDIA H200", "fused_host": {"launch_s": launch_s}})
-        with use_calibration(path):
+        with calibrated_fused_host(tmp_path / f"cal{len(list(tmp_path.iterdir()))}.json", {"launch_s": launch_s}):
             return st.fused_host_seconds(w, staged, "direct")
 
     # a replayed call: the launches of the host its constants were fitted on give them back; twice as dear, twice

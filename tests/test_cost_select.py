@@ -1,6 +1,4 @@
 """Selection: which strategy wins where, the candidates listed, determinism, planning a layer."""
-import contextlib
-
 import pytest
 
 from compass_fx.cost import SCHEDULES, Topology, Workload, plan, select
@@ -10,25 +8,22 @@ from compass_fx.cost.layer import format_layer_plan, layer_workloads, plan_layer
 from compass_fx.cost.strategies import (MAX_PARTS, decomposition_models, fused_breakdown, fused_host_seconds, gemm_shapes,
                                        host_staged_in_pieces)
 
+from calibrated_host import calibrated_fused_host
+
 H200 = Topology.preset("h200-nvswitch-8")
 A6000 = Topology.preset("a6000-nvlink-pairs-pcie-8")
 A100_PCIE = Topology.preset("a100-pcie-8")
 
 
-@contextlib.contextmanager
 def _host_slower(tmp_path, factor: float):
     """The model priced for a host whose launches cost ``factor`` times those the replayed call's
     constants were fitted with, as ``compass-fx calibrate`` would measure it: replayed as a step
     issues them, the fitted H200 host keeps up with the device on every pair priced here, so the
     host-bound pricing is shown on a slower one."""
     from compass_fx.cost import strategies
-    from compass_fx.machine.calibration import gpu_spec, use_calibration, write_calibration
 
-    path = tmp_path / f"host-slower-{factor}.json"
     launch = {k: factor * v for k, v in strategies._REPLAY_FITTED_LAUNCH_S.items()}
-    write_calibration(path, [gpu_spec("H200")], {"device": "NVIDIA H200", "fused_host": {"launch_s": launch}})
-    with use_calibration(path):
-        yield
+    return calibrated_fused_host(tmp_path / f"host-slower-{factor}.json", {"launch_s": launch})
 
 
 def test_sequential_when_communication_is_negligible():
