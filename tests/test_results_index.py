@@ -34,3 +34,17 @@ def test_a_fixture_is_marked_as_such():
             if line.startswith("| `")}
     assert "fixture: test_bench_scripts.py" in rows["calibration-h200x2"]
     assert results_index.readers("gemm_model_validation-h200.json")  # test_cost_models reads it
+
+
+def test_each_machine_is_read_from_the_name():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_index
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    read = results_index.machine_and_variant
+    assert read("fused_ops", "fused_ops-h200x2-hoststaged") == ("h200x2", "hoststaged")
+    assert read("fused_host_time", "fused_host_time-h200-lane-w2") == ("h200", "lane-w2")
+    assert read("fused_host_time", "fused_host_time-h100-lane-w2") == ("h100", "lane-w2")
+    assert read("compile_time", "compile_time-cpu") == ("cpu", "")
+    assert read("compile_time", "compile_time-laptop-x") == ("-", "laptop-x")
