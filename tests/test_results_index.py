@@ -9,6 +9,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+def _results_index():
+    """benchmarks/results_index.py, imported as a module."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_index
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return results_index
+
+
 def test_the_index_lists_every_result_file_and_nothing_else():
     index = (RESULTS / "INDEX.md").read_text()
     linked = set(re.findall(r"\]\(([\w./-]+)\)", index))
@@ -25,11 +35,7 @@ def test_results_sit_in_their_benchmark_folder():
 
 
 def test_a_fixture_is_marked_as_such():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import results_index
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    results_index = _results_index()
     rows = {line.split("`")[1]: line for line in (RESULTS / "INDEX.md").read_text().splitlines()
             if line.startswith("| `")}
     assert "fixture: test_bench_scripts.py" in rows["calibration-h200x2"]
@@ -37,11 +43,7 @@ def test_a_fixture_is_marked_as_such():
 
 
 def test_each_machine_is_read_from_the_name():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import results_index
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    results_index = _results_index()
     read = results_index.machine_and_variant
     assert read("fused_ops", "fused_ops-h200x2-hoststaged") == ("h200x2", "hoststaged")
     assert read("fused_host_time", "fused_host_time-h200-lane-w2") == ("h200", "lane-w2")
