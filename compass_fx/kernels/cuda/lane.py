@@ -142,12 +142,18 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
     return built
 
 
+def _registering():
+    """The built extension where calls may be registered for it (built, and not set aside), else None."""
+    built = _state.get("module")
+    return None if built is None or env_raw(_OFF_KEY) in OFF else built
+
+
 def register(op: str, a: torch.Tensor, b: "torch.Tensor | list[torch.Tensor]", schedule: str, group_name: str,
              group_size: int, workspace) -> None:
     """Let later calls of these arguments' key run ``workspace``'s replays from C (the Python path
     just ran such a call through it); ``b``: the gather's list of weights, the others' weight."""
-    built = _state.get("module")
-    if built is None or workspace.progress is None or workspace.replays is None or env_raw(_OFF_KEY) in OFF:
+    built = _registering()
+    if built is None or workspace.progress is None or workspace.replays is None:
         return
     key = built.key(OPS[op], a, b, schedule, group_name, group_size)
     if key is not None:
@@ -161,8 +167,8 @@ def register_ring_all_reduce(a: torch.Tensor, b: torch.Tensor, scattered: torch.
     weights, and registered both workspaces (:func:`register`); the all-reduce's lane holds the pair,
     and ``lane.cpp`` replays both or neither.  Issued from Python, such a call cost the host 2-3x a
     single call (41-117 us as a step issues them at 2-8 ranks on one H200, peer transport)."""
-    built = _state.get("module")
-    if built is None or env_raw(_OFF_KEY) in OFF:
+    built = _registering()
+    if built is None:
         return
     parts = (lanes.get(built.key(OPS["matmul_reduce_scatter"], a, b, schedule, group_name, group_size)),
              lanes.get(built.key(OPS["all_gather_matmul"], scattered, [], schedule, group_name, group_size)))
