@@ -492,11 +492,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         *_peer_schedules(("ring", "double_ring"), "-lane"),
         _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-run3-host-pin-mps", 90),
     ),
-    "h200-main-check": (
-        _host_time("host_time-w2-breakdown", 2, "h200-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
-        _host_time("host_time-w4-w8", "4,8", "h200-check-w48-host-pin-mps", 190),
-        _stress("stress-500", "2,4,8", 500, EVERY_OP, "h200-check-500-mps", 210),
+    # Issue 27, the goals checked again on main as it stands (MPS started first; `python3 -m pytest -q -m gpu
+    # tests` before the first): the host-staged host times at two ranks (with the breakdown), four and eight,
+    # then on the same warm machine the stress of 500 calls a case at worlds 2, 4 and 8 (two device calls:
+    # with the install and the GPU tests one would pass its ten minutes)
+    "h200-check-host": (
+        _host_time("host_time-w2-breakdown", 2, f"{MACHINE}-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-check-w48-host-pin-mps", 190),
     ),
+    "h200-check-stress": (_stress("stress-500", "2,4,8", 500, EVERY_OP, f"{MACHINE}-check-500-mps", 210),),
 }
 
 

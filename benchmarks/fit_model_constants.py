@@ -23,7 +23,10 @@ steady host times (each call issued while the ones before it run, as a step issu
 and 8 ranks sharing one H200 in the committed ``fused_host_time.py`` runs (``--replay-runs``,
 both transports): each run's times at each world scaled to the median launches (the median ratio
 of its launches to those, as a calibration scales the constants), then one least-squares line in
-the replay graph's slow nodes (copies to or from host memory, stream waits).
+the replay graph's slow nodes (copies to or from host memory, stream waits).  A call of two graphs
+(the ring schedules' all-reduce, issued from C as one call) pays ``FUSED_REPLAY_GRAPH_S`` for its
+second, fitted to the runs that hold such calls (``--replay-graph-runs``) against their one-graph
+calls of the same rounds (``fit_replay_graph``).
 Then the grids are repriced as the code prices now: eager fused calls
 replayed from captured CUDA graphs at those constants.
 
@@ -62,6 +65,11 @@ REPLAY_RUNS = ("fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
                "fused_host_time-h200-schedule-direct-run1-peer-pin-mps.json",
                "fused_host_time-h200-schedule-direct-run2-peer-pin-mps.json")
 REPLAY_WORLDS = (2, 4, 8)
+# the calls of two replay graphs (the ring schedules' all-reduce) issued from C as one call, with the
+# one-graph operators of the same rounds as their host's baseline: three runs of each ring schedule at
+# 2, 4, 8 ranks on the peer transport (2026-12-05, on an H100: the service lent no H200 for them)
+REPLAY_GRAPH_RUNS = tuple(f"fused_host_time-h100-schedule-{schedule}-lane-run{run}-peer-pin-mps.json"
+                          for schedule in ("ring", "double_ring") for run in (1, 2, 3))
 
 
 @contextlib.contextmanager
@@ -262,12 +270,53 @@ def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), colum
             "median_priced_over_measured_by_world": {w: r[len(r) // 2] for w, r in by_world.items() if r}}
 
 
+def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us: float, node_us: float,
+                     worlds: tuple[int, ...] = (2, 4, 8), column: str = "host_us_steady") -> dict:
+    """The host cost of a replay graph beyond a call's first (``FUSED_REPLAY_GRAPH_S``), from
+    ``fused_host_time.py`` runs that hold calls of several graphs (the ring schedules' all-reduce):
+    each case's time in ``column`` scaled to the launches ``launch_us`` (as :func:`fit_replay`), its
+    excess over ``call_us + node_us * slow nodes``; per run and world, the several-graph cases'
+    median excess per extra graph less the one-graph cases' median excess (their host's baseline,
+    which the launches alone scale only roughly: other machines, other starts); the median of those."""
+    from compass_fx.cost.strategies import _launch_speed, replay_slow_nodes
+    from compass_fx.kernels.issue_order import call_plans
+
+    differences = []
+    for name, run in runs.items():
+        host = run.get("transport", "host") == "host"
+        schedule = run.get("schedule", "direct")
+        for world in worlds:
+            if str(world) not in run.get("launch_us", {}):
+                continue
+            _, speed = _launch_speed({"launch_s": run["launch_us"][str(world)]}, launch_us)
+            excess: dict[int, list[float]] = collections.defaultdict(list)  # by graphs
+            for r in run["rows"]:
+                if r["world"] != world or not r.get(column):
+                    continue
+                cols = r["k"] if r["op"] == "all_gather_matmul" else r["n"]
+                plans = call_plans(r["op"], schedule, world, 0, r["rows"], cols, 1, 2, host=host,
+                                   most_pieces=_run_most_pieces(run, world))
+                slow = sum(replay_slow_nodes(plan, host) for plan in plans)
+                excess[len(plans)].append((r[column] / speed - call_us - node_us * slow, len(plans) - 1))
+            if excess.get(1) and len(excess) > 1:
+                baseline = statistics.median(e for e, _ in excess[1])
+                several = [(e - baseline) / extra for graphs, cases in excess.items() if graphs > 1
+                           for e, extra in cases]
+                differences.append({"run": name, "world": world, "per_extra_graph_us": round(statistics.median(several), 1),
+                                    "cases": len(several)})
+    if not differences:
+        raise SystemExit(f"fit_replay_graph: no run of {list(runs)} holds calls of several graphs beside one-graph ones")
+    per_graph = [d["per_extra_graph_us"] for d in differences]
+    return {"runs": list(runs), "column": column, "graph_us": round(statistics.median(per_graph)),
+            "spread_us": [min(per_graph), max(per_graph)], "by_run_and_world": differences}
+
+
 def strategies_replay_call_us() -> float:
     """The replayed fused call's fixed host work the code prices with (calibrated where a
     calibration is in force)."""
     from compass_fx.cost.strategies import fused_replay_costs
 
-    return fused_replay_costs()[0] * 1e6
+    return fused_replay_costs().call_s * 1e6
 
 
 def main(argv=None) -> int:
@@ -279,6 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="h200x2")
     p.add_argument("--replay-runs", default=",".join(REPLAY_RUNS),
                    help="fused_host_time JSON files (under --host-results) the replay constants are fitted to")
+    p.add_argument("--replay-graph-runs", default=",".join(REPLAY_GRAPH_RUNS),
+                   help="fused_host_time JSON files (under --host-results) with calls of several replay graphs, "
+                        "that the cost of a graph beyond a call's first is fitted to")
     p.add_argument("--replay-column", choices=REPLAY_COLUMNS, default="host_us_steady",
                    help="the runs' host time the replay constants are fitted to: issued while the ones before it "
                         "run (steady, as a step issues them), or each call after a wait for the GPU (.graph)")
@@ -294,6 +346,10 @@ def main(argv=None) -> int:
     replay_fit = fit_replay({name: json.loads((Path(args.host_results) / name).read_text())
                              for name in args.replay_runs.split(",")},
                             worlds=tuple(int(w) for w in args.replay_worlds.split(",")), column=args.replay_column)
+    graph_fit = fit_replay_graph({name: json.loads((Path(args.host_results) / name).read_text())
+                                  for name in args.replay_graph_runs.split(",")},
+                                 replay_fit["launch_us"], replay_fit["call_us"], replay_fit["node_us"],
+                                 column=args.replay_column)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
     # the grids repriced as the code prices now: eager fused calls replayed from captured graphs
@@ -310,6 +366,7 @@ def main(argv=None) -> int:
                              for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
                "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best, "replay_fit": replay_fit,
+               "replay_graph_fit": graph_fit,
                "rows": part_rows + call_rows, "repriced_replayed": replay_rows}
     if proposed_rows:
         payload["repriced_replayed_proposed"] = proposed_rows
@@ -336,6 +393,12 @@ def main(argv=None) -> int:
              + ")", "",
              f"Runs: {', '.join(replay_fit['runs'])}.  Launches alone the constants hold for (us): "
              + ", ".join(f"{k} {v}" for k, v in replay_fit["launch_us"].items()) + ".", "",
+             f"## A replay graph beyond a call's first: **{graph_fit['graph_us']} us** + its slow nodes (calls of "
+             "several graphs issued from C as one call, the ring schedules' all-reduce; per run and world their "
+             "median excess over one call at the constants above, less the one-graph operators' median excess "
+             f"in the same rounds: {graph_fit['spread_us'][0]} to {graph_fit['spread_us'][1]} us over "
+             f"{len(graph_fit['by_run_and_world'])} runs and worlds, the median taken)", "",
+             f"Runs: {', '.join(graph_fit['runs'])}.", "",
              "## Repriced as the code prices now (eager fused calls replayed from captured graphs: "
              f"FUSED_REPLAY_CALL_S {replay_rows[0]['value_us']} us + FUSED_REPLAY_SLOW_NODE_S per slow node, "
              "fitted on one H200)", "",

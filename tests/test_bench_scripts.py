@@ -245,12 +245,46 @@ def test_the_replay_fit_takes_the_column_it_is_asked_for():
     assert ring > direct
 
 
+def test_a_second_replay_graph_is_fitted_against_the_one_graph_calls_of_its_rounds():
+    """``fit_replay_graph``: a ring all-reduce (two graphs, issued as one call) costs its excess over
+    one call less the one-graph operators' excess in the same run and world (their host's baseline,
+    whatever the launches alone say of its speed); the median over runs and worlds; a clear error
+    where no run holds calls of several graphs."""
+    fit = _bench("fit_model_constants")
+    from compass_fx.cost.strategies import replay_slow_nodes
+    from compass_fx.kernels.issue_order import call_plans
+
+    launch = {"Copy": 8.0, "Matmul": 16.0, "WaitFlag": 4.0}
+    call_us, node_us = 20.0, 2.0
+
+    def run(baseline_us: float, graph_us: float, slower: float) -> dict:
+        rows = []
+        for op, k, n in (("all_gather_matmul", 4096, 7168), ("matmul_reduce_scatter", 7168, 4096),
+                         ("matmul_all_reduce", 7168, 4096)):
+            plans = call_plans(op, "ring", 4, 0, 2048, k if op == "all_gather_matmul" else n, 1, 2, host=False)
+            slow = sum(replay_slow_nodes(p, False) for p in plans)
+            us = call_us + node_us * slow + baseline_us + graph_us * (len(plans) - 1)
+            rows.append({"world": 4, "op": op, "rows": 2048, "k": k, "n": n, "host_us_steady": slower * us})
+        return {"launch_us": {"4": {kind: slower * v for kind, v in launch.items()}}, "rows": rows,
+                "transport": "peer", "schedule": "ring"}
+
+    # three runs: hosts 1x, 2x (its launches say so) and 1.5x slower than the reference; a baseline
+    # excess the launches do not explain (5, -3, 40 us) cancels
+    runs = {"a": run(5.0, 8.0, 1.0), "b": run(-3.0, 10.0, 2.0), "c": run(40.0, 30.0, 1.5)}
+    got = fit.fit_replay_graph(runs, launch, call_us, node_us, worlds=(2, 4, 8))
+    assert got["graph_us"] == 10 and got["spread_us"] == [8.0, 30.0], got
+    assert [d["world"] for d in got["by_run_and_world"]] == [4, 4, 4]
+    with pytest.raises(SystemExit, match="several graphs"):
+        fit.fit_replay_graph({"a": dict(runs["a"], schedule="direct")}, launch, call_us, node_us)
+
+
 def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path):
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
     were priced with) gives the values in the code; so do the replayed call's host constants,
     refitted to the steady column of the committed ``fused_host_time`` runs of the default path on one
-    H200 (2, 4 and 8 ranks, both transports), price no transport's and no world's calls far off
+    H200 (2, 4 and 8 ranks, both transports), and the cost of a second replay graph in one call refitted
+    to the ring schedules' runs, price no transport's and no world's calls far off
     (median priced / measured within 0.8-1.25)."""
     from compass_fx.cost import strategies
     from compass_fx.machine.gpus import GPUS
@@ -276,6 +310,11 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     for world in ("2", "4", "8"):
         assert 0.8 <= replay["median_priced_over_measured_by_world"][world] <= 1.25, replay
     assert {k: v * 1e-6 for k, v in replay["launch_us"].items()} == pytest.approx(strategies._REPLAY_FITTED_LAUNCH_S)
+    # a second graph in one call (the ring schedules' all-reduce from C): refitted to the ring runs
+    graphs = fit["replay_graph_fit"]
+    assert graphs["runs"] == list(_bench("fit_model_constants").REPLAY_GRAPH_RUNS)
+    assert len(graphs["by_run_and_world"]) == 18  # two schedules, three runs, three worlds
+    assert graphs["graph_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_GRAPH_S)
 
 
 def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
