@@ -296,8 +296,9 @@ def fused_commands(w: Workload, topo: Topology, schedule: str) -> int:
 
 def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: bool | None = None) -> float:
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
-    them for this transport), replayed from a captured graph (``replayed``, default
-    ``FUSED_CALLS_REPLAYED``) or issued one by one and priced by kind, plus the per-call work."""
+    them for this transport), replayed from a captured graph per plan (``replayed``, default
+    ``FUSED_CALLS_REPLAYED``: one call's work, each graph beyond the first its launch, each graph's
+    slow nodes) or issued one by one and priced by kind, plus the per-call work for each plan."""
     plans, host = _fused_plans(w, topo, schedule)
     if FUSED_CALLS_REPLAYED if replayed is None else replayed:
         costs = fused_replay_costs()  # the graphs of one call are launched from C in one call
