@@ -500,6 +500,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-w2-breakdown", 2, f"{MACHINE}-check-w2-breakdown-host-pin-mps", 90, extra=("--breakdown",)),
         _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-check-w48-host-pin-mps", 190),
     ),
+    # Issue 27: where the first call after a wait for the device spends its 2-5x (the fast path's own clock:
+    # lane.last_phases, the breakdown's first-of-16 phases against the steady ones), host-staged at 2, 4, 8
+    # ranks and the peer transport at two
+    "h200-first-call": (
+        _host_time("host_time-w2-phases", 2, f"{MACHINE}-phases-w2-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-w48-phases", "4,8", f"{MACHINE}-phases-w48-host-pin-mps", 210, extra=("--breakdown",)),
+        _host_time("host_time-peer-w2-phases", 2, f"{MACHINE}-phases-peer-w2-pin-mps", 70,
+                   extra=("--breakdown", "--transport", "peer")),
+    ),
     "h200-check-stress": (_stress("stress-500", "2,4,8", 500, EVERY_OP, f"{MACHINE}-check-500-mps", 210),),
 }
 

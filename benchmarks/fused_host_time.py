@@ -121,6 +121,41 @@ def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:
             "host_us_first_of_16": statistics.median(first), "host_us_steady": statistics.median(steady)}
 
 
+def _phase_text(phases: dict | None) -> str:
+    """A call's phases in C as one cell: the largest first."""
+    if not phases:
+        return "-"
+    return ", ".join(f"{name} {us:.1f}" for name, us in sorted(phases.items(), key=lambda kv: -kv[1]))
+
+
+def phases_of_16(fn, calls: int = 16, rounds: int = 5) -> dict:
+    """Where the host time of ``calls`` back-to-back calls goes, read from the fast path's own clock
+    (:func:`compass_fx.kernels.cuda.lane.last_phases`: clock reads in C, no profiler), as
+    :func:`period_us` issues them: the first call (right after the wait for the device) and the
+    median of the others (steady), each phase's median over rounds; calls the fast path declined
+    are left out (``first_from_c``: the rounds whose first call C issued)."""
+    from compass_fx.kernels.cuda import lane
+
+    first, steady = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        got = []
+        for _ in range(calls):
+            fn()
+            got.append(lane.last_phases())
+        if got[0] is not None:
+            first.append(got[0])
+        rest = [g for g in got[1:] if g is not None]
+        if rest:
+            steady.append({k: statistics.median(g[k] for g in rest) for k in lane.PHASES})
+        torch.cuda.synchronize()
+
+    def median(rows: list[dict]) -> dict | None:
+        return {k: round(statistics.median(r[k] for r in rows), 2) for k in lane.PHASES} if rows else None
+
+    return {"first": median(first), "steady": median(steady), "first_from_c": len(first), "rounds": rounds}
+
+
 def launch_costs() -> dict[str, float]:
     """Host microseconds of each kind of launch a plan command makes, alone (what
     ``compass-fx calibrate`` measures for the cost model)."""
@@ -269,6 +304,8 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     res["launch_warm_us"] = times["alloc_launch_warm"] - times["alloc_warm"]
     res["rest_warm_us"] = times["call_warm"] - times["alloc_launch_warm"]
     res["not_replayed"] = len(missing)
+    dist.barrier()
+    res["phases_16"] = phases_of_16(lambda: graph_op(a, *args))
     return res
 
 
@@ -480,6 +517,20 @@ def markdown(payload: dict) -> str:
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
+    phased = [dict(world=r["world"], op=r["op"], rows=r["rows"], first_us=r.get("host_us_first_of_16"),
+                   steady_us=r.get("host_us_steady"), first=_phase_text(r["breakdown"]["phases_16"]["first"]),
+                   steady=_phase_text(r["breakdown"]["phases_16"]["steady"]))
+              for r in payload["rows"] if r.get("breakdown", {}).get("phases_16")]
+    if phased:
+        lines += ["", "The first of 16 back-to-back .graph calls (right after the wait for the device) and the "
+                  "steady ones (median of the other 15), their whole host time and, read from the fast path's own "
+                  "clock (`lane.last_phases`, microseconds, median over rounds), where it went in C: checks (settings, "
+                  "key, workspace lookup), outputs (allocations), prepare (the graph found, the watchdog's room), "
+                  "launch (cuGraphLaunch), bookkeeping (epoch, stats, ring); the whole less these is the op's "
+                  "wrapper in Python and the return:", "",
+                  output.markdown_table(phased, ["world", "op", "rows", ("first_us", "first of 16 us"),
+                                                 ("first", "first, in C"), ("steady_us", "steady us"),
+                                                 ("steady", "steady, in C")])]
     if split:
         lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "

@@ -515,6 +515,38 @@ def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(
     assert got["period_us"] >= got["host_us_back_to_back"]
 
 
+def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_their_host_time(monkeypatch):
+    """``phases_of_16``: the fast path's phases (``lane.last_phases``) of the first of 16 calls apart
+    from the median of the others, a call C declined (no phases) left out; the markdown shows both
+    beside the calls' whole host times."""
+    from compass_fx.kernels.cuda import lane
+
+    fused_host_time = _bench("fused_host_time")
+    monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    def phases():  # the first call of a round launches in 150 us, the others in 20 or 21 (8 and 6 of them:
+        # median 20); the third is declined
+        n = len(calls) % 16
+        if n == 3:
+            return None
+        return dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0 if n == 1 else 20.0 + n % 2, 0.5)))
+
+    monkeypatch.setattr(lane, "last_phases", phases)
+    got = fused_host_time.phases_of_16(lambda: calls.append(None), calls=16, rounds=3)
+    assert len(calls) == 48 and got["first_from_c"] == 3
+    assert got["first"] == dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0, 0.5)))
+    assert got["steady"]["launch"] == 20.0 and got["steady"]["outputs"] == 9.0
+    # a committed run's last row, with these phases
+    run = json.loads((BENCH / "results" / "fused_host_time" / "fused_host_time-h100-check-w2-breakdown-host-pin-mps.json")
+                     .read_text())
+    row = dict(run["rows"][-1], host_us_first_of_16=190.0, host_us_steady=40.0)
+    row["breakdown"] = dict(row["breakdown"], phases_16=got)
+    text = fused_host_time.markdown(dict(run, rows=[row]))
+    line = next(l for l in text.splitlines() if l.startswith("| 2 | matmul_all_reduce | 8192 | 190"))
+    assert "launch 150.0, outputs 9.0, checks 2.0" in line and "launch 20.0, outputs 9.0" in line, line
+
+
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -30,10 +32,13 @@ class Launches:
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
         self.result = 0
+        self.hold_s = 0.0  # how long a launch takes
         self.callback = LAUNCH(self._launch)
 
     def _launch(self, graph_exec, stream) -> int:
         self.seen.append((graph_exec, stream))
+        if self.hold_s:
+            time.sleep(self.hold_s)
         return self.result
 
 
@@ -203,6 +208,35 @@ def test_a_ring_all_reduce_replays_both_its_calls_or_neither(fast):
     lane.lanes.clear()
 
 
+def test_a_call_from_c_says_where_its_host_time_went(fast, monkeypatch):
+    """``lane.last_phases``: a call issued from C reads its clock between its phases, so a launch
+    held 3 ms shows in "launch" (both launches of a ring all-reduce: 6 ms) and not in the others;
+    a call C declined leaves no phases (the previous call's are not passed off as its)."""
+    monkeypatch.setitem(lane._state, "module", fast.module)
+    op, a_shape, b_shapes, world, _ = CASES["reduce-scatter"]
+    a, b = _meta(*a_shape), _meta(*b_shapes[0])
+    lane.lanes[_key(fast, op, a, b, world)] = ws = _workspace()
+    _learn_graphs(fast, ws, op, a, b, world)
+    phases = lane.last_phases()
+    assert tuple(phases) == lane.PHASES and all(us >= 0 for us in phases.values()), phases
+    assert _call(fast, op, _meta(6, 8), b, world) is None and lane.last_phases() is None  # no lane for it
+    a_ring, b_ring, rs, ag = _ring_all_reduce(fast, 4)
+    for ws, first in ((rs, 0x1000), (ag, 0x2000)):
+        assert _call(fast, "matmul_all_reduce", a_ring, b_ring, 4) is None
+        ws.replays.graphs[fast.module.last_addresses()] = [Graph(first + phase) for phase in range(4)]
+    fast.launches.hold_s = 0.003
+    try:
+        for args, launches in (((op, a, b, world), 1), (("matmul_all_reduce", a_ring, b_ring, 4), 2)):
+            before = len(fast.launches.seen)
+            assert _call(fast, *args) is not None and len(fast.launches.seen) == before + launches
+            held = lane.last_phases()
+            assert held["launch"] >= launches * 3000, held
+            assert sum(us for name, us in held.items() if name != "launch") < 3000, held
+    finally:
+        fast.launches.hold_s = 0.0
+    lane.lanes.clear()
+
+
 def test_the_python_path_registers_a_ring_all_reduce_once_both_its_calls_are(fast, monkeypatch):
     a, b, scattered = torch.randn(8, 8), torch.randn(8, 6), torch.randn(2, 6)
     monkeypatch.setitem(lane._state, "module", fast.module)
@@ -335,15 +369,39 @@ def test_the_python_path_registers_only_workspaces_it_replays(fast, monkeypatch)
     assert not lane.lanes
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_first_call(fast):
-    """torch's builder waits as long as its lock file exists; one older than STALE_LOCK_S goes."""
+def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_first_call(fast, monkeypatch, caplog):
+    """torch's builder waits as long as its lock file exists; one older than STALE_LOCK_S goes at
+    once, and a younger one once it is that old (a build killed moments ago: the wait is bounded and,
+    past LOCK_PATIENCE_S, said), while a lock the building process removes ends the wait silently."""
     lock = lane.build_directory() / "lock"
-    lock.touch()
-    old = lock.stat().st_mtime - lane.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
+
+    def lock_aged(age_s: float) -> None:
+        lock.touch()
+        then = time.time() - age_s
+        os.utime(lock, (then, then))
+
+    lock_aged(lane.STALE_LOCK_S + 60)
     with pytest.warns(RuntimeWarning, match="build lock"):
         assert lane.compile_module().call is fast.module.call  # loaded from the cache, not waiting
     assert not lock.exists()
+    monkeypatch.setattr(lane, "STALE_LOCK_S", 3.0)
+    monkeypatch.setattr(lane, "LOCK_PATIENCE_S", 1.5)
+    monkeypatch.setattr(lane, "LOCK_POLL_S", 0.05)
+    lock_aged(1.0)  # stale two seconds from now
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="compass_fx"), pytest.warns(RuntimeWarning, match="build lock"):
+        assert lane.compile_module().call is fast.module.call
+    assert 1.5 <= time.monotonic() - started < 30 and not lock.exists()
+    assert "waiting for another process's build" in caplog.text and str(lock) in caplog.text
+    lock_aged(0.0)  # another process building: it removes its lock when done
+    import threading
+
+    done = threading.Timer(0.3, lambda: lock.unlink(missing_ok=True))
+    done.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lane.compile_module().call is fast.module.call
+    done.join()
 
 
 def test_an_allocation_that_fails_leaves_the_call_to_the_python_path(fast):

@@ -10,6 +10,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +45,18 @@ PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_
 PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p;
 PyObject *minus_one, *one;
 PyObject* last_addresses = nullptr;  // what the last call looked its graph up by (for tests and diagnosis)
+
+// Where the last call issued from here spent its host time, in ns (`phases`): what a profiler's
+// overhead would hide in calls of tens of microseconds.  Five clock reads a call (~0.1 us).
+enum Phase { CHECKS, OUTPUTS, PREPARE, LAUNCH, BOOKKEEPING, PHASES };
+long long phase_ns[PHASES] = {};
+long long launch_ns = 0;  // the launches of the call in hand, summed by `commit`
+bool phased = false;      // phase_ns holds a call
+
+inline long long now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 PyObject* env_get(PyObject* key) {  // borrowed, or Py_None
   PyObject* v = PyDict_GetItemWithError(cfg.env, key);
@@ -240,7 +253,9 @@ bool commit(Replay& r, PyObject* stream, void* stream_handle, Refs& refs) {
   if (PyList_SetItem(epochs, r.issued % cfg.ring, new_epoch) < 0) return false;
   PyObject* next = refs(PyLong_FromUnsignedLongLong(r.issued + 1));
   if (!next || PyObject_SetAttr(r.progress, s_issued, next) < 0) return false;
+  long long launch_start = now_ns();
   int result = cfg.launch(r.exec, stream_handle);
+  launch_ns += now_ns() - launch_start;
   if (result) {
     PyObject_SetAttr(r.progress, s_issued, r.issued_obj);
     PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, s_launch_what);  // raises
@@ -259,6 +274,8 @@ bool commit(Replay& r, PyObject* stream, void* stream_handle, Refs& refs) {
 // reduce-scatter and a gather of its sums without weights: its lane holds both workspaces, and both
 // replays are prepared before either runs, so the call is this path's whole or not at all.
 PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
+  long long entered = now_ns();
+  phased = false;  // a call declined leaves no phases
   if (!configured || nargs != 6) return decline();
   long op = PyLong_AsLong(args[0]);
   PyObject *schedule = args[3], *group_name = args[4], *group_size = args[5];
@@ -286,12 +303,14 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   if (PyErr_Occurred()) return decline();
 
   // the outputs, as the Python path allocates them (their addresses are part of the graphs' keys)
+  long long checked = now_ns(), allocated = 0;
   std::vector<at::Tensor> outs;
   at::Tensor gathered;
   Replay first, second;
   if (ring) {  // the reduce-scatter's sums, then the gather of every rank's sums
     outs.push_back(at::empty({a.size(0) / world, ws[0]->size(1)}, a.options()));
     gathered = at::empty({a.size(0) / world * world, ws[0]->size(1)}, a.options());
+    allocated = now_ns();
     const std::vector<at::Tensor> none;
     if (!prepare(PyTuple_GET_ITEM(workspace, 0), addresses_of(a, ws, outs, nullptr), stream, refs, &first) ||
         !prepare(PyTuple_GET_ITEM(workspace, 1), addresses_of(outs[0], {}, none, &gathered), stream, refs, &second))
@@ -300,17 +319,23 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
     long long out_rows = op == GATHER ? a.size(0) * world : op == SCATTER ? a.size(0) / world : a.size(0);
     if (op == GATHER) gathered = at::empty({out_rows, a.size(1)}, a.options());
     for (const at::Tensor* w : ws) outs.push_back(at::empty({out_rows, w->size(1)}, a.options()));
+    allocated = now_ns();
     if (!prepare(workspace, addresses_of(a, ws, outs, op == GATHER ? &gathered : nullptr), stream, refs, &first))
       return decline();
   }
 
   // committed: from here on the call is this path's
   committed = true;
+  long long prepared = now_ns();
+  launch_ns = 0;
   if (!commit(first, stream, stream_handle, refs)) return nullptr;
-  if (ring) {
-    if (!commit(second, stream, stream_handle, refs)) return nullptr;
-    return THPVariable_Wrap(std::move(gathered));
-  }
+  if (ring && !commit(second, stream, stream_handle, refs)) return nullptr;
+  long long done = now_ns();
+  phase_ns[CHECKS] = checked - entered, phase_ns[OUTPUTS] = allocated - checked;
+  phase_ns[PREPARE] = prepared - allocated, phase_ns[LAUNCH] = launch_ns;
+  phase_ns[BOOKKEEPING] = done - prepared - launch_ns;
+  phased = true;
+  if (ring) return THPVariable_Wrap(std::move(gathered));
   if (op == GATHER) {
     PyObject* listed = PyList_New((Py_ssize_t)outs.size());
     if (!listed) return nullptr;
@@ -358,6 +383,13 @@ PyObject* looked_up(PyObject*, PyObject*) {
   return last_addresses;
 }
 
+// phases(): (checks, outputs, prepare, launch, bookkeeping) in ns of the last call issued from here, or None.
+PyObject* phases(PyObject*, PyObject*) {
+  if (!phased) Py_RETURN_NONE;
+  return Py_BuildValue("(LLLLL)", phase_ns[CHECKS], phase_ns[OUTPUTS], phase_ns[PREPARE], phase_ns[LAUNCH],
+                       phase_ns[BOOKKEEPING]);
+}
+
 PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
 // configure(lanes, transports, env, replay_settings, disabled, join, stats, capturing, raw_stream,
@@ -396,6 +428,7 @@ PyMethodDef methods[] = {
     {"key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(key)), METH_FASTCALL,
      "The lane key of a call, or None."},
     {"last_addresses", looked_up, METH_NOARGS, "The addresses the last call looked its graph up by, or None."},
+    {"phases", phases, METH_NOARGS, "Where the last call issued from here spent its host time (ns), or None."},
     {"configure", configure, METH_VARARGS, "Hand the lane the Python objects it reads and writes."},
     {nullptr, nullptr, 0, nullptr}};
 

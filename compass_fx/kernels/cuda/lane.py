@@ -71,28 +71,46 @@ def is_cached() -> bool:
 
 
 STALE_LOCK_S = 600.0  # a build lock older than this was left by a build that died
+LOCK_POLL_S = 0.5      # how often a process waiting for another's build looks at its lock
+LOCK_PATIENCE_S = 30.0  # waiting longer than this for another's build is said
+
+
+def _wait_for_another_build(lock: Path) -> None:
+    """Wait while another process builds the extension (its lock file exists), at most until the lock
+    is ``STALE_LOCK_S`` old, then remove it with a warning: torch's builder itself waits for as long
+    as the lock exists, forever for one left by a build that was killed (say by Ctrl-C).  A wait
+    past ``LOCK_PATIENCE_S`` is said once, with how to end it."""
+    import time
+
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            warnings.warn(f"compass fused operators: removing the host fast path's build lock {lock}, left {age:.0f} s "
+                          "ago by a build that did not finish", RuntimeWarning, stacklevel=3)
+            lock.unlink(missing_ok=True)
+            return
+        if not said and age > LOCK_PATIENCE_S:
+            log.warning("compass fused operators: waiting for another process's build of the host fast path (lock %s, "
+                        "%.0f s old; taken as left by a killed build at %.0f s: remove it to go on now)", lock, age,
+                        STALE_LOCK_S)
+            said = True
+        time.sleep(LOCK_POLL_S)
 
 
 def compile_module():
     """Build (or load from the cache) the extension; raises where it cannot be built.  Ranks that
-    start together wait for the one that builds (torch's lock file in the build directory); a lock
-    left by a build that was killed would make every later first call wait forever, so one older
-    than ``STALE_LOCK_S`` is removed first, with a warning."""
-    import time
-
+    start together wait for the one that builds (its lock file in the build directory); a lock left
+    by a build that was killed is removed once ``STALE_LOCK_S`` old (:func:`_wait_for_another_build`):
+    no first call waits forever."""
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        age = 0.0
-    if age > STALE_LOCK_S:
-        warnings.warn(f"compass fused operators: removing the host fast path's build lock {lock}, left {age:.0f} s "
-                      "ago by a build that did not finish", RuntimeWarning, stacklevel=2)
-        lock.unlink(missing_ok=True)
+    _wait_for_another_build(directory / "lock")
     return load("compass_lane", sources=[str(_SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
                 verbose=False)
 
@@ -140,6 +158,19 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
     fast_calls.append(built.call)
     log.info("compass fused operators: host fast path built in %s", build_directory())
     return built
+
+
+PHASES = ("checks", "outputs", "prepare", "launch", "bookkeeping")
+
+
+def last_phases() -> "dict[str, float] | None":
+    """Where the last call spent its host time, in us, if C issued it (else None): the checks, key
+    and workspace lookup; the outputs' allocations; the replays' graphs found and the watchdog's room;
+    the graphs' launches (``cuGraphLaunch``); the epoch, recency, stats and ring.  Clock reads in C,
+    no profiler: what its overhead would hide in calls of tens of microseconds."""
+    built = _state.get("module")
+    got = built.phases() if built is not None else None
+    return None if got is None else {name: ns / 1e3 for name, ns in zip(PHASES, got)}
 
 
 def _registering():
