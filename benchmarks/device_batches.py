@@ -509,6 +509,12 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w2-phases", 2, f"{MACHINE}-phases-peer-w2-pin-mps", 70,
                    extra=("--breakdown", "--transport", "peer")),
     ),
+    # and how much of those calls is outside C (the op's wrapper in Python): both transports at two ranks
+    "h200-first-call-w2": (
+        _host_time("host_time-w2-phases", 2, f"{MACHINE}-phases-w2-run2-host-pin-mps", 90, extra=("--breakdown",)),
+        _host_time("host_time-peer-w2-phases", 2, f"{MACHINE}-phases-peer-w2-run2-pin-mps", 70,
+                   extra=("--breakdown", "--transport", "peer")),
+    ),
     "h200-check-stress": (_stress("stress-500", "2,4,8", 500, EVERY_OP, f"{MACHINE}-check-500-mps", 210),),
 }
 

@@ -128,30 +128,38 @@ def _phase_text(phases: dict | None) -> str:
     return ", ".join(f"{name} {us:.1f}" for name, us in sorted(phases.items(), key=lambda kv: -kv[1]))
 
 
+OUTSIDE_C = "outside C"  # a call's host time less its phases in C: the op's wrapper in Python, the return
+
+
 def phases_of_16(fn, calls: int = 16, rounds: int = 5) -> dict:
     """Where the host time of ``calls`` back-to-back calls goes, read from the fast path's own clock
     (:func:`compass_fx.kernels.cuda.lane.last_phases`: clock reads in C, no profiler), as
     :func:`period_us` issues them: the first call (right after the wait for the device) and the
-    median of the others (steady), each phase's median over rounds; calls the fast path declined
-    are left out (``first_from_c``: the rounds whose first call C issued)."""
+    median of the others (steady), each phase's median over rounds, with the call's whole host time
+    less those phases (``OUTSIDE_C``); calls the fast path declined are left out (``first_from_c``:
+    the rounds whose first call C issued)."""
     from compass_fx.kernels.cuda import lane
 
+    names = (*lane.PHASES, OUTSIDE_C)
     first, steady = [], []
     for _ in range(rounds):
         torch.cuda.synchronize()
         got = []
         for _ in range(calls):
+            start = time.perf_counter()
             fn()
-            got.append(lane.last_phases())
+            whole = (time.perf_counter() - start) * 1e6
+            phases = lane.last_phases()
+            got.append(None if phases is None else {**phases, OUTSIDE_C: whole - sum(phases.values())})
         if got[0] is not None:
             first.append(got[0])
         rest = [g for g in got[1:] if g is not None]
         if rest:
-            steady.append({k: statistics.median(g[k] for g in rest) for k in lane.PHASES})
+            steady.append({k: statistics.median(g[k] for g in rest) for k in names})
         torch.cuda.synchronize()
 
     def median(rows: list[dict]) -> dict | None:
-        return {k: round(statistics.median(r[k] for r in rows), 2) for k in lane.PHASES} if rows else None
+        return {k: round(statistics.median(r[k] for r in rows), 2) for k in names} if rows else None
 
     return {"first": median(first), "steady": median(steady), "first_from_c": len(first), "rounds": rounds}
 
@@ -526,8 +534,8 @@ def markdown(payload: dict) -> str:
                   "steady ones (median of the other 15), their whole host time and, read from the fast path's own "
                   "clock (`lane.last_phases`, microseconds, median over rounds), where it went in C: checks (settings, "
                   "key, workspace lookup), outputs (allocations), prepare (the graph found, the watchdog's room), "
-                  "launch (cuGraphLaunch), bookkeeping (epoch, stats, ring); the whole less these is the op's "
-                  "wrapper in Python and the return:", "",
+                  "launch (cuGraphLaunch), bookkeeping (epoch, stats, ring), and outside C: the same call's host time "
+                  "less these (the op's wrapper in Python, the return):", "",
                   output.markdown_table(phased, ["world", "op", "rows", ("first_us", "first of 16 us"),
                                                  ("first", "first, in C"), ("steady_us", "steady us"),
                                                  ("steady", "steady, in C")])]

@@ -532,11 +532,18 @@ def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_the
             return None
         return dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0 if n == 1 else 20.0 + n % 2, 0.5)))
 
+    def call():  # the first call of a round takes 400 us of host, the others 60 (the phases' 162.5 and 32.5 or 33.5)
+        calls.append(None)
+        fused_host_time.spin(4e-4 if len(calls) % 16 == 1 else 6e-5)
+
     monkeypatch.setattr(lane, "last_phases", phases)
-    got = fused_host_time.phases_of_16(lambda: calls.append(None), calls=16, rounds=3)
+    got = fused_host_time.phases_of_16(call, calls=16, rounds=3)
     assert len(calls) == 48 and got["first_from_c"] == 3
-    assert got["first"] == dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0, 0.5)))
+    outside = fused_host_time.OUTSIDE_C
+    assert {k: v for k, v in got["first"].items() if k != outside} == dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0, 0.5)))
+    assert 400 - 162.5 <= got["first"][outside] < 400, got
     assert got["steady"]["launch"] == 20.0 and got["steady"]["outputs"] == 9.0
+    assert 60 - 33.5 <= got["steady"][outside] < 200, got
     # a committed run's last row, with these phases
     run = json.loads((BENCH / "results" / "fused_host_time" / "fused_host_time-h100-check-w2-breakdown-host-pin-mps.json")
                      .read_text())
