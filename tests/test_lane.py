@@ -237,6 +237,97 @@ def test_a_call_from_c_says_where_its_host_time_went(fast, monkeypatch):
     lane.lanes.clear()
 
 
+class Fallback:
+    """The Python entry ``graph_call`` hands calls it does not issue to: records them."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "python entry"
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_a_graph_overload_enters_c_first_and_hands_anything_else_to_its_python_entry(fast):
+    """``graph_call``: a plain call (torch.Tensors of the served device type, no mode, no
+    transform, nothing needing grad) whose graph exists is issued from C; a call C declines, one
+    that is not plain (as ``ops._plain_cuda`` judges) and one with keywords reach the Python entry
+    with their arguments as they came, and its result is the call's."""
+    code = lane.OPS["matmul_reduce_scatter"]
+    fast.module.configure_direct(torch.Tensor, torch._C._len_torch_dispatch_stack,
+                                 torch._C._is_torch_function_mode_enabled, torch._C._are_functorch_transforms_active,
+                                 torch.is_grad_enabled, _meta(0))
+    a, b = _meta(8, 8), _meta(8, 6)
+    lane.lanes[_key(fast, "matmul_reduce_scatter", a, b, 2)] = ws = _workspace()
+    entry = Fallback()
+    assert fast.module.graph_call(code, entry, a, b, "direct", "g0", 2) == "python entry"  # no graph yet: C declines
+    assert entry.calls == [((a, b, "direct", "g0", 2), {})]
+    ws.replays.graphs[fast.module.last_addresses()] = [Graph(0x3000 + phase) for phase in range(4)]
+    launches = len(fast.launches.seen)
+    out = fast.module.graph_call(code, entry, a, b, "direct", "g0", 2)
+    assert tuple(out.shape) == (4, 6) and len(fast.launches.seen) == launches + 1 and len(entry.calls) == 1
+    needs_grad = _meta(8, 8).requires_grad_()
+    not_plain = {
+        "keywords": ((a, b, "direct"), {"group_name": "g0", "group_size": 2}),
+        "another device type": ((torch.empty(8, 8), b, "direct", "g0", 2), {}),
+        "a subclass": ((a.as_subclass(Subclass), b, "direct", "g0", 2), {}),
+        "grad needed": ((needs_grad, b, "direct", "g0", 2), {}),
+        "too few arguments": ((a, b, "direct", "g0"), {}),
+    }
+    for why, (args, kwargs) in not_plain.items():
+        entry.calls.clear()
+        assert fast.module.graph_call(code, entry, *args, **kwargs) == "python entry", why
+        assert entry.calls == [(args, kwargs)], why
+    with torch.no_grad():  # grad mode off: an input that requires grad is plain
+        assert not isinstance(fast.module.graph_call(code, entry, needs_grad, b, "direct", "g0", 2), str)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    entry.calls.clear()
+    with Passing():
+        assert fast.module.graph_call(code, entry, a, b, "direct", "g0", 2) == "python entry"
+    assert len(entry.calls) == 1
+    gather = lane.OPS["all_gather_matmul"]  # the gather's weights: a list of exactly one (as ops._direct)
+    for weights in ([b, b], (b,)):
+        entry.calls.clear()
+        assert fast.module.graph_call(gather, entry, a, weights, "direct", "g0", 2) == "python entry"
+        assert entry.calls == [((a, weights, "direct", "g0", 2), {})]
+    with pytest.raises(TypeError, match="op and fallback"):
+        fast.module.graph_call(code)
+    lane.lanes.clear()
+
+
+def test_the_host_fast_path_becomes_the_graph_overloads_entry_once_built(fast, monkeypatch):
+    """``install_direct`` (run when the extension is built) points each ``.graph`` overload at
+    ``graph_call`` with the op's code and its Python entry, keeping what tests and tools read of the
+    entry; a call through the overload then runs from C."""
+    overloads = [getattr(torch.ops.compass, op).graph for op in lane.OPS]
+    for overload in overloads:
+        monkeypatch.setattr(overload, "_op", overload._op)
+    monkeypatch.setitem(lane._state, "direct_device", None)
+    entries = [overload._op for overload in overloads]
+    lane.install_direct(fast.module, _meta(0))
+    for overload, entry in zip(overloads, entries):
+        fast_entry = overload._op
+        assert fast_entry.func is fast.module.graph_call and fast_entry.args[1] is entry
+        assert fast_entry.args[0] == lane.OPS[overload._schema.name.split("::")[1]]
+        assert fast_entry.through_dispatcher is entry.through_dispatcher
+    a, b = _meta(8, 8), _meta(8, 6)
+    lane.lanes[_key(fast, "matmul_all_reduce", a, b, 2)] = ws = _workspace()
+    _learn_graphs(fast, ws, "matmul_all_reduce", a, b, 2)
+    launches = len(fast.launches.seen)
+    out = torch.ops.compass.matmul_all_reduce.graph(a, b, "direct", "g0", 2)
+    assert tuple(out.shape) == (8, 6) and len(fast.launches.seen) == launches + 1
+    lane.lanes.clear()
+
+
 def test_the_python_path_registers_a_ring_all_reduce_once_both_its_calls_are(fast, monkeypatch):
     a, b, scattered = torch.randn(8, 8), torch.randn(8, 6), torch.randn(2, 6)
     monkeypatch.setitem(lane._state, "module", fast.module)
