@@ -515,12 +515,6 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w2-phases", 2, f"{MACHINE}-phases-peer-w2-run2-pin-mps", 70,
                    extra=("--breakdown", "--transport", "peer")),
     ),
-    # the .graph overloads entered in C first (lane.graph_call): the peer transport's two ranks, whose
-    # "outside C" (2.5-5.4 us steady, 8-34 first: h100-phases-peer-w2-run2) it should shrink
-    "h200-direct-entry": (
-        _host_time("host_time-peer-w2-phases", 2, f"{MACHINE}-direct-entry-peer-w2-pin-mps", 70,
-                   extra=("--breakdown", "--transport", "peer")),
-    ),
     "h200-check-stress": (_stress("stress-500", "2,4,8", 500, EVERY_OP, f"{MACHINE}-check-500-mps", 210),),
 }
 

@@ -20,7 +20,6 @@ from torch import Tensor
 from . import reference
 from .cuda import graphs_enabled
 from .cuda.lane import OPS as _LANE_OPS
-from .cuda import lane as _lane
 from .cuda.lane import fast_calls as _fast_calls  # what the CUDA kernels try first (replays issued from C)
 from .schedules import SCHEDULES, check_schedule_name
 
@@ -343,9 +342,7 @@ def _direct_possible() -> bool:
 
 
 def _direct(overload, kernel, weights_listed: bool) -> None:
-    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above); once the
-    host fast path is built, its ``graph_call`` is entered first and this is its fallback
-    (:func:`.cuda.lane.direct`)."""
+    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above)."""
     through_dispatcher = overload._op
 
     if weights_listed:
@@ -360,7 +357,6 @@ def _direct(overload, kernel, weights_listed: bool) -> None:
             return through_dispatcher(a, b, schedule, group_name, group_size)
     call.through_dispatcher = through_dispatcher
     overload._op = call  # what OpOverload.__call__ runs
-    _lane.direct(overload, overload._schema.name.split("::")[1], call)
 
 
 if _direct_possible():

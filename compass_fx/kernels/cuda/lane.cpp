@@ -39,21 +39,6 @@ struct Config {
 Config cfg;
 bool configured = false;
 
-// What the `.graph` overloads' direct entry (`graph_call`) checks a call by, as ops._plain_cuda does:
-// torch.Tensor (exact type), the device type the fast path serves (CUDA; tests: meta), and torch's own
-// functions for dispatch modes, torch-function modes, functorch transforms and grad mode.
-struct Direct {
-  PyObject* tensor_type = nullptr;
-  PyObject* dispatch_modes = nullptr;  // torch._C._len_torch_dispatch_stack
-  PyObject* function_modes = nullptr;  // torch._C._is_torch_function_mode_enabled
-  PyObject* transforms = nullptr;      // torch._C._are_functorch_transforms_active
-  PyObject* grad_enabled = nullptr;    // torch.is_grad_enabled
-  int device_type = -1;
-};
-
-Direct direct;
-bool direct_configured = false;
-
 // interned attribute names and environment keys
 PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_stream, *s_issued, *s_epochs,
     *s_address, *s_epoch, *s_exec, *s_move_to_end, *s_outstanding, *s_replayed, *s_lane, *s_launch_what;
@@ -405,79 +390,6 @@ PyObject* phases(PyObject*, PyObject*) {
                        phase_ns[BOOKKEEPING]);
 }
 
-// Whether fn() is true; false with a Python error set where it raised.
-bool called_true(PyObject* fn, bool* truth) {
-  PyObject* got = PyObject_CallNoArgs(fn);
-  if (!got) return false;
-  int t = PyObject_IsTrue(got);
-  Py_DECREF(got);
-  *truth = t == 1;
-  return t >= 0;
-}
-
-// ops._plain_cuda: `a` and the weight (the gather's list of one) are torch.Tensors of the fast path's
-// device type, outside any dispatch or torch-function mode and functorch transform, and no input
-// needs grad while grad mode is on.  Anything else (or an error, cleared) is not plain.
-bool plain(PyObject* a, PyObject* b, bool listed) {
-  if (listed) {
-    if (!PyList_CheckExact(b) || PyList_GET_SIZE(b) != 1) return false;
-    b = PyList_GET_ITEM(b, 0);
-  }
-  PyTypeObject* tensor = reinterpret_cast<PyTypeObject*>(direct.tensor_type);
-  if (Py_TYPE(a) != tensor || Py_TYPE(b) != tensor) return false;
-  const at::Tensor& ta = THPVariable_Unpack(a);
-  if (static_cast<int>(ta.device().type()) != direct.device_type) return false;
-  bool on = false;
-  for (PyObject* active : {direct.dispatch_modes, direct.function_modes, direct.transforms})
-    if (!called_true(active, &on) || on) return false;
-  if (ta.requires_grad() || THPVariable_Unpack(b).requires_grad())
-    if (!called_true(direct.grad_enabled, &on) || on) return false;
-  return true;
-}
-
-// graph_call(op, fallback, a, b, schedule, group_name, group_size): what a `.graph` overload runs
-// (ops._direct installs it with functools.partial).  A plain call whose graph exists is issued from
-// here; any other call (keywords included) goes to `fallback`, the Python entry, with the arguments
-// as they came.  Saves the Python entry's frames: 3-7 us of a steady call, 8-51 of a first one.
-PyObject* graph_call(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  if (nargs < 2) {
-    PyErr_SetString(PyExc_TypeError, "graph_call(op, fallback, *args): op and fallback missing");
-    return nullptr;
-  }
-  bool keywords = kwnames && PyTuple_GET_SIZE(kwnames);
-  if (direct_configured && !keywords && nargs == 7) {
-    long op = PyLong_AsLong(args[0]);
-    if (op >= GATHER && op <= ALL_REDUCE && plain(args[2], args[3], op == GATHER)) {
-      PyObject* const issued_args[6] = {args[0], args[2], args[3], args[4], args[5], args[6]};
-      PyObject* out = call(nullptr, issued_args, 6);
-      if (!out || out != Py_None) return out;  // the outputs, or the error of a call this path committed
-      Py_DECREF(out);
-    }
-    if (PyErr_Occurred()) PyErr_Clear();
-  }
-  return PyObject_Vectorcall(args[1], args + 2, nargs - 2, kwnames);
-}
-
-// configure_direct(tensor_type, dispatch_modes, function_modes, transforms, grad_enabled, device_sample):
-// calls on tensors of device_sample's device type are the fast path's.
-PyObject* configure_direct(PyObject*, PyObject* args) {
-  Direct d;
-  PyObject* sample;
-  if (!PyArg_ParseTuple(args, "O!OOOOO", &PyType_Type, &d.tensor_type, &d.dispatch_modes, &d.function_modes,
-                        &d.transforms, &d.grad_enabled, &sample))
-    return nullptr;
-  if (!THPVariable_Check(sample)) {
-    PyErr_SetString(PyExc_TypeError, "configure_direct: device_sample must be a tensor");
-    return nullptr;
-  }
-  d.device_type = static_cast<int>(THPVariable_Unpack(sample).device().type());
-  for (PyObject* o : {d.tensor_type, d.dispatch_modes, d.function_modes, d.transforms, d.grad_enabled})
-    Py_INCREF(o);  // kept for the process's life (configured once, or again by tests: a few references)
-  direct = d;
-  direct_configured = true;
-  Py_RETURN_NONE;
-}
-
 PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
 // configure(lanes, transports, env, replay_settings, disabled, join, stats, capturing, raw_stream,
@@ -518,9 +430,6 @@ PyMethodDef methods[] = {
     {"last_addresses", looked_up, METH_NOARGS, "The addresses the last call looked its graph up by, or None."},
     {"phases", phases, METH_NOARGS, "Where the last call issued from here spent its host time (ns), or None."},
     {"configure", configure, METH_VARARGS, "Hand the lane the Python objects it reads and writes."},
-    {"graph_call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(graph_call)),
-     METH_FASTCALL | METH_KEYWORDS, "A .graph overload's call: issued from C where plain and replayed, else the fallback."},
-    {"configure_direct", configure_direct, METH_VARARGS, "Hand graph_call what it checks a call by."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define COMPASS_STR2(x) #x

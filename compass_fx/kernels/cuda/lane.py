@@ -26,7 +26,6 @@ on disk per torch version: ~20 s the first time on one core); without a compiler
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 import warnings
@@ -43,7 +42,6 @@ _SOURCE = Path(__file__).with_name("lane.cpp")
 _state: dict = {}  # "module": the loaded extension, or "failed": why it is not used
 lanes: dict = {}  # lane key -> workspace (read by lane.cpp)
 fast_calls: list = []  # the extension's ``call`` once built (what ops' CUDA kernels try first)
-_direct_entries: list = []  # (overload, op code, Python entry): the .graph overloads' entries (ops._direct)
 _OFF_KEY = b"COMPASS_FUSED_LANE"
 # the raw values that set the fast path aside (read on every call, as bytes: no parsing per call)
 OFF = frozenset(v.encode() for word in ("0", "false", "no", "off") for v in (word, word.upper(), word.title()))
@@ -158,7 +156,6 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
         return None
     _state["module"] = built
     fast_calls.append(built.call)
-    install_direct(built, torch.empty(0, device="cuda"))
     log.info("compass fused operators: host fast path built in %s", build_directory())
     return built
 
@@ -174,31 +171,6 @@ def last_phases() -> "dict[str, float] | None":
     built = _state.get("module")
     got = built.phases() if built is not None else None
     return None if got is None else {name: ns / 1e3 for name, ns in zip(PHASES, got)}
-
-
-def direct(overload, op: str, python_entry) -> None:
-    """Let ``overload``'s calls (a ``.graph`` overload: ``ops._direct``) enter C first once the
-    extension is built (now, where it is): ``graph_call`` issues a plain call whose graph exists
-    itself and hands any other, with its arguments as they came, to ``python_entry``.  That skips
-    the Python entry's frames and checks: 3-7 us of host in a steady call, 8-51 in the first call
-    after a wait (``fused_host_time-h100-phases-w2-run2-host-pin-mps``: "outside C")."""
-    _direct_entries.append((overload, OPS[op], python_entry))
-    built = _state.get("module")
-    if built is not None:
-        install_direct(built, _state["direct_device"])
-
-
-def install_direct(built, device_sample: torch.Tensor) -> None:
-    """Point every registered ``.graph`` overload at ``built.graph_call``, which takes calls whose
-    tensors are of ``device_sample``'s device type (CUDA; tests use meta tensors) as plain."""
-    built.configure_direct(torch.Tensor, torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled,
-                           torch._C._are_functorch_transforms_active, torch.is_grad_enabled, device_sample)
-    _state["direct_device"] = device_sample
-    for overload, code, entry in _direct_entries:
-        fast = functools.partial(built.graph_call, code, entry)
-        fast.through_dispatcher = entry.through_dispatcher
-        fast.python_entry = entry
-        overload._op = fast
 
 
 def _registering():
