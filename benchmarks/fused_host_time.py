@@ -531,11 +531,12 @@ def markdown(payload: dict) -> str:
               for r in payload["rows"] if r.get("breakdown", {}).get("phases_16")]
     if phased:
         lines += ["", "The first of 16 back-to-back .graph calls (right after the wait for the device) and the "
-                  "steady ones (median of the other 15), their whole host time and, read from the fast path's own "
-                  "clock (`lane.last_phases`, microseconds, median over rounds), where it went in C: checks (settings, "
+                  "steady ones (median of the other 15): their host time as the period's rounds measured it and, in "
+                  "rounds of their own, read from the fast path's clock (`lane.last_phases`, microseconds, median over "
+                  "rounds), where it went in C: checks (settings, "
                   "key, workspace lookup), outputs (allocations), prepare (the graph found, the watchdog's room), "
-                  "launch (cuGraphLaunch), bookkeeping (epoch, stats, ring), and outside C: the same call's host time "
-                  "less these (the op's wrapper in Python, the return):", "",
+                  "launch (cuGraphLaunch), bookkeeping (epoch, stats, ring), and outside C: the host time of those "
+                  "same calls less these (the op's wrapper in Python, the return):", "",
                   output.markdown_table(phased, ["world", "op", "rows", ("first_us", "first of 16 us"),
                                                  ("first", "first, in C"), ("steady_us", "steady us"),
                                                  ("steady", "steady, in C")])]
