@@ -162,12 +162,9 @@ def _replay_priced(call_s: float, node_s: float, launch_s: dict[str, float]):
         strategies.FUSED_REPLAY_CALL_S, strategies.FUSED_REPLAY_SLOW_NODE_S, strategies._REPLAY_FITTED_LAUNCH_S = real
 
 
-def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pieces: int = 0,
-                schedule: str = "direct") -> int:
-    """The slow nodes (:func:`compass_fx.cost.strategies.replay_slow_nodes`) of one case's replay
-    graphs, rank 0's plans as the model prices them (``batched_waits``, ``most_pieces``, ``schedule``:
-    as the run captured, cut and scheduled them)."""
-    from compass_fx.cost.strategies import replay_slow_nodes
+def _replay_plans(row: dict, world: int, host: bool, most_pieces: int = 0, schedule: str = "direct") -> tuple:
+    """Rank 0's plans of one case, a replay graph each, as the run captured them (``most_pieces``,
+    ``schedule``: as it cut and scheduled them)."""
     from compass_fx.kernels.issue_order import call_plans
 
     cols = row["k"] if row["op"] == "all_gather_matmul" else row["n"]
@@ -175,6 +172,16 @@ def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pie
     if row["op"] == "matmul_all_reduce" and host and world == 2 and row.get("commands") is not None \
             and _census(plans) != _census_of(row["commands"]):
         plans = (_reduce_scatter_then_gather(row["rows"], cols, most_pieces),)  # what runs before 2026-12-04 captured
+    return plans
+
+
+def _slow_nodes(row: dict, world: int, host: bool, batched_waits: bool, most_pieces: int = 0,
+                schedule: str = "direct") -> int:
+    """The slow nodes (:func:`compass_fx.cost.strategies.replay_slow_nodes`) of one case's replay
+    graphs (:func:`_replay_plans`) as the model prices them (``batched_waits``: as the run waited)."""
+    from compass_fx.cost.strategies import replay_slow_nodes
+
+    plans = _replay_plans(row, world, host, most_pieces, schedule)
     return sum(replay_slow_nodes(plan, host, batched_waits) for plan in plans)
 
 
@@ -278,8 +285,7 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
     excess over ``call_us + node_us * slow nodes``; per run and world, the several-graph cases'
     median excess per extra graph less the one-graph cases' median excess (their host's baseline,
     which the launches alone scale only roughly: other machines, other starts); the median of those."""
-    from compass_fx.cost.strategies import _launch_speed, replay_slow_nodes
-    from compass_fx.kernels.issue_order import call_plans
+    from compass_fx.cost.strategies import _launch_speed
 
     differences = []
     for name, run in runs.items():
@@ -293,11 +299,10 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
             for r in run["rows"]:
                 if r["world"] != world or not r.get(column):
                     continue
-                cols = r["k"] if r["op"] == "all_gather_matmul" else r["n"]
-                plans = call_plans(r["op"], schedule, world, 0, r["rows"], cols, 1, 2, host=host,
-                                   most_pieces=_run_most_pieces(run, world))
-                slow = sum(replay_slow_nodes(plan, host) for plan in plans)
-                excess[len(plans)].append((r[column] / speed - call_us - node_us * slow, len(plans) - 1))
+                most = _run_most_pieces(run, world)
+                graphs = len(_replay_plans(r, world, host, most, schedule))
+                slow = _slow_nodes(r, world, host, True, most, schedule)  # calls from C: waits batched
+                excess[graphs].append((r[column] / speed - call_us - node_us * slow, graphs - 1))
             if excess.get(1) and len(excess) > 1:
                 baseline = statistics.median(e for e, _ in excess[1])
                 several = [(e - baseline) / extra for graphs, cases in excess.items() if graphs > 1
