@@ -516,6 +516,14 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    extra=("--breakdown", "--transport", "peer")),
     ),
     "h200-check-stress": (_stress("stress-500", "2,4,8", 500, EVERY_OP, f"{MACHINE}-check-500-mps", 210),),
+    # Issue 27: the .graph call between a step's own eager ops (fused_host_time's step_ops: an RMSNorm and a
+    # gated product before each call), beside the back-to-back and first-after-a-wait forms of the same run:
+    # host-staged at 2, 4 and 8 ranks, the peer transport at two
+    "h200-step-ops": (
+        _host_time("host_time-w2", 2, f"{MACHINE}-step-ops-w2-host-pin-mps", 90),
+        _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70, extra=("--transport", "peer")),
+        _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-step-ops-w48-host-pin-mps", 210),
+    ),
 }
 
 

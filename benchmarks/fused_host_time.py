@@ -17,7 +17,8 @@ host's are recorded, and a period (16 calls back to back) that compares ways of 
   graph captured for its addresses, ``compass_fx.kernels.cuda.replay``), the same with
   ``COMPASS_FUSED_REPLAY=0`` (every command launched from Python, as before; each result checked
   too), and of the implementation called directly (the difference is the dispatcher's), the
-  plan's commands by kind, and the cost model's ``fused_host_seconds`` for it.  The forms of a
+  plan's commands by kind, and the cost model's ``fused_host_seconds`` for it; the ``.graph`` call
+  also as a step issues it: back to back, and between a step's own eager ops (``step_ops``).  The forms of a
   case take turns within every round: the lent machines' hosts differ by up to 2x between runs,
   so only figures of one run compare.  ``--worlds 2,4,8``: one run per number of ranks sharing
   the GPU.
@@ -119,6 +120,35 @@ def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:
         per_round.append((time.perf_counter() - stamps[0]) / calls * 1e6)
     return {"period_us": statistics.median(per_round), "host_us_back_to_back": statistics.median(issue),
             "host_us_first_of_16": statistics.median(first), "host_us_steady": statistics.median(steady)}
+
+
+def step_ops(x: torch.Tensor) -> torch.Tensor:
+    """What a sequence-parallel block issues eagerly between two of its fused calls, on activations
+    the size of the call's: an RMSNorm and a SiLU-gated product (nine kernels, through the
+    dispatcher and the caching allocator as a step's own ops are)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (torch.nn.functional.silu(h) * h).to(x.dtype)
+
+
+def between_ops_us(fn, other, calls: int = 16, rounds: int = 5) -> dict[str, float]:
+    """Host microseconds of a call issued between a step's other ops, as a training step issues it:
+    ``other()`` then ``fn()``, ``calls`` times with no wait, only ``fn`` timed; the median of all
+    but the first (right after the wait for the device), median over rounds.  Unlike the steady
+    calls of :func:`period_us`, which follow one another, each of these follows other host work
+    (the dispatcher, the allocator, other launches), which may leave the call's own path colder."""
+    per_round = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        each = []
+        for _ in range(calls):
+            other()
+            start = time.perf_counter()
+            fn()
+            each.append((time.perf_counter() - start) * 1e6)
+        per_round.append(statistics.median(each[1:]))
+        torch.cuda.synchronize()
+    return {"host_us_between_ops": statistics.median(per_round)}
 
 
 def _phase_text(phases: dict | None) -> str:
@@ -394,6 +424,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
                        in_turn=frozenset({"host_us_graph_in_turn"}), warm=frozenset({"host_us_graph_warm"})))
     dist.barrier()
     res.update(period_us(lambda: graph_op(a, *args)))
+    dist.barrier()
+    res.update(between_ops_us(lambda: graph_op(a, *args), lambda: step_ops(a)))
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
@@ -486,6 +518,9 @@ def markdown(payload: dict) -> str:
              ".graph, 16 back to back: the host's time per call while it issues the period's 16 calls one after "
              "another (as a step issues them): on average, the first call (right after the wait for the device) "
              "and the median of the other 15 (steady: each issued while the calls before it run); "
+             ".graph, between a step's ops: 16 calls each after an RMSNorm and a SiLU-gated product of the "
+             "call's activations issued eagerly (nine kernels, the host not waiting), the call alone timed, "
+             "median of all but the first (as a sequence-parallel block issues its pairs); "
              ".graph, ranks in turn: the same issued by one rank at a time while the others wait at a barrier "
              "(no other process launches at that moment, as where each rank has a GPU of its own); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
@@ -516,6 +551,7 @@ def markdown(payload: dict) -> str:
          ("host_us_graph_warm", "host us (.graph, warm host)"),
          ("host_us_back_to_back", "host us (.graph, 16 back to back)"),
          ("host_us_first_of_16", "host us (.graph, first of 16)"), ("host_us_steady", "host us (.graph, steady)"),
+         ("host_us_between_ops", "host us (.graph, between a step's ops)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
@@ -559,7 +595,8 @@ def markdown(payload: dict) -> str:
 
 
 GOAL_US = {2: 60.0}  # issue 27: one eager fused call's host time, two ranks; 150 us at four and eight
-GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"), ("host_us_steady", "steady"))
+GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"), ("host_us_steady", "steady"),
+              ("host_us_between_ops", "between a step's ops"))
 
 
 def goal_lines(rows: list[dict]) -> list[str]:

@@ -515,6 +515,29 @@ def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(
     assert got["period_us"] >= got["host_us_back_to_back"]
 
 
+def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkeypatch):
+    """``between_ops_us``: each call issued after the step's other ops, only the call timed, the
+    first after the wait for the device left out; and ``step_ops`` keeps the activations' shape."""
+    fused_host_time = _bench("fused_host_time")
+    monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
+    order = []
+
+    def other():  # the step's ops: 2 ms of host each time, never counted
+        order.append("ops")
+        fused_host_time.spin(2e-3)
+
+    def call():  # the first call of a round 3 ms, the others 0.1 ms
+        order.append("call")
+        fused_host_time.spin(3e-3 if order.count("call") % 16 == 1 else 1e-4)
+
+    got = fused_host_time.between_ops_us(call, other, calls=16, rounds=3)
+    assert order[:4] == ["ops", "call", "ops", "call"] and len(order) == 96
+    assert 100 <= got["host_us_between_ops"] < 1000, got
+    x = fused_host_time.torch.randn(8, 16, dtype=fused_host_time.torch.bfloat16)
+    y = fused_host_time.step_ops(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and fused_host_time.torch.isfinite(y.float()).all()
+
+
 def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_their_host_time(monkeypatch):
     """``phases_of_16``: the fast path's phases (``lane.last_phases``) of the first of 16 calls apart
     from the median of the others, a call C declined (no phases) left out; the markdown shows both
