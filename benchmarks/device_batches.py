@@ -524,6 +524,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70, extra=("--transport", "peer")),
         _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-step-ops-w48-host-pin-mps", 210),
     ),
+    # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
+    # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait
+    "h200-step-sync": (
+        _host_time("host_time-w2", 2, f"{MACHINE}-step-ops-w2-host-pin-mps", 90),
+        _host_time("host_time-w2-spin", 2, f"{MACHINE}-sync-spin-w2-host-pin-mps", 90, extra=("--sync", "spin")),
+        _host_time("host_time-w2-blocking", 2, f"{MACHINE}-sync-blocking-w2-host-pin-mps", 90,
+                   extra=("--sync", "blocking")),
+        _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70, extra=("--transport", "peer")),
+    ),
 }
 
 

@@ -456,6 +456,32 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     return res
 
 
+SYNC_FLAGS = {"spin": 1, "yield": 2, "blocking": 4}  # CU_CTX_SCHED_*; "auto" (0) is CUDA's default
+
+
+def set_sync(mode: str) -> dict:
+    """Make this process's CUDA context wait for the device by ``mode`` (``SYNC_FLAGS``): spinning,
+    yielding the core, or sleeping until the GPU wakes it.  Set on the primary context before torch
+    creates it, through the driver (``cuDevicePrimaryCtxSetFlags``); returns the flags the context
+    then has.  Why: the first call after a wait for the device runs slow on the host, and how the
+    process waited is one thing that may decide how slow."""
+    import ctypes
+
+    if mode not in SYNC_FLAGS:
+        raise ValueError(f"sync must be one of {sorted(SYNC_FLAGS)}, got {mode!r}")
+    driver = ctypes.CDLL("libcuda.so.1")
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(device), 0)),
+                       ("cuDevicePrimaryCtxSetFlags", (device, SYNC_FLAGS[mode])),
+                       ("cuDevicePrimaryCtxGetState", (device, ctypes.byref(flags), ctypes.byref(active)))):
+        rc = getattr(driver, call)(*args)
+        if rc:
+            raise RuntimeError(f"{call} failed with CUDA error {rc} (setting the context's sync to {mode!r})")
+    if flags.value & 7 != SYNC_FLAGS[mode]:
+        raise RuntimeError(f"the primary context's flags are {flags.value:#x} after asking for {mode!r}")
+    return {"mode": mode, "flags": flags.value}
+
+
 def pin(rank: int) -> list[int]:
     """Pin this rank's process to a physical core of its own (all of that core's hardware
     threads; core ``rank + 1``, leaving core 0 to the system), so that no other rank, spinning in
@@ -471,8 +497,9 @@ def pin(rank: int) -> list[int]:
 
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
            pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None,
-           schedule: str = "direct") -> None:
+           schedule: str = "direct", sync: str = "auto") -> None:
     cpus = pin(rank) if pinned else []
+    synced = set_sync(sync) if sync != "auto" else None  # before torch makes the context
     if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
         torch._C._set_sm_carveout_experimental(carveout)
     # the peers share one GPU: they meet in pinned host memory, or (peer) map each other's buffers of
@@ -482,7 +509,7 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
 
-    payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus}
+    payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus, "sync": synced}
     for case in cases or CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
                       profile and case in (CASES[0], CASES[4]), split, schedule)
@@ -660,6 +687,8 @@ def main(argv=None) -> int:
 
     p.add_argument("--schedule", choices=SCHEDULES, default="direct",
                    help="the fused calls' schedule (the host-staged transport runs only 'direct' in rewritten graphs)")
+    p.add_argument("--sync", choices=("auto", *SYNC_FLAGS), default="auto",
+                   help="how each rank's CUDA context waits for the device (CU_CTX_SCHED_*; default: CUDA's auto)")
     p.add_argument("--ops", default="",
                    help="only these operators' cases, comma-separated (e.g. all_gather_matmul); default: all")
     p.add_argument("--tag", default="h200")
@@ -679,6 +708,8 @@ def main(argv=None) -> int:
     payload["schedule"] = args.schedule
     if args.ops:
         payload["ops"] = args.ops
+    if args.sync != "auto":
+        payload["settings"]["sync"] = args.sync
     from compass_fx.kernels.cuda import replay
 
     payload["replay_waits"] = replay.wait_mode()  # how replay graphs waited (the fit counts their nodes so)
@@ -692,10 +723,13 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
-                                   args.pin, args.carveout, args.transport, cases, args.schedule), nprocs=world)
+                                   args.pin, args.carveout, args.transport, cases, args.schedule, args.sync),
+                     nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]
         payload.setdefault("rank0_cpus", {})[world] = got["cpus"]
+        if got.get("sync"):
+            payload.setdefault("rank0_sync", {})[world] = got["sync"]
         payload["rows"] += got["rows"]
         payload.update(seconds=time.time() - t0, environment=output.environment(False))
         output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far

@@ -538,6 +538,15 @@ def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkey
     assert y.shape == x.shape and y.dtype == x.dtype and fused_host_time.torch.isfinite(y.float()).all()
 
 
+def test_fused_host_time_refuses_a_sync_mode_it_does_not_know():
+    """``--sync``: CUDA's own modes only, by name; anything else is refused before the driver is touched."""
+    fused_host_time = _bench("fused_host_time")
+    with pytest.raises(ValueError, match="sync must be one of"):
+        fused_host_time.set_sync("fast")
+    with pytest.raises(SystemExit):
+        fused_host_time.main(["--sync", "fast"])
+
+
 def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_their_host_time(monkeypatch):
     """``phases_of_16``: the fast path's phases (``lane.last_phases``) of the first of 16 calls apart
     from the median of the others, a call C declined (no phases) left out; the markdown shows both
