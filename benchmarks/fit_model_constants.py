@@ -65,6 +65,15 @@ REPLAY_RUNS = ("fused_host_time-h200-lane-w2-steady-run1-host-pin-mps.json",
                "fused_host_time-h200-schedule-direct-run1-peer-pin-mps.json",
                "fused_host_time-h200-schedule-direct-run2-peer-pin-mps.json")
 REPLAY_WORLDS = (2, 4, 8)
+# held out of the fit: the same default path timed on an H200 on 2026-12-05 (eighteenth session, code af43135,
+# one machine start): host-staged at two ranks (three runs), four and eight, the peer transport's "direct" at
+# 2, 4, 8 and at two again
+CHECK_RUNS = ("fused_host_time-h200-check-w2-breakdown-host-pin-mps.json",
+              "fused_host_time-h200-phases-w2-run2-host-pin-mps.json",
+              "fused_host_time-h200-lane-w2-steady-run3-host-pin-mps.json",
+              "fused_host_time-h200-check-w48-host-pin-mps.json",
+              "fused_host_time-h200-schedule-direct-peer-pin-mps.json",
+              "fused_host_time-h200-phases-peer-w2-run2-pin-mps.json")
 # the calls of two replay graphs (the ring schedules' all-reduce) issued from C as one call, with the
 # one-graph operators of the same rounds as their host's baseline: three runs of each ring schedule at
 # 2, 4, 8 ranks on the peer transport (2026-12-05, on an H100: the service lent no H200 for them)
@@ -224,6 +233,50 @@ def _run_most_pieces(run: dict, world: int) -> int:
 REPLAY_COLUMNS = ("host_us_graph", "host_us_steady")
 
 
+def _replay_points(runs: dict[str, dict], worlds: tuple[int, ...], column: str,
+                   reference: dict[str, float] | None = None) -> tuple[list[tuple], dict[str, float]]:
+    """Each case of ``runs`` at ``worlds`` as (slow nodes, host us in ``column`` scaled by its run's
+    launch speed at that world, transport, world), and the launches alone it is scaled to:
+    ``reference`` where given (a fit's, to price other runs as a calibration would scale the
+    constants), else the median over the runs' and worlds' launches of each kind."""
+    from compass_fx.cost.strategies import _launch_speed
+
+    launches = {(name, world): run["launch_us"][str(world)]
+                for name, run in runs.items() for world in worlds if str(world) in run.get("launch_us", {})}
+    if not launches:
+        raise SystemExit(f"fit_replay: no run of {list(runs)} measured worlds {list(worlds)}")
+    if reference is None:
+        kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
+        reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
+    points = []
+    for (name, world), launch in launches.items():
+        run = runs[name]
+        _, speed = _launch_speed({"launch_s": launch}, reference)  # as a calibration scales the constants
+        host = run.get("transport", "host") == "host"
+        batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
+        most = _run_most_pieces(run, world)
+        schedule = run.get("schedule", "direct")  # runs before fused_host_time --schedule timed "direct"
+        points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed,
+                    "host" if host else "peer", world)
+                   for r in run["rows"] if r["world"] == world and r.get(column)]
+    return points, reference
+
+
+def _priced_against(points: list[tuple], call_us: float, node_us: float, worlds: tuple[int, ...]) -> dict:
+    """How ``call_us`` + ``node_us`` per slow node prices ``points``: the error's median and 90th
+    percentile, and the median priced / measured per transport and per world."""
+    def priced_over_measured(keep) -> list[float]:
+        return sorted((call_us + node_us * x) / y for x, y, t, w in points if keep(t, w))
+
+    by_transport = {t: priced_over_measured(lambda tt, w: tt == t) for t in ("host", "peer")}
+    by_world = {str(world): priced_over_measured(lambda t, w: w == world) for world in worlds}
+    errors = sorted(abs(r - 1) for r in priced_over_measured(lambda t, w: True))
+    return {"worlds": [w for w in worlds if by_world[str(w)]], "points": len(points),
+            "median_error": statistics.median(errors), "p90_error": errors[int(0.9 * (len(errors) - 1))],
+            "median_priced_over_measured": {t: r[len(r) // 2] for t, r in by_transport.items() if r},
+            "median_priced_over_measured_by_world": {w: r[len(r) // 2] for w, r in by_world.items() if r}}
+
+
 def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), column: str = "host_us_steady") -> dict:
     """The replayed fused call's host constants fitted to ``fused_host_time.py`` runs (name ->
     payload): each case's host time at the ``worlds`` a run measured, in ``column`` (the steady
@@ -236,45 +289,27 @@ def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), colum
     ``transport``, host-staged where it names none; its schedule, "direct" where it names none).
     One line for every world: the replay graph's slow nodes carry what grows with the ranks.
     Rounded as the code holds them: the launches to 0.01 us, the call to 1 us, the node to 0.01 us."""
-    from compass_fx.cost.strategies import _launch_speed
-
-    launches = {(name, world): run["launch_us"][str(world)]
-                for name, run in runs.items() for world in worlds if str(world) in run.get("launch_us", {})}
-    if not launches:
-        raise SystemExit(f"fit_replay: no run of {list(runs)} measured worlds {list(worlds)}")
-    kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
-    reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
-    points = []
-    for (name, world), launch in launches.items():
-        run = runs[name]
-        _, speed = _launch_speed({"launch_s": launch}, reference)  # as a calibration scales the constants
-        host = run.get("transport", "host") == "host"
-        batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
-        most = _run_most_pieces(run, world)
-        schedule = run.get("schedule", "direct")  # runs before fused_host_time --schedule timed "direct"
-        points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed,
-                    "host" if host else "peer", world)
-                   for r in run["rows"] if r["world"] == world and r.get(column)]
+    points, reference = _replay_points(runs, worlds, column)
     if len(points) < 2:
         raise SystemExit(f"fit_replay: {len(points)} case(s) with {column} at worlds {list(worlds)} in {list(runs)}")
-    n = len(points)
     mean_x = statistics.fmean(p[0] for p in points)
     mean_y = statistics.fmean(p[1] for p in points)
     slope = (sum((p[0] - mean_x) * (p[1] - mean_y) for p in points)
              / sum((p[0] - mean_x) ** 2 for p in points))
     call_us, node_us = round(mean_y - slope * mean_x), round(slope, 2)
+    return {"runs": list(runs), "column": column, "call_us": call_us, "node_us": node_us, "launch_us": reference,
+            **_priced_against(points, call_us, node_us, worlds)}
 
-    def priced_over_measured(keep) -> list[float]:
-        return sorted((call_us + node_us * x) / y for x, y, t, w in points if keep(t, w))
 
-    by_transport = {t: priced_over_measured(lambda tt, w: tt == t) for t in ("host", "peer")}
-    by_world = {str(world): priced_over_measured(lambda t, w: w == world) for world in worlds}
-    errors = sorted(abs(r - 1) for r in priced_over_measured(lambda t, w: True))
-    return {"runs": list(runs), "worlds": [w for w in worlds if by_world[str(w)]], "column": column, "points": n,
-            "call_us": call_us, "node_us": node_us, "launch_us": reference,
-            "median_error": statistics.median(errors), "p90_error": errors[int(0.9 * (n - 1))],
-            "median_priced_over_measured": {t: r[len(r) // 2] for t, r in by_transport.items() if r},
-            "median_priced_over_measured_by_world": {w: r[len(r) // 2] for w, r in by_world.items() if r}}
+def check_replay(runs: dict[str, dict], call_us: float, node_us: float, launch_us: dict[str, float],
+                 worlds: tuple[int, ...] = (2, 4, 8), column: str = "host_us_steady") -> dict:
+    """How a fit's constants (``call_us`` + ``node_us`` per slow node on a host with ``launch_us``)
+    price runs it was not fitted to, each scaled by its launches as a calibration would scale the
+    constants: the held-out test of :func:`fit_replay`."""
+    points, _ = _replay_points(runs, worlds, column, launch_us)
+    if not points:
+        raise SystemExit(f"check_replay: no case with {column} at worlds {list(worlds)} in {list(runs)}")
+    return {"runs": list(runs), "column": column, **_priced_against(points, call_us, node_us, worlds)}
 
 
 def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us: float, node_us: float,
@@ -324,6 +359,16 @@ def strategies_replay_call_us() -> float:
     return fused_replay_costs().call_s * 1e6
 
 
+def _check_lines(check: dict, replay_fit: dict) -> list[str]:
+    """The markdown of the held-out runs priced with the fit's constants."""
+    return [f"### Held out: {check['points']} cases of runs not fitted, priced with {replay_fit['call_us']} us + "
+            f"{replay_fit['node_us']} us per slow node (each run scaled by its launches): median error "
+            f"{check['median_error']:.1%}, p90 {check['p90_error']:.1%}; priced / measured, median: "
+            + ", ".join(f"{t} {v:.2f}" for t, v in check["median_priced_over_measured"].items()) + "; by ranks: "
+            + ", ".join(f"{w}: {v:.2f}" for w, v in check["median_priced_over_measured_by_world"].items()), "",
+            f"Runs: {', '.join(check['runs'])}.", ""]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grids", default="multigpu_operators-h200x2.json,multigpu_operators-h200x2-hoststaged.json",
@@ -336,6 +381,9 @@ def main(argv=None) -> int:
     p.add_argument("--replay-graph-runs", default=",".join(REPLAY_GRAPH_RUNS),
                    help="fused_host_time JSON files (under --host-results) with calls of several replay graphs, "
                         "that the cost of a graph beyond a call's first is fitted to")
+    p.add_argument("--check-runs", default=",".join(CHECK_RUNS),
+                   help="fused_host_time JSON files (under --host-results) held out of the fit, that its constants "
+                        "price as a test ('' for none)")
     p.add_argument("--replay-column", choices=REPLAY_COLUMNS, default="host_us_steady",
                    help="the runs' host time the replay constants are fitted to: issued while the ones before it "
                         "run (steady, as a step issues them), or each call after a wait for the GPU (.graph)")
@@ -355,6 +403,10 @@ def main(argv=None) -> int:
                                   for name in args.replay_graph_runs.split(",")},
                                  replay_fit["launch_us"], replay_fit["call_us"], replay_fit["node_us"],
                                  column=args.replay_column)
+    worlds = tuple(int(w) for w in args.replay_worlds.split(","))
+    check = (check_replay({name: json.loads((Path(args.host_results) / name).read_text())
+                           for name in args.check_runs.split(",")}, replay_fit["call_us"], replay_fit["node_us"],
+                          replay_fit["launch_us"], worlds, args.replay_column) if args.check_runs else None)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
     # the grids repriced as the code prices now: eager fused calls replayed from captured graphs
@@ -371,7 +423,7 @@ def main(argv=None) -> int:
                              for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
                "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best, "replay_fit": replay_fit,
-               "replay_graph_fit": graph_fit,
+               "replay_graph_fit": graph_fit, "replay_check": check,
                "rows": part_rows + call_rows, "repriced_replayed": replay_rows}
     if proposed_rows:
         payload["repriced_replayed_proposed"] = proposed_rows
@@ -398,6 +450,7 @@ def main(argv=None) -> int:
              + ")", "",
              f"Runs: {', '.join(replay_fit['runs'])}.  Launches alone the constants hold for (us): "
              + ", ".join(f"{k} {v}" for k, v in replay_fit["launch_us"].items()) + ".", "",
+             *(_check_lines(check, replay_fit) if check else []),
              f"## A replay graph beyond a call's first: **{graph_fit['graph_us']} us** + its slow nodes (calls of "
              "several graphs issued from C as one call, the ring schedules' all-reduce; per run and world their "
              "median excess over one call at the constants above, less the one-graph operators' median excess "

@@ -245,6 +245,26 @@ def test_the_replay_fit_takes_the_column_it_is_asked_for():
     assert ring > direct
 
 
+def test_the_replay_fit_is_checked_on_runs_held_out_of_it():
+    """``check_replay``: a fit's constants price other runs, each scaled by its launches against the
+    fit's (a host launching twice as slowly is priced twice as high), and say how far off they are
+    per transport and per world."""
+    fit = _bench("fit_model_constants")
+    launch = {"Copy": 8.0, "Matmul": 16.0, "WaitFlag": 4.0}
+    rows = [{"world": 2, "op": "matmul_reduce_scatter", "rows": rows, "k": 7168, "n": 4096} for rows in (512, 8192)]
+    for r in rows:  # measured on a host launching twice as slowly as the fit's: 2 x (10 us + 3 us per node)
+        r["host_us_steady"] = 2 * (10.0 + 3.0 * fit._slow_nodes(r, 2, True, True, fit._run_most_pieces({}, 2)))
+    slow_host = {"launch_us": {"2": {k: 2 * v for k, v in launch.items()}}, "rows": rows, "replay_waits": "batch"}
+    got = fit.check_replay({"slow": slow_host}, 10.0, 3.0, launch, worlds=(2, 4))
+    assert got["median_error"] == pytest.approx(0.0) and got["points"] == 2 and got["worlds"] == [2]
+    assert got["median_priced_over_measured"] == {"host": pytest.approx(1.0)}
+    off = fit.check_replay({"slow": slow_host}, 20.0, 6.0, launch, worlds=(2,))  # constants twice too high
+    assert off["median_priced_over_measured_by_world"] == {"2": pytest.approx(2.0)}
+    with pytest.raises(SystemExit, match="check_replay"):
+        fit.check_replay({"slow": dict(slow_host, rows=[dict(r, world=4) for r in rows])}, 10.0, 3.0, launch,
+                         worlds=(2,))
+
+
 def test_a_second_replay_graph_is_fitted_against_the_one_graph_calls_of_its_rounds():
     """``fit_replay_graph``: a ring all-reduce (two graphs, issued as one call) costs its excess over
     one call less the one-graph operators' excess in the same run and world (their host's baseline,
@@ -310,6 +330,13 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     for world in ("2", "4", "8"):
         assert 0.8 <= replay["median_priced_over_measured_by_world"][world] <= 1.25, replay
     assert {k: v * 1e-6 for k, v in replay["launch_us"].items()} == pytest.approx(strategies._REPLAY_FITTED_LAUNCH_S)
+    # held out of the fit: the H200 runs of a later session, priced with these constants
+    check = fit["replay_check"]
+    assert check["runs"] == list(_bench("fit_model_constants").CHECK_RUNS) and check["worlds"] == [2, 4, 8]
+    for transport in ("host", "peer"):
+        assert 0.8 <= check["median_priced_over_measured"][transport] <= 1.25, check
+    for world in ("2", "4", "8"):
+        assert 0.8 <= check["median_priced_over_measured_by_world"][world] <= 1.25, check
     # a second graph in one call (the ring schedules' all-reduce from C): refitted to the ring runs
     graphs = fit["replay_graph_fit"]
     assert graphs["runs"] == list(_bench("fit_model_constants").REPLAY_GRAPH_RUNS)
