@@ -282,7 +282,7 @@ def fit_replay(runs: dict[str, dict], worlds: tuple[int, ...] = (2, 4, 8), colum
     payload): each case's host time at the ``worlds`` a run measured, in ``column`` (the steady
     one by default: each call issued while the ones before it run, as a step issues them, what a
     host that sets the pace pays per call; ``host_us_graph``, each call after a wait for an idle
-    GPU, costs the first call after a wait, 2-5x), scaled by its run's launch speed at that world
+    GPU, costs the first call after a wait, 2-12x), scaled by its run's launch speed at that world
     (the median over command kinds of the launch alone / the median launch of that kind over every
     run and world: what :func:`compass_fx.cost.strategies._launch_speed` does with a calibration),
     fitted by least squares as per-call + per-slow-node * slow nodes (a run's transport: its

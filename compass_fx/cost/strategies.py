@@ -48,8 +48,9 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # -lane-w2-steady-run1/-run2, -lane-w48-breakdown, -wake-w2-base, -wake-w8-base host-staged;
 # -lane-peer-w48 and -schedule-direct-run1/-run2 on the peer transport): 21 us + 2.13 us per slow
 # node (median error 16%, p90 47%; priced / measured 0.97 host-staged, 1.09 peer; 1.02, 1.09, 1.01
-# at 2, 4, 8 ranks; the first start's four runs alone gave 19 + 2.19).  The first call after the
-# host waited for an idle GPU costs 2-5x that (the ".graph" column; the fit before, to that column at
+# at 2, 4, 8 ranks; the first start's four runs alone gave 19 + 2.19; held out, a later H200 start's
+# six runs are priced 0.83x host-staged and 1.15x peer: model_constants_fit-h200x2-heldout).  The first
+# call after the host waited for an idle GPU costs 2-12x that (the ".graph" column; the fit before, to that column at
 # two ranks: 20 us + 7.0 per slow node), but a step pays it once per synchronisation, when the GPU
 # is idle anyway.  The Python path before fitted 35 us + 2.97 us per slow node (".graph", median
 # error 21%, p90 52%).  tests/test_bench_scripts.py checks that the fit gives these.
