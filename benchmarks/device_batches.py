@@ -157,6 +157,11 @@ def _cold_probe(name: str, label: str, deadline_s: int, cpus_awake: bool = False
 # issue 27: the launch after each kind of wait (one process), and the two-rank rows' steady issue times
 COLD_PROBE = _cold_probe("graph_node_probe-cold", "cold", 60)
 W2_STEADY = _host_time("host_time-w2", 2, f"{MACHINE}-lane-w2-steady-host-pin-mps", 90)
+# the call between a step's own ops (fused_host_time's step_ops), both transports at two ranks: in h200-step-ops
+# and h200-step-sync
+STEP_OPS_W2 = _host_time("host_time-w2", 2, f"{MACHINE}-step-ops-w2-host-pin-mps", 90)
+STEP_OPS_PEER_W2 = _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70,
+                              extra=("--transport", "peer"))
 
 
 def _cpus_awake_ab() -> tuple[Step, ...]:
@@ -520,18 +525,17 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # gated product before each call), beside the back-to-back and first-after-a-wait forms of the same run:
     # host-staged at 2, 4 and 8 ranks, the peer transport at two
     "h200-step-ops": (
-        _host_time("host_time-w2", 2, f"{MACHINE}-step-ops-w2-host-pin-mps", 90),
-        _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70, extra=("--transport", "peer")),
+        STEP_OPS_W2, STEP_OPS_PEER_W2,
         _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-step-ops-w48-host-pin-mps", 210),
     ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait
     "h200-step-sync": (
-        _host_time("host_time-w2", 2, f"{MACHINE}-step-ops-w2-host-pin-mps", 90),
+        STEP_OPS_W2,
         _host_time("host_time-w2-spin", 2, f"{MACHINE}-sync-spin-w2-host-pin-mps", 90, extra=("--sync", "spin")),
         _host_time("host_time-w2-blocking", 2, f"{MACHINE}-sync-blocking-w2-host-pin-mps", 90,
                    extra=("--sync", "blocking")),
-        _host_time("host_time-peer-w2", 2, f"{MACHINE}-step-ops-peer-w2-pin-mps", 70, extra=("--transport", "peer")),
+        STEP_OPS_PEER_W2,
     ),
 }
 

@@ -320,7 +320,7 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
     excess over ``call_us + node_us * slow nodes``; per run and world, the several-graph cases'
     median excess per extra graph less the one-graph cases' median excess (their host's baseline,
     which the launches alone scale only roughly: other machines, other starts); the median of those."""
-    from compass_fx.cost.strategies import _launch_speed
+    from compass_fx.cost.strategies import _launch_speed, replay_slow_nodes
 
     differences = []
     for name, run in runs.items():
@@ -331,13 +331,13 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
                 continue
             _, speed = _launch_speed({"launch_s": run["launch_us"][str(world)]}, launch_us)
             excess: dict[int, list[float]] = collections.defaultdict(list)  # by graphs
+            most = _run_most_pieces(run, world)
             for r in run["rows"]:
                 if r["world"] != world or not r.get(column):
                     continue
-                most = _run_most_pieces(run, world)
-                graphs = len(_replay_plans(r, world, host, most, schedule))
-                slow = _slow_nodes(r, world, host, True, most, schedule)  # calls from C: waits batched
-                excess[graphs].append((r[column] / speed - call_us - node_us * slow, graphs - 1))
+                plans = _replay_plans(r, world, host, most, schedule)
+                slow = sum(replay_slow_nodes(plan, host, True) for plan in plans)  # calls from C: waits batched
+                excess[len(plans)].append((r[column] / speed - call_us - node_us * slow, len(plans) - 1))
             if excess.get(1) and len(excess) > 1:
                 baseline = statistics.median(e for e, _ in excess[1])
                 several = [(e - baseline) / extra for graphs, cases in excess.items() if graphs > 1
@@ -395,17 +395,15 @@ def main(argv=None) -> int:
                    help="also reprice with proposed replay constants: per call and per slow node (us), and the "
                         "launches alone (JSON of seconds per kind) on the host they were fitted on")
     args = p.parse_args(argv)
-    grids = {name: json.loads((Path(args.results) / name).read_text()) for name in args.grids.split(",")}
-    replay_fit = fit_replay({name: json.loads((Path(args.host_results) / name).read_text())
-                             for name in args.replay_runs.split(",")},
-                            worlds=tuple(int(w) for w in args.replay_worlds.split(",")), column=args.replay_column)
-    graph_fit = fit_replay_graph({name: json.loads((Path(args.host_results) / name).read_text())
-                                  for name in args.replay_graph_runs.split(",")},
-                                 replay_fit["launch_us"], replay_fit["call_us"], replay_fit["node_us"],
-                                 column=args.replay_column)
+    def loaded(folder: str, names: str) -> dict[str, dict]:  # comma-separated JSON files under folder
+        return {name: json.loads((Path(folder) / name).read_text()) for name in names.split(",")}
+
+    grids = loaded(args.results, args.grids)
     worlds = tuple(int(w) for w in args.replay_worlds.split(","))
-    check = (check_replay({name: json.loads((Path(args.host_results) / name).read_text())
-                           for name in args.check_runs.split(",")}, replay_fit["call_us"], replay_fit["node_us"],
+    replay_fit = fit_replay(loaded(args.host_results, args.replay_runs), worlds=worlds, column=args.replay_column)
+    graph_fit = fit_replay_graph(loaded(args.host_results, args.replay_graph_runs), replay_fit["launch_us"],
+                                 replay_fit["call_us"], replay_fit["node_us"], column=args.replay_column)
+    check = (check_replay(loaded(args.host_results, args.check_runs), replay_fit["call_us"], replay_fit["node_us"],
                           replay_fit["launch_us"], worlds, args.replay_column) if args.check_runs else None)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
     call_rows, call_best = fit(grids, "fused_call_rest_s", FUSED_CALL_REST_US, _fused_call_rank)
