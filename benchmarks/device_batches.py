@@ -122,14 +122,14 @@ def _host_time(name: str, worlds: int | str, tag: str, deadline_s: int, env: dic
 
 
 def _stress(name: str, worlds: str, calls: int, shapes: str, tag: str, deadline_s: int,
-            env: dict[str, str] | None = None, root: str = "", peer: bool = False) -> Step:
+            env: dict[str, str] | None = None, root: str = "", peer: bool = False, extra: tuple[str, ...] = ()) -> Step:
     """One ``fused_host_stress.py`` run of the direct schedule: ``calls`` calls in a row of each of
     ``shapes`` at each of ``worlds`` (every result checked), host-staged unless ``peer``, from the
     snapshot at ``root`` where given."""
     transport = ("--transport", "peer") if peer else ()
     return Step(name, "fused_host_stress.py",
                 ("--worlds", worlds, *transport, "--schedules", "direct", "--calls", str(calls), "--shapes", shapes,
-                 "--tag", tag, "--out-dir", RESULTS), deadline_s, env or {}, root=root)
+                 *extra, "--tag", tag, "--out-dir", RESULTS), deadline_s, env or {}, root=root)
 
 
 GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
@@ -527,6 +527,19 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     "h200-step-ops": (
         STEP_OPS_W2, STEP_OPS_PEER_W2,
         _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-step-ops-w48-host-pin-mps", 210),
+    ),
+    # Issue 27: the .graph overloads' eager calls entered from C (lane.enter_from_c) against their Python
+    # entry in the same runs (fused_host_time's *_python_entry forms): host-staged at 2 (with the first call's
+    # phases), 4 and 8 ranks, the peer transport at two; then 500 calls a case of the .graph overloads at 2/4/8
+    "h200-c-entry": (
+        _host_time("host_time-w2-breakdown", 2, f"{MACHINE}-c-entry-w2-breakdown-host-pin-mps", 110,
+                   extra=("--breakdown",)),
+        _host_time("host_time-peer-w2", 2, f"{MACHINE}-c-entry-peer-w2-pin-mps", 80, extra=("--transport", "peer")),
+        _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-c-entry-w48-host-pin-mps", 230),
+    ),
+    "h200-c-entry-stress": (
+        _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,
+                extra=("--overload", "graph")),
     ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait

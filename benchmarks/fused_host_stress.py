@@ -68,12 +68,14 @@ def reference(kind: str, m: int, n: int, k: int, world: int, rank: int, seed: in
     return total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total
 
 
-def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
+def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: str = "op") -> dict:
     """One case on this rank: ``calls`` back-to-back calls, each output checked as it comes and then
     dropped (so the caching allocator hands the next call of the same input set the same
     addresses and eager calls replay their graphs, :mod:`compass_fx.kernels.cuda.replay`);
     ``mix``: rank 0 issues one call in five one command at a time (COMPASS_FUSED_REPLAY=0), so
-    ranks that replay and ranks that issue meet in the same call."""
+    ranks that replay and ranks that issue meet in the same call; ``overload``: ``op`` calls the custom
+    ops (autograd and all), ``graph`` their ``.graph`` overloads, what rewritten graphs call (their
+    eager calls entered from C, :func:`compass_fx.kernels.cuda.lane.enter_from_c`)."""
     from compass_fx.kernels.cuda import replay
 
     kind, m, n, k, schedule = case["kind"], case["m"], case["n"], case["k"], case["schedule"]
@@ -83,12 +85,12 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
     try:
         sets = [operands(kind, m, n, k, world, rank, s) for s in range(3)]
         refs = [reference(kind, m, n, k, world, rank, s) for s in range(3)]
+        packet = getattr(torch.ops.compass, kind)
+        fused = packet.graph if overload == "graph" else packet
         if kind == "all_gather_matmul":
             def op(a, b):
-                return torch.ops.compass.all_gather_matmul(a, [b], schedule, group, world)[1][0]
+                return fused(a, [b], schedule, group, world)[1][0]
         else:
-            fused = getattr(torch.ops.compass, kind)
-
             def op(a, b):
                 return fused(a, b, schedule, group, world)
         errors = torch.zeros(calls, device="cuda")
@@ -116,8 +118,8 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool) -> dict:
     return res
 
 
-def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, transport: str, init: str,
-           out_path: str) -> None:
+def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, transport: str, overload: str,
+           init: str, out_path: str) -> None:
     """The cases ``todo`` one after another in this set of processes, until one does not pass
     (what follows a stalled case is run in fresh processes)."""
     # the ranks share one GPU: they meet in pinned host memory, or (peer) map each other's buffers of
@@ -130,7 +132,7 @@ def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, trans
 
     results = []
     for case in todo:
-        res = run_one(rank, world, case, calls, mix)
+        res = run_one(rank, world, case, calls, mix, overload)
         results.append(res)
         with open(f"{out_path}.{rank}", "w") as f:  # what is done so far, should a later case stall
             json.dump(results, f)
@@ -145,7 +147,7 @@ def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, trans
 
 
 def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: float, mix: bool,
-              transport: str = "host") -> list[dict]:
+              transport: str = "host", overload: str = "op") -> list[dict]:
     """``todo`` (one world) in one set of fresh processes, then whatever a stalled case left undone
     in another; ranks still running after ``deadline_s`` per case (a stall whose streams stay
     blocked after the watchdog's error) are killed and the case says so."""
@@ -153,7 +155,7 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
     while todo:
         t0 = time.time()
         world = todo[0]["world"]
-        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix, transport), tmp, index * 1000 + len(rows),
+        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix, transport, overload), tmp, index * 1000 + len(rows),
                                            deadline_s * len(todo))
         per_rank = [r if isinstance(r, list) else [r] for r in ranks]
         done = max(len(r) for r in per_rank)
@@ -206,7 +208,9 @@ def markdown(payload: dict) -> str:
              ("W ranks sharing one GPU map each other's buffers of it with CUDA IPC (the peer transport's "
                 "plans and device-to-device copies, as on an NVLink machine); " if payload.get("transport") == "peer"
                 else "W ranks sharing one GPU meet in pinned host memory (the host-staged fused operators); ") +
-             f"{payload['calls']} back-to-back calls per case, the last rank late before one call in ten, every "
+             f"{payload['calls']} back-to-back calls per case"
+             + (" of the `.graph` overloads (what rewritten graphs call)" if payload.get("overload") == "graph" else "")
+             + ", the last rank late before one call in ten, every "
              f"result against a reference and dropped; the cases of a world one after another in one set of "
              f"processes{' (rank 0 issuing one call in five command by command)' if payload.get('mix') else ''}; "
              f"watchdog timeout {TIMEOUT_S} s. replayed: per rank, the calls served from captured CUDA graphs; from C: of those, the ones the host "
@@ -232,6 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="kind:m:n:k cases, comma-separated, instead of the default ones "
                    "(m: rows of A, every rank's together for a gather)")
     p.add_argument("--schedules", default="direct,ring,double_ring")
+    p.add_argument("--overload", choices=("op", "graph"), default="op",
+                   help="call the custom ops (default) or their .graph overloads, what rewritten graphs call")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
@@ -240,11 +246,12 @@ def main(argv=None) -> int:
     todo = cases([int(w) for w in args.worlds.split(",")], args.shapes, tuple(args.schedules.split(",")))
     rows, t0 = [], time.time()
     payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix, "transport": args.transport,
+               "overload": args.overload,
                "environment": output.environment(False), "rows": rows}
     with tempfile.TemporaryDirectory() as tmp:
         for i, world in enumerate(sorted({c["world"] for c in todo}, key=[c["world"] for c in todo].index)):
             rows += run_cases([c for c in todo if c["world"] == world], args.calls, tmp, i, args.deadline, args.mix,
-                              args.transport)
+                              args.transport, args.overload)
             payload.update(seconds=round(time.time() - t0, 1), complete=len(rows) == len(todo))
             output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far
     print(markdown(payload))

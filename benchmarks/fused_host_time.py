@@ -391,6 +391,9 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         finally:
             lane.fast_calls[:] = saved
 
+    # ops._direct's Python entry, the one the .graph overload had before C took its calls (lane.enter_from_c):
+    # the A/B's other side, behind it the same fast path (None where C does not take them)
+    python_entry = getattr(graph_op._op, "fallback", None)
     err = checked(op, through_op)
     for _ in range(2 * replay.PERIOD + 1):  # every residue of the epoch captured for these addresses
         graph_op(a, *args)
@@ -405,6 +408,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
              "host_us_graph_busy": lambda: graph_op(a, *args), "host_us_graph_in_turn": lambda: graph_op(a, *args),
              "host_us_graph_warm": lambda: graph_op(a, *args), "host_us_graph_python": lambda: python_path(a, *args),
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
+    if python_entry is not None:
+        timed["host_us_graph_python_entry"] = lambda: python_entry(a, *args)
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
@@ -426,6 +431,13 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res.update(period_us(lambda: graph_op(a, *args)))
     dist.barrier()
     res.update(between_ops_us(lambda: graph_op(a, *args), lambda: step_ops(a)))
+    if python_entry is not None:  # the same forms through the Python entry, right after
+        dist.barrier()
+        res.update({f"{k}_python_entry": v for k, v in period_us(lambda: python_entry(a, *args)).items()
+                    if k in ("host_us_first_of_16", "host_us_steady")})
+        dist.barrier()
+        res["host_us_between_ops_python_entry"] = between_ops_us(lambda: python_entry(a, *args),
+                                                                 lambda: step_ops(a))["host_us_between_ops"]
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
@@ -536,7 +548,10 @@ def markdown(payload: dict) -> str:
              "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
              "recur; issued from C by the host fast path, compass_fx/kernels/cuda/lane.cpp, once its graph "
-             "exists); .graph, Python path: the same with the fast path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
+             "exists; the overload's eager calls entered from C, .cuda.lane.enter_from_c); .graph, Python entry: the same "
+             "through the overload's Python entry (ops._direct's, as before C took its calls; its first of 16, steady "
+             "and between-ops forms measured right after the C entry's); .graph, Python path: the same with the fast "
+             "path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
              "before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
@@ -573,18 +588,23 @@ def markdown(payload: dict) -> str:
               host_share=r["host_us_graph"] / (r["period_us"] / r["world"]) if r.get("period_us") else None)
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
-         ("host_us_graph", "host us (.graph)"), ("host_us_graph_python", "host us (.graph, Python path)"),
+         ("host_us_graph", "host us (.graph)"), ("host_us_graph_python_entry", "host us (.graph, Python entry)"),
+         ("host_us_graph_python", "host us (.graph, Python path)"),
          ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_graph_warm", "host us (.graph, warm host)"),
          ("host_us_back_to_back", "host us (.graph, 16 back to back)"),
-         ("host_us_first_of_16", "host us (.graph, first of 16)"), ("host_us_steady", "host us (.graph, steady)"),
+         ("host_us_first_of_16", "host us (.graph, first of 16)"),
+         ("host_us_first_of_16_python_entry", "host us (.graph, first of 16, Python entry)"),
+         ("host_us_steady", "host us (.graph, steady)"),
+         ("host_us_steady_python_entry", "host us (.graph, steady, Python entry)"),
          ("host_us_between_ops", "host us (.graph, between a step's ops)"),
+         ("host_us_between_ops_python_entry", "host us (.graph, between a step's ops, Python entry)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
-    lines += ["", *goal_lines(payload["rows"])]
+    lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
@@ -624,6 +644,30 @@ def markdown(payload: dict) -> str:
 GOAL_US = {2: 60.0}  # issue 27: one eager fused call's host time, two ranks; 150 us at four and eight
 GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"), ("host_us_steady", "steady"),
               ("host_us_between_ops", "between a step's ops"))
+
+
+ENTRY_FORMS = (("host_us_graph", ".graph"), ("host_us_first_of_16", "first of 16"), ("host_us_steady", "steady"),
+               ("host_us_between_ops", "between a step's ops"))
+
+
+def entry_lines(rows: list[dict]) -> list[str]:
+    """Per world, the .graph overload's C entry against its Python entry (the A/B of
+    ``lane.enter_from_c``, both in one run): each form's host time through C over that through Python,
+    its range over the rows and the median of the microseconds saved."""
+    lines = []
+    for world in sorted({r["world"] for r in rows}):
+        parts = []
+        for key, label in ENTRY_FORMS:
+            pairs = [(r[key], r[f"{key}_python_entry"]) for r in rows
+                     if r["world"] == world and r.get(key) is not None and r.get(f"{key}_python_entry") is not None]
+            if pairs:
+                ratios = [c / p for c, p in pairs]
+                saved = statistics.median(p - c for c, p in pairs)
+                parts.append(f"{label} {min(ratios):.2f}-{max(ratios):.2f}x (median {saved:.1f} us less)")
+        if parts:
+            lines.append(f"C entry over the Python entry at world {world} (host time, row by row): " + "; ".join(parts)
+                         + ".")
+    return lines
 
 
 def goal_lines(rows: list[dict]) -> list[str]:

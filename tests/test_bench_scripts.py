@@ -524,6 +524,20 @@ def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():
         "(.graph over the goal: host / GPU per rank 1.51-1.51, not all below 1).", ""]
 
 
+def test_fused_host_time_compares_the_c_entry_with_the_python_entry_row_by_row():
+    """``entry_lines``: per world, each form through the C entry over the same form through the Python
+    entry (its range over the rows that have both, the median microseconds saved); a world without the
+    Python entry's forms (a run from before it) says nothing."""
+    fused_host_time = _bench("fused_host_time")
+    rows = [{"world": 2, "host_us_graph": 30.0, "host_us_graph_python_entry": 40.0, "host_us_steady": 18.0,
+             "host_us_steady_python_entry": 20.0},
+            {"world": 2, "host_us_graph": 45.0, "host_us_graph_python_entry": 50.0, "host_us_steady": 22.0},
+            {"world": 4, "host_us_graph": 80.0}]
+    assert fused_host_time.entry_lines(rows) == [
+        "C entry over the Python entry at world 2 (host time, row by row): .graph 0.75-0.90x (median 7.5 us less); "
+        "steady 0.90-0.90x (median 2.0 us less)."]
+
+
 def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(monkeypatch):
     """``period_us``'s issue times: the first of 16 calls (after the wait for the device) apart from
     the median of the other 15, on the host's clock; the mean over all 16 as before."""

@@ -446,3 +446,136 @@ def test_a_first_build_says_it_takes_a_while_and_a_cached_one_does_not(fast, mon
                 pytest.warns(RuntimeWarning, match="host fast path is off .*no compiler here"):
             assert lane.module(transports={}, join=object, raw_stream=None, capturing=None) is None
         assert ("building the host fast path" in caplog.text) == (not cached), caplog.text
+
+
+class Entry:
+    """A .graph overload's Python entry or its kernel's Python path, as the C entry hands a call on:
+    records what it was called with; returns the input (a tensor: vmap wants one back)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[tuple, dict]] = []
+        self.through_dispatcher = "the dispatcher"
+
+    def __call__(self, *args, **kwargs):
+        self.seen.append((args, kwargs))
+        return args[0]
+
+
+QUIET = (torch._C._len_torch_dispatch_stack, torch._C._is_torch_function_mode_enabled,
+         torch._C._are_functorch_transforms_active)
+
+
+@pytest.fixture
+def entry(fast):
+    """The reduce-scatter's and the gather's C entries over meta tensors (the kernel's device here),
+    with the fast path on (a non-empty fast_calls), as lane.install_entries makes them for CUDA."""
+    on = [fast.module.call]
+    fast.module.configure_direct(torch.Tensor, QUIET, on, "meta")
+    made = {}
+    for name, op, listed in (("scatter", "matmul_reduce_scatter", False), ("gather", "all_gather_matmul", True)):
+        fallback, python_path = Entry(), Entry()
+        made[name] = SimpleNamespace(call=fast.module.direct(lane.OPS[op], fallback, python_path, listed),
+                                   fallback=fallback, python_path=python_path)
+    yield SimpleNamespace(on=on, **made)
+    lane.lanes.clear()
+
+
+def _entry_case(fast, op: str):
+    _, a_shape, b_shapes, world, _ = CASES["reduce-scatter" if op == "matmul_reduce_scatter" else "gather"]
+    a, b = _meta(*a_shape), _meta(*b_shapes[0])
+    ws = _workspace()
+    lane.lanes[_key(fast, op, a, b, world)] = ws
+    return a, (b if op == "matmul_reduce_scatter" else [b]), world, ws
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
+def test_the_graph_overloads_c_entry_issues_a_plain_call_and_hands_on_one_it_declines(fast, entry, op):
+    """A plain call (exact tensors on the kernel's device, no mode, no gradient wanted) goes from the
+    overload's entry straight to the replay, no Python called; one C declines (no graph yet) goes to
+    the kernel's Python path with its arguments, not back through the entry."""
+    e = entry.scatter if op == "matmul_reduce_scatter" else entry.gather
+    a, b, world, ws = _entry_case(fast, op)
+    args = (a, b, "direct", "g0", world)
+    assert e.call(*args) is a  # no graph: declined, the Python path's answer
+    assert e.python_path.seen == [(args, {})] and e.fallback.seen == []
+    ws.replays.graphs[fast.module.last_addresses()] = [Graph(0x3000 + phase) for phase in range(4)]
+    for epoch in (1, 2):
+        launches = len(fast.launches.seen)
+        out = e.call(*args)
+        assert out is not a and len(fast.launches.seen) == launches + 1
+        assert fast.launches.seen[-1] == (0x3000 + epoch % 4, STREAM) and ws.epoch == epoch
+    with torch.no_grad():  # a gradient not wanted: plain however the inputs require one
+        a.requires_grad_()
+        assert e.call(*args) is not a and ws.epoch == 3
+    assert len(e.python_path.seen) == 1 and e.fallback.seen == []
+    assert e.call.through_dispatcher == "the dispatcher"
+
+
+def _not_plain():
+    """Calls the C entry must hand to the overload's Python entry untouched: (label, how to call)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def under(mode):
+        def call(e, args):
+            with mode():
+                return e.call(*args)
+        return call
+
+    def requires_grad(e, args):
+        args[0].requires_grad_()
+        return e.call(*args)
+
+    return {
+        "keywords": lambda e, args: e.call(*args[:4], group_size=args[4]),
+        "four arguments": lambda e, args: e.call(*args[:4]),
+        "a tensor subclass": lambda e, args: e.call(torch.nn.Parameter(args[0], requires_grad=False), *args[1:]),
+        "another device": lambda e, args: e.call(torch.empty(args[0].shape), *args[1:]),
+        "a dispatch mode": under(Passing),
+        "a torch-function mode": under(TorchFunctionMode),
+        "a functorch transform": lambda e, args: torch.func.vmap(lambda x: e.call(x, *args[1:]))(
+            _meta(2, *args[0].shape)),
+        "a gradient wanted": requires_grad,
+        "the fast path set aside": None,  # fast_calls emptied, as COMPASS_FUSED_LANE's A/B does
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_not_plain()))
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
+def test_the_c_entry_hands_anything_but_a_plain_call_to_the_python_entry(fast, entry, op, case):
+    e = entry.scatter if op == "matmul_reduce_scatter" else entry.gather
+    a, b, world, ws = _entry_case(fast, op)
+    args = (a, b, "direct", "g0", world)
+    e.call(*args)
+    ws.replays.graphs[fast.module.last_addresses()] = [Graph(0x3000 + phase) for phase in range(4)]
+    assert e.call(*args) is not a and ws.epoch == 1  # plain: issued from C
+    how = _not_plain()[case]
+    if how is None:
+        entry.on.clear()
+        how = lambda e, args: e.call(*args)  # noqa: E731
+    launches = len(fast.launches.seen)
+    how(e, args)
+    assert len(e.fallback.seen) == 1 and len(e.python_path.seen) == 1  # the declined first call's only
+    assert len(fast.launches.seen) == launches and ws.epoch == 1
+
+
+def test_a_gather_with_more_weights_than_one_is_not_plain(fast, entry):
+    """As ops._direct's entry: a gather is plain with one weight only."""
+    a, b = _meta(4, 8), [_meta(8, 6), _meta(8, 5)]
+    entry.gather.call(a, b, "direct", "g0", 2)
+    assert entry.gather.fallback.seen == [((a, b, "direct", "g0", 2), {})] and entry.gather.python_path.seen == []
+
+
+def test_the_fast_path_built_installs_the_c_entries_over_the_python_ones(fast, monkeypatch):
+    """lane.install_entries: each offered overload's entry becomes the C one, the Python one its fallback."""
+    fallback = Entry()
+    overload = SimpleNamespace(_op=fallback)
+    monkeypatch.setattr(lane, "entries", [(overload, "matmul_reduce_scatter", Entry(), False)])
+    lane.install_entries(fast.module, device_type="meta")
+    assert overload._op.fallback is fallback and overload._op.through_dispatcher == "the dispatcher"
+    overload._op(torch.empty(8, 8), _meta(8, 6), "direct", "g0", 2)  # another device: the Python entry
+    assert len(fallback.seen) == 1

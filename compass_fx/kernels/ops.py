@@ -21,6 +21,7 @@ from . import reference
 from .cuda import graphs_enabled
 from .cuda.lane import OPS as _LANE_OPS
 from .cuda.lane import fast_calls as _fast_calls  # what the CUDA kernels try first (replays issued from C)
+from .cuda.lane import enter_from_c
 from .schedules import SCHEDULES, check_schedule_name
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -132,6 +133,11 @@ def _ag_cuda(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, 
         out = _fast_calls[0](_AG, a_shard, bs, schedule, group_name, group_size)
         if out is not None:
             return out
+    return _ag_python(a_shard, bs, schedule, group_name, group_size)
+
+
+def _ag_python(a_shard: Tensor, bs: list[Tensor], schedule: str, group_name: str, group_size: int):
+    """The CUDA kernel's Python path (a call C declined)."""
     _check_cuda(a_shard, bs, schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a_shard.dtype):
@@ -203,6 +209,11 @@ def _rs_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
         out = _fast_calls[0](_RS, a, b, schedule, group_name, group_size)
         if out is not None:
             return out
+    return _rs_python(a, b, schedule, group_name, group_size)
+
+
+def _rs_python(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    """The CUDA kernel's Python path (a call C declined)."""
     _check_cuda(a, (b,), schedule, group_size)
     _check_divisible(a.shape[0], group_size)
     cuda = _cuda()
@@ -253,6 +264,11 @@ def _ar_cuda(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: i
         out = _fast_calls[0](_AR, a, b, schedule, group_name, group_size)
         if out is not None:
             return out
+    return _ar_python(a, b, schedule, group_name, group_size)
+
+
+def _ar_python(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
+    """The CUDA kernel's Python path (a call C declined)."""
     _check_cuda(a, (b,), schedule, group_size)
     cuda = _cuda()
     if cuda.supported(a.dtype) and a.shape[0] % group_size == 0:
@@ -341,8 +357,10 @@ def _direct_possible() -> bool:
                                                                                           "1") != "0"
 
 
-def _direct(overload, kernel, weights_listed: bool) -> None:
-    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above)."""
+def _direct(overload, kernel, weights_listed: bool, op: str, python_path) -> None:
+    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above), and C take
+    them once the host fast path is built (:func:`.cuda.lane.enter_from_c`: a call it declines runs
+    ``python_path``, the kernel without its try of C)."""
     through_dispatcher = overload._op
 
     if weights_listed:
@@ -357,12 +375,13 @@ def _direct(overload, kernel, weights_listed: bool) -> None:
             return through_dispatcher(a, b, schedule, group_name, group_size)
     call.through_dispatcher = through_dispatcher
     overload._op = call  # what OpOverload.__call__ runs
+    enter_from_c(overload, op, python_path, weights_listed, (_dispatch_modes, _function_modes, _transforms))
 
 
 if _direct_possible():
-    _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True)
-    _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False)
-    _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False)
+    _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True, "all_gather_matmul", _ag_python)
+    _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False, "matmul_reduce_scatter", _rs_python)
+    _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False, "matmul_all_reduce", _ar_python)
 
 
 def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:

@@ -9,6 +9,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <structmember.h>
 
 #include <chrono>
 #include <cstdint>
@@ -345,9 +347,8 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   return THPVariable_Wrap(std::move(outs[0]));
 }
 
-// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
-// is the gather's list of weights, the other operators' weight.  No C++ exception leaves it.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// `issue` with no C++ exception leaving it: the outputs, None (declined) or nullptr (an error set).
+PyObject* issue_guarded(PyObject* const* args, Py_ssize_t nargs) {
   bool committed = false;
   try {
     return issue(args, nargs, committed);
@@ -356,6 +357,140 @@ PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+}
+
+// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
+// is the gather's list of weights, the other operators' weight.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return issue_guarded(args, nargs); }
+
+// The ``.graph`` overloads' eager entry (lane.py's `enter_from_c` says why).  A call on plain tensors
+// of the kernel's device, outside any mode or transform, with the fast path on (``fast_calls`` not
+// empty), goes straight to `issue`; one that `issue` declines goes to the op's Python path, which
+// does not try C again; anything else to the overload's Python entry (`fallback`: ops._direct's,
+// which tells a plain call from the rest as before and sends the rest through the dispatcher).
+struct DirectConfig {
+  PyTypeObject* tensor_type = nullptr;  // torch.Tensor: a subclass (fake, functional, Parameter) is not plain
+  PyObject* quiet_checks = nullptr;     // () -> falsy where no dispatch mode, torch-function mode, transform is on
+  PyObject* fast_calls = nullptr;       // lane.fast_calls: emptied to set the fast path aside
+  c10::DeviceType device_type = c10::DeviceType::CUDA;
+  bool configured = false;
+};
+DirectConfig direct_cfg;
+
+struct Direct {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  PyObject* op;           // the operator's code (lane.OPS)
+  PyObject* fallback;     // the overload's Python entry
+  PyObject* python_path;  // the kernel's Python path, (a, b, schedule, group_name, group_size)
+  int listed;             // the weights come as a list (the gather's): plain with one weight only
+};
+
+bool plain_tensor(PyObject* o) { return Py_TYPE(o) == direct_cfg.tensor_type; }
+
+// What ops._plain_cuda / _plain_cuda_list check, the same way: exact tensors, the input on the kernel's
+// device, no mode or transform, no gradient wanted.
+bool plain_call(const Direct* d, PyObject* a, PyObject* b) {
+  if (!plain_tensor(a)) return false;
+  PyObject* w = b;
+  if (d->listed) {
+    if (!PyList_CheckExact(b) || PyList_GET_SIZE(b) != 1) return false;
+    w = PyList_GET_ITEM(b, 0);
+  }
+  if (!plain_tensor(w)) return false;
+  const at::Tensor& at_a = THPVariable_Unpack(a);
+  if (at_a.device().type() != direct_cfg.device_type) return false;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(direct_cfg.quiet_checks); ++i) {
+    PyObject* on = PyObject_CallNoArgs(PyTuple_GET_ITEM(direct_cfg.quiet_checks, i));
+    int truth = on ? PyObject_IsTrue(on) : -1;
+    Py_XDECREF(on);
+    if (truth != 0) {
+      if (truth < 0) PyErr_Clear();  // the fallback meets it again and raises it
+      return false;
+    }
+  }
+  return !(c10::GradMode::is_enabled() && (at_a.requires_grad() || THPVariable_Unpack(w).requires_grad()));
+}
+
+PyObject* direct_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* d = reinterpret_cast<Direct*>(self);
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  bool ready = direct_cfg.configured && PyList_GET_SIZE(direct_cfg.fast_calls) > 0;
+  if (!ready || kwnames || nargs != 5 || !plain_call(d, args[0], args[1]))
+    return PyObject_Vectorcall(d->fallback, args, nargsf, kwnames);
+  PyObject* full[6] = {d->op, args[0], args[1], args[2], args[3], args[4]};
+  PyObject* out = issue_guarded(full, 6);
+  if (out != Py_None) return out;  // the outputs, or an error
+  Py_DECREF(out);
+  return PyObject_Vectorcall(d->python_path, args, nargs, nullptr);
+}
+
+void direct_dealloc(PyObject* self) {
+  auto* d = reinterpret_cast<Direct*>(self);
+  Py_XDECREF(d->op), Py_XDECREF(d->fallback), Py_XDECREF(d->python_path);
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// ``through_dispatcher``: the fallback's (ops._direct's entries carry it; tests and tools read it)
+PyObject* direct_through_dispatcher(PyObject* self, void*) {
+  return PyObject_GetAttrString(reinterpret_cast<Direct*>(self)->fallback, "through_dispatcher");
+}
+
+PyMemberDef direct_members[] = {
+    {"__vectorcalloffset__", T_PYSSIZET, offsetof(Direct, vectorcall), READONLY, nullptr},
+    {"fallback", T_OBJECT_EX, offsetof(Direct, fallback), READONLY, "The overload's Python entry."},
+    {"python_path", T_OBJECT_EX, offsetof(Direct, python_path), READONLY, "The kernel's Python path."},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyGetSetDef direct_getset[] = {
+    {"through_dispatcher", direct_through_dispatcher, nullptr, "The overload's call through the dispatcher.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyType_Slot direct_slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(direct_dealloc)},
+                              {Py_tp_call, reinterpret_cast<void*>(PyVectorcall_Call)},
+                              {Py_tp_members, direct_members},
+                              {Py_tp_getset, direct_getset},
+                              {Py_tp_doc, const_cast<char*>("A .graph overload's eager entry into the fast path.")},
+                              {0, nullptr}};
+
+PyType_Spec direct_spec = {"compass_lane.Direct", sizeof(Direct), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, direct_slots};
+PyObject* direct_type = nullptr;
+
+// direct(op, fallback, python_path, listed): a .graph overload's entry (configure_direct first).
+PyObject* direct(PyObject*, PyObject* args) {
+  PyObject *op, *fallback, *python_path;
+  int listed;
+  if (!PyArg_ParseTuple(args, "O!OOp", &PyLong_Type, &op, &fallback, &python_path, &listed)) return nullptr;
+  if (!direct_type && !(direct_type = PyType_FromSpec(&direct_spec))) return nullptr;
+  auto* d = PyObject_New(Direct, reinterpret_cast<PyTypeObject*>(direct_type));
+  if (!d) return nullptr;
+  d->vectorcall = direct_vectorcall;
+  Py_INCREF(op), Py_INCREF(fallback), Py_INCREF(python_path);
+  d->op = op, d->fallback = fallback, d->python_path = python_path, d->listed = listed;
+  return reinterpret_cast<PyObject*>(d);
+}
+
+// configure_direct(tensor_type, quiet_checks, fast_calls, device_type)
+PyObject* configure_direct(PyObject*, PyObject* args) {
+  PyObject *tensor_type, *quiet_checks, *fast_calls;
+  const char* device;
+  if (!PyArg_ParseTuple(args, "O!O!O!s", &PyType_Type, &tensor_type, &PyTuple_Type, &quiet_checks, &PyList_Type,
+                        &fast_calls, &device))
+    return nullptr;
+  try {
+    direct_cfg.device_type = c10::Device(std::string(device)).type();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  for (PyObject* o : {tensor_type, quiet_checks, fast_calls}) Py_INCREF(o);  // kept for the process's life
+  direct_cfg.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type);
+  direct_cfg.quiet_checks = quiet_checks, direct_cfg.fast_calls = fast_calls;
+  direct_cfg.configured = true;
+  Py_RETURN_NONE;
 }
 
 // key(op, a, b, schedule, group_name, group_size): the lane key a call of these arguments looks its
@@ -430,6 +565,9 @@ PyMethodDef methods[] = {
     {"last_addresses", looked_up, METH_NOARGS, "The addresses the last call looked its graph up by, or None."},
     {"phases", phases, METH_NOARGS, "Where the last call issued from here spent its host time (ns), or None."},
     {"configure", configure, METH_VARARGS, "Hand the lane the Python objects it reads and writes."},
+    {"configure_direct", configure_direct, METH_VARARGS,
+     "Hand the .graph overloads' entries what tells a plain call: the tensor type, the mode checks, fast_calls."},
+    {"direct", direct, METH_VARARGS, "A .graph overload's eager entry: (op, fallback, python_path, listed)."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define COMPASS_STR2(x) #x

@@ -156,8 +156,35 @@ def module(*, transports: dict, join: type, raw_stream, capturing):
         return None
     _state["module"] = built
     fast_calls.append(built.call)
+    install_entries(built)
     log.info("compass fused operators: host fast path built in %s", build_directory())
     return built
+
+
+# The ``.graph`` overloads whose eager calls C may enter, as ops._direct offered them: (overload, op,
+# the kernel's Python path, weights listed).
+entries: list = []
+_quiet_checks: list = []  # ops._direct's mode checks: () -> falsy where no mode or transform is on
+
+
+def enter_from_c(overload, op: str, python_path, listed: bool, quiet_checks: tuple) -> None:
+    """Let C take ``overload``'s eager calls once the extension is built (:func:`install_entries`).
+
+    Why: ops._direct's entry and the kernel are two Python frames and a dozen checks around every
+    call, 2-8 us of a steady call's 16-60 on one H200 and 10-47 of the first call after a wait
+    (``outside C`` in ``fused_host_time-h200-check-w2-breakdown-host-pin-mps``).  The C entry makes
+    the same checks (exact tensors, the input on the GPU, ``quiet_checks`` all falsy, no gradient
+    wanted, positional arguments) and issues the replay itself; a call it declines goes to
+    ``python_path`` (the kernel without its try of C), anything else to the overload's entry as before."""
+    entries.append((overload, op, python_path, listed))
+    _quiet_checks[:] = quiet_checks
+
+
+def install_entries(built, device_type: str = "cuda") -> None:
+    """Make each offered overload's entry the C one, its Python entry kept as the fallback."""
+    built.configure_direct(torch.Tensor, tuple(_quiet_checks), fast_calls, device_type)
+    for overload, op, python_path, listed in entries:
+        overload._op = built.direct(OPS[op], overload._op, python_path, listed)
 
 
 PHASES = ("checks", "outputs", "prepare", "launch", "bookkeeping")
