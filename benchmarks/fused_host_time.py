@@ -391,12 +391,13 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         finally:
             lane.fast_calls[:] = saved
 
-    # ops._direct's Python entry, the one the .graph overload had before C took its calls (lane.enter_from_c):
-    # the A/B's other side, behind it the same fast path (None where C does not take them)
-    python_entry = getattr(graph_op._op, "fallback", None)
     err = checked(op, through_op)
     for _ in range(2 * replay.PERIOD + 1):  # every residue of the epoch captured for these addresses
         graph_op(a, *args)
+    # ops._direct's Python entry, the one the .graph overload had before C took its calls (lane.enter_from_c,
+    # done when the process's first workspace built the fast path: read after the calls above): the A/B's
+    # other side, behind it the same fast path (None where C does not take them)
+    python_entry = getattr(graph_op._op, "fallback", None)
     dist.barrier()
     before = dict(replay.stats)
     res = {"op": op, "world": world, "rows": rows, "k": k, "n": n, "relative_error": err,
