@@ -324,7 +324,8 @@ _graph_op("matmul_all_reduce.graph", _MATMUL_SCHEMA, _ar_any, _ar_fake, _ar_cuda
 # Python kernel and back cost ~30 us of a ~110 us replayed call on the lent H200 host
 # (fused_host_time-h200-replay-trim: .graph against impl).  Anything else (a tensor subclass such as
 # a fake or functional tensor, a dispatch or torch-function mode, a functorch transform, a CPU
-# tensor, an input that requires grad while grad mode is on) takes the dispatcher as before.
+# tensor, an input that requires grad while grad mode is on) takes the dispatcher as before.  Once
+# the host fast path is built, C takes these calls from OpOverload.__call__ on (.cuda.lane.enter_from_c).
 _plain = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
