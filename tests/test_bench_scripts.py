@@ -823,3 +823,21 @@ def test_graph_node_probe_writes_json_and_markdown_after_each_section(tmp_path, 
     assert probe.main(["--render", str(out)]) == 0
     assert capsys.readouterr().out == md.replace("# probe (no_such)", "# probe", 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json", "probe.md"]  # --render wrote nothing
+
+
+def test_a_run_says_when_its_checkout_differs_from_the_commit_it_names(tmp_path, monkeypatch):
+    """``harness.output.git_dirty``: a working tree copied onto a lent machine keeps an older ``.git``,
+    so the commit a result names may not be the code that ran; ``dirty`` says when the tracked files
+    differ from that HEAD (False when they do not, None outside a repository)."""
+    output = _bench("harness.output")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "-C", str(tmp_path), "add", "code.py"], check=True)
+    subprocess.run([*git, "-C", str(tmp_path), "commit", "-qm", "one"], check=True)
+    monkeypatch.setattr(output, "ROOT", tmp_path)
+    assert output.git_dirty() is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert output.git_dirty() is True
+    monkeypatch.setattr(output, "ROOT", tmp_path / "nowhere")
+    assert output.git_dirty() is None

@@ -38,6 +38,17 @@ def git_commit() -> str:
         return ""
 
 
+def git_dirty() -> "bool | None":
+    """Whether the checkout's tracked files differ from its HEAD (None: not known).  A working tree
+    copied to a lent machine keeps the ``.git`` it was first copied with, so there HEAD may name an
+    older commit than the code that ran: ``dirty`` says so, ``source_sha1`` says which code it was."""
+    try:
+        done = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, capture_output=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {0: False, 1: True}.get(done.returncode)
+
+
 def imported_package() -> Path:
     """Where the ``compass_fx`` this process imports lives: only the imported module says which code
     ran (the harness puts its own repository first on ``sys.path``, so ``PYTHONPATH`` cannot swap
@@ -63,7 +74,7 @@ def environment(dry_run: bool) -> dict:
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "commit": git_commit(), "source_sha1": source_digest(), "package": str(imported_package()),
+        "commit": git_commit(), "dirty": git_dirty(), "source_sha1": source_digest(), "package": str(imported_package()),
         "dry_run": dry_run,
         "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT",
                                            "CUDA_DEVICE_MAX_CONNECTIONS")},
