@@ -541,6 +541,19 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,
                 extra=("--overload", "graph")),
     ),
+    # Issue 27: is the first call after a wait slow because the waiting core looked idle (a virtual CPU that
+    # pauses or halts in a synchronize may be handed to other work)?  fused_host_time --sync poll: the timing
+    # loops wait by polling the stream in a busy loop; CUDA's auto before it, both transports, two ranks
+    "h200-sync-poll": (
+        _host_time("host_time-w2-auto", 2, f"{MACHINE}-poll-base-w2-breakdown-host-pin-mps", 110,
+                   extra=("--breakdown",)),
+        _host_time("host_time-w2-poll", 2, f"{MACHINE}-poll-w2-breakdown-host-pin-mps", 110,
+                   extra=("--breakdown", "--sync", "poll")),
+        _host_time("host_time-peer-w2-auto", 2, f"{MACHINE}-poll-base-peer-w2-pin-mps", 80,
+                   extra=("--transport", "peer")),
+        _host_time("host_time-peer-w2-poll", 2, f"{MACHINE}-poll-peer-w2-pin-mps", 80,
+                   extra=("--transport", "peer", "--sync", "poll")),
+    ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait
     "h200-step-sync": (

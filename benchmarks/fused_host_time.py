@@ -57,6 +57,23 @@ BUSY_S = 2e-3  # the GPU's sleep before a "GPU busy" form's calls: longer than t
 WARM_S = 3e-3  # the host's spin before a "warm host" form's calls (the GPU sleeps through it and BUSY_S)
 
 
+_POLLING: list[bool] = [False]  # --sync poll: the timing loops wait for the device by polling
+
+
+def wait_for_device() -> None:
+    """How the timing loops wait for the device: CUDA's synchronize, in the context's sync mode
+    (``--sync``), or with ``--sync poll`` first a busy loop on the current stream's query (no
+    pause instruction, no sleep, no yield).  Why: the first call after a wait is slow on the host
+    however the context waits (auto, spin, blocking), which fits a host whose waiting core is handed
+    to other work meanwhile (a virtual CPU that pauses or halts can be descheduled by its
+    hypervisor); a core that polls never looks idle."""
+    if _POLLING[0]:
+        stream = torch.cuda.current_stream()
+        while not stream.query():
+            pass
+    torch.cuda.synchronize()
+
+
 def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset(),
             in_turn: frozenset = frozenset(), warm: frozenset = frozenset()) -> dict[str, float]:
     """Median over rounds of the host microseconds per call of ``calls`` calls of each function,
@@ -79,7 +96,7 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
     per_round: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            torch.cuda.synchronize()
+            wait_for_device()
             if name in busy:
                 torch.cuda._sleep(int(BUSY_S * H200_CLOCK_HZ))
             if name in warm:
@@ -92,7 +109,7 @@ def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = froze
                 if turn == dist.get_rank():
                     per_round[name].append(host_us_per_call(fn, calls))
                 dist.barrier()
-    torch.cuda.synchronize()
+    wait_for_device()
     return {name: statistics.median(v) for name, v in per_round.items()}
 
 
@@ -107,7 +124,7 @@ def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:
     issued while the calls before it run, as in a step)."""
     per_round, issue, first, steady = [], [], [], []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        wait_for_device()
         stamps = [time.perf_counter()]
         for _ in range(calls):
             fn()
@@ -116,7 +133,7 @@ def period_us(fn, calls: int = 16, rounds: int = 5) -> dict[str, float]:
         issue.append(sum(each) / calls)
         first.append(each[0])
         steady.append(statistics.median(each[1:]))
-        torch.cuda.synchronize()
+        wait_for_device()
         per_round.append((time.perf_counter() - stamps[0]) / calls * 1e6)
     return {"period_us": statistics.median(per_round), "host_us_back_to_back": statistics.median(issue),
             "host_us_first_of_16": statistics.median(first), "host_us_steady": statistics.median(steady)}
@@ -139,7 +156,7 @@ def between_ops_us(fn, other, calls: int = 16, rounds: int = 5) -> dict[str, flo
     (the dispatcher, the allocator, other launches), which may leave the call's own path colder."""
     per_round = []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        wait_for_device()
         each = []
         for _ in range(calls):
             other()
@@ -147,7 +164,7 @@ def between_ops_us(fn, other, calls: int = 16, rounds: int = 5) -> dict[str, flo
             fn()
             each.append((time.perf_counter() - start) * 1e6)
         per_round.append(statistics.median(each[1:]))
-        torch.cuda.synchronize()
+        wait_for_device()
     return {"host_us_between_ops": statistics.median(per_round)}
 
 
@@ -173,7 +190,7 @@ def phases_of_16(fn, calls: int = 16, rounds: int = 5) -> dict:
     names = (*lane.PHASES, OUTSIDE_C)
     first, steady = [], []
     for _ in range(rounds):
-        torch.cuda.synchronize()
+        wait_for_device()
         got = []
         for _ in range(calls):
             start = time.perf_counter()
@@ -186,7 +203,7 @@ def phases_of_16(fn, calls: int = 16, rounds: int = 5) -> dict:
         rest = [g for g in got[1:] if g is not None]
         if rest:
             steady.append({k: statistics.median(g[k] for g in rest) for k in names})
-        torch.cuda.synchronize()
+        wait_for_device()
 
     def median(rows: list[dict]) -> dict | None:
         return {k: round(statistics.median(r[k] for r in rows), 2) for k in names} if rows else None
@@ -512,7 +529,8 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
            pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None,
            schedule: str = "direct", sync: str = "auto") -> None:
     cpus = pin(rank) if pinned else []
-    synced = set_sync(sync) if sync != "auto" else None  # before torch makes the context
+    synced = set_sync(sync) if sync in SYNC_FLAGS else None  # before torch makes the context
+    _POLLING[0] = sync == "poll"
     if carveout:  # cuBLAS leaves this many SMs to other work (the replay graphs' wait kernels)
         torch._C._set_sm_carveout_experimental(carveout)
     # the peers share one GPU: they meet in pinned host memory, or (peer) map each other's buffers of
@@ -732,8 +750,9 @@ def main(argv=None) -> int:
 
     p.add_argument("--schedule", choices=SCHEDULES, default="direct",
                    help="the fused calls' schedule (the host-staged transport runs only 'direct' in rewritten graphs)")
-    p.add_argument("--sync", choices=("auto", *SYNC_FLAGS), default="auto",
-                   help="how each rank's CUDA context waits for the device (CU_CTX_SCHED_*; default: CUDA's auto)")
+    p.add_argument("--sync", choices=("auto", *SYNC_FLAGS, "poll"), default="auto",
+                   help="how each rank's CUDA context waits for the device (CU_CTX_SCHED_*; default: CUDA's auto); "
+                   "poll: the timing loops first poll the stream in a busy loop (wait_for_device)")
     p.add_argument("--ops", default="",
                    help="only these operators' cases, comma-separated (e.g. all_gather_matmul); default: all")
     p.add_argument("--tag", default="h200")

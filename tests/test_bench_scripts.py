@@ -579,6 +579,27 @@ def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkey
     assert y.shape == x.shape and y.dtype == x.dtype and fused_host_time.torch.isfinite(y.float()).all()
 
 
+def test_fused_host_time_can_wait_for_the_device_by_polling(monkeypatch):
+    """``--sync poll``: the timing loops wait by querying the stream in a busy loop until it is done,
+    then synchronize (which then finds nothing to wait for); by default they only synchronize."""
+    fused_host_time = _bench("fused_host_time")
+    seen = []
+
+    class Stream:
+        def query(self):
+            seen.append("query")
+            return seen.count("query") == 3
+
+    monkeypatch.setattr(fused_host_time.torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: seen.append("synchronize"))
+    fused_host_time.wait_for_device()
+    assert seen == ["synchronize"]
+    monkeypatch.setattr(fused_host_time, "_POLLING", [True])
+    seen.clear()
+    fused_host_time.wait_for_device()
+    assert seen == ["query"] * 3 + ["synchronize"]
+
+
 def test_fused_host_time_refuses_a_sync_mode_it_does_not_know():
     """``--sync``: CUDA's own modes only, by name; anything else is refused before the driver is touched."""
     fused_host_time = _bench("fused_host_time")
