@@ -577,5 +577,8 @@ def test_the_fast_path_built_installs_the_c_entries_over_the_python_ones(fast, m
     monkeypatch.setattr(lane, "entries", [(overload, "matmul_reduce_scatter", Entry(), False)])
     lane.install_entries(fast.module, device_type="meta")
     assert overload._op.fallback is fallback and overload._op.through_dispatcher == "the dispatcher"
+    first = overload._op
+    lane.install_entries(fast.module, device_type="meta")  # again: replaced, not wrapped
+    assert overload._op is not first and overload._op.fallback is fallback
     overload._op(torch.empty(8, 8), _meta(8, 6), "direct", "g0", 2)  # another device: the Python entry
     assert len(fallback.seen) == 1

@@ -171,20 +171,25 @@ def enter_from_c(overload, op: str, python_path, listed: bool, quiet_checks: tup
     """Let C take ``overload``'s eager calls once the extension is built (:func:`install_entries`).
 
     Why: ops._direct's entry and the kernel are two Python frames and a dozen checks around every
-    call, 2-8 us of a steady call's 16-60 on one H200 and 10-47 of the first call after a wait
-    (``outside C`` in ``fused_host_time-h200-check-w2-breakdown-host-pin-mps``).  The C entry makes
-    the same checks (exact tensors, the input on the GPU, ``quiet_checks`` all falsy, no gradient
-    wanted, positional arguments) and issues the replay itself; a call it declines goes to
-    ``python_path`` (the kernel without its try of C), anything else to the overload's entry as before."""
+    call.  A hot host runs them in next to no time, but the first calls after a wait for the device
+    find them cold: against the Python entry in the same rounds (``fused_host_time``'s Python-entry
+    forms, three H100 starts, 2/4/8 ranks, both transports) the C entry's four calls after an idle
+    device took 3-12 us less host time (median of the rows; less in 11 of 12 runs), its steady calls
+    the same (``fused_host_time-h100-c-entry-run*``).  The C entry makes the same checks (exact
+    tensors, the input on the GPU, ``quiet_checks`` all falsy, no gradient wanted, positional
+    arguments) and issues the replay itself; a call it declines goes to ``python_path`` (the kernel
+    without its try of C), anything else to the overload's entry as before."""
     entries.append((overload, op, python_path, listed))
     _quiet_checks[:] = quiet_checks
 
 
 def install_entries(built, device_type: str = "cuda") -> None:
-    """Make each offered overload's entry the C one, its Python entry kept as the fallback."""
+    """Make each offered overload's entry the C one, its Python entry kept as the fallback (once:
+    installed again, the C entry replaces the C entry, not wraps it)."""
     built.configure_direct(torch.Tensor, tuple(_quiet_checks), fast_calls, device_type)
     for overload, op, python_path, listed in entries:
-        overload._op = built.direct(OPS[op], overload._op, python_path, listed)
+        python_entry = getattr(overload._op, "fallback", overload._op)
+        overload._op = built.direct(OPS[op], python_entry, python_path, listed)
 
 
 PHASES = ("checks", "outputs", "prepare", "launch", "bookkeeping")
