@@ -544,6 +544,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # Issue 27: is the first call after a wait slow because the waiting core looked idle (a virtual CPU that
     # pauses or halts in a synchronize may be handed to other work)?  fused_host_time --sync poll: the timing
     # loops wait by polling the stream in a busy loop; CUDA's auto before it, both transports, two ranks
+    # (run once, one H100: polling leaves the first call as slow, fused_host_time-h100-poll-*)
     "h200-sync-poll": (
         _host_time("host_time-w2-auto", 2, f"{MACHINE}-poll-base-w2-breakdown-host-pin-mps", 110,
                    extra=("--breakdown",)),

@@ -155,8 +155,8 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
     while todo:
         t0 = time.time()
         world = todo[0]["world"]
-        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix, transport, overload), tmp, index * 1000 + len(rows),
-                                           deadline_s * len(todo))
+        ranks, killed = launch.fresh_ranks(worker, world, (todo, calls, mix, transport, overload), tmp,
+                                           index * 1000 + len(rows), deadline_s * len(todo))
         per_rank = [r if isinstance(r, list) else [r] for r in ranks]
         done = max(len(r) for r in per_rank)
         for i in range(max(done, 1)):

@@ -64,9 +64,10 @@ def wait_for_device() -> None:
     """How the timing loops wait for the device: CUDA's synchronize, in the context's sync mode
     (``--sync``), or with ``--sync poll`` first a busy loop on the current stream's query (no
     pause instruction, no sleep, no yield).  Why: the first call after a wait is slow on the host
-    however the context waits (auto, spin, blocking), which fits a host whose waiting core is handed
-    to other work meanwhile (a virtual CPU that pauses or halts can be descheduled by its
-    hypervisor); a core that polls never looks idle."""
+    however the context waits (auto, spin, blocking), which would fit a host whose waiting core is
+    handed to other work meanwhile (a virtual CPU that pauses or halts can be descheduled by its
+    hypervisor); a core that polls never looks idle.  Measured: polling does not keep the first call
+    fast either (``fused_host_time-h100-poll-*``: first of 16 still 2-6x its steady time)."""
     if _POLLING[0]:
         stream = torch.cuda.current_stream()
         while not stream.query():
@@ -567,11 +568,11 @@ def markdown(payload: dict) -> str:
              "idle, the forms of a case taking turns within each round. op: through the custom op; .graph: "
              "the overload rewritten graphs call (replayed from a captured CUDA graph once its addresses "
              "recur; issued from C by the host fast path, compass_fx/kernels/cuda/lane.cpp, once its graph "
-             "exists; the overload's eager calls entered from C, .cuda.lane.enter_from_c); .graph, Python entry: the same "
-             "through the overload's Python entry (ops._direct's, as before C took its calls; its first of 16, steady "
-             "and between-ops forms measured right after the C entry's); .graph, Python path: the same with the fast "
-             "path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every command launched from Python, as "
-             "before); impl: the implementation called directly; start, wait: the asynchronous form "
+             "exists; the overload's eager calls entered from C, .cuda.lane.enter_from_c); .graph, Python entry: "
+             "the same through the overload's Python entry (ops._direct's, as before C took its calls; its first of "
+             "16, steady and between-ops forms measured right after the C entry's); .graph, Python path: the same "
+             "with the fast path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every "
+             "command launched from Python, as before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
              ".graph, warm host: the same after the host spun 3 ms, the GPU busy (a host that just waited ~10 ms for "

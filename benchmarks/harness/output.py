@@ -74,7 +74,8 @@ def environment(dry_run: bool) -> dict:
     env = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "commit": git_commit(), "dirty": git_dirty(), "source_sha1": source_digest(), "package": str(imported_package()),
+        "commit": git_commit(), "dirty": git_dirty(), "source_sha1": source_digest(),
+        "package": str(imported_package()),
         "dry_run": dry_run,
         "env": {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, "NCCL_P2P_DISABLE", "COMPASS_FUSED_TRANSPORT",
                                            "CUDA_DEVICE_MAX_CONNECTIONS")},
