@@ -862,3 +862,41 @@ def test_a_run_says_when_its_checkout_differs_from_the_commit_it_names(tmp_path,
     assert output.git_dirty() is True
     monkeypatch.setattr(output, "ROOT", tmp_path / "nowhere")
     assert output.git_dirty() is None
+
+
+def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path):
+    """``host_time_goals``: per run and world the rows within the goal in each form (60 us at two ranks,
+    150 beyond) and the worst; per transport and world the runs with every row within; a run of another
+    schedule, with a setting changed, or from before the steady form (or without calls from C) is left out."""
+    host_time_goals = _bench("host_time_goals")
+
+    def row(world, graph, steady, between=None):
+        return {"world": world, "host_us_graph": graph, "host_us_steady": steady, "host_us_between_ops": between,
+                "fast_path_calls": 40}
+
+    runs = {
+        "fused_host_time-h100-a-host-pin-mps": {"transport": "host", "launch_us": {"2": {"Matmul": 8.0}},
+                                                "rows": [row(2, 30.0, 20.0, 25.0), row(2, 59.0, 40.0, 61.0)]},
+        "fused_host_time-h200-b-host-pin-mps": {"transport": "host", "settings": {"sync": "poll"},
+                                                "launch_us": {"2": {"Matmul": 18.0}, "8": {"Matmul": 19.0}},
+                                                "rows": [row(2, 90.0, 50.0), row(8, 149.0, 80.0), row(8, 151.0, 90.0)]},
+        "fused_host_time-h200-ring-peer": {"transport": "peer", "schedule": "ring", "rows": [row(2, 10.0, 9.0)]},
+        "fused_host_time-h200-kwait": {"settings": {"COMPASS_REPLAY_WAITS": "kernel"}, "rows": [row(2, 10.0, 9.0)]},
+        "fused_host_time-h200-old": {"rows": [{"world": 2, "host_us_graph": 10.0, "fast_path_calls": 40}]},
+    }
+    for stem, payload in runs.items():
+        (tmp_path / f"{stem}.json").write_text(json.dumps(payload))
+    rows = host_time_goals.collect(tmp_path)
+    assert [(r["card"], r["world"], r["sync"]) for r in rows] == [("h100", 2, "auto"), ("h200", 2, "poll"),
+                                                                  ("h200", 8, "poll")]
+    fast, slow, eight = rows
+    assert (fast["host_us_graph_within"], fast["host_us_graph_rows"], fast["host_us_graph_max"]) == (2, 2, 59.0)
+    assert (fast["host_us_between_ops_within"], fast["mm_launch_us"]) == (1, 8.0)
+    assert slow["host_us_between_ops_rows"] is None and eight["host_us_graph_within"] == 1
+    tally = host_time_goals.tally(rows)
+    assert [(t["world"], t["runs"], t["host_us_graph_all_within"], t["host_us_steady_all_within"],
+             t["host_us_between_ops_runs"], t["host_us_between_ops_all_within"]) for t in tally] == [
+        (2, 2, 1, 2, 1, 0), (8, 1, 0, 1, 0, 0)]
+    text = host_time_goals.markdown({"tag": "cpu", "rows": rows, "tally": tally})
+    assert "host, world 2 (2 runs): .graph every row within in 1 of 2 runs" in text
+    assert "| 1/2 (max 61) |" in text
