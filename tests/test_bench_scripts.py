@@ -900,3 +900,12 @@ def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path
     text = host_time_goals.markdown({"tag": "cpu", "rows": rows, "tally": tally})
     assert "host, world 2 (2 runs): .graph every row within in 1 of 2 runs" in text
     assert "| 1/2 (max 61) |" in text
+
+
+def test_the_committed_host_time_goals_cover_every_committed_default_path_run():
+    """benchmarks/results/host_time_goals/host_time_goals-cpu.json is rerun whenever a fused_host_time
+    run of the default path is committed (``python benchmarks/host_time_goals.py``): its rows are the
+    committed runs' as read now."""
+    host_time_goals = _bench("host_time_goals")
+    committed = json.loads((BENCH / "results" / "host_time_goals" / "host_time_goals-cpu.json").read_text())
+    assert committed["rows"] == host_time_goals.collect()
