@@ -662,6 +662,11 @@ def markdown(payload: dict) -> str:
 
 
 GOAL_US = {2: 60.0}  # issue 27: one eager fused call's host time, two ranks; 150 us at four and eight
+
+
+def goal_us(world: int) -> float:
+    """Issue 27's goal for one eager fused call's host time with ``world`` ranks sharing the GPU."""
+    return GOAL_US.get(world, 150.0)
 GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"), ("host_us_steady", "steady"),
               ("host_us_between_ops", "between a step's ops"))
 
@@ -696,7 +701,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
     their pace (their .graph host time over the GPU's time per call and rank, where measured)."""
     lines = []
     for world in sorted({r["world"] for r in rows}):
-        goal = GOAL_US.get(world, 150.0)
+        goal = goal_us(world)
         parts = []
         for key, label in GOAL_FORMS:
             got = [r[key] for r in rows if r["world"] == world and r.get(key) is not None]

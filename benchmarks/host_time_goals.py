@@ -23,24 +23,18 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402
+from fused_host_time import GOAL_FORMS, goal_us  # noqa: E402
+from fused_host_time import NAME as RUN_NAME  # noqa: E402
+from results_index import machine_and_variant  # noqa: E402
 
 NAME = "host_time_goals"
-RUNS = output.RESULTS / "fused_host_time"
-FORMS = (("host_us_graph", ".graph"), ("host_us_steady", "steady"), ("host_us_between_ops", "between ops"))
+RUNS = output.RESULTS / RUN_NAME
+# the forms of a call the goals are read in (fused_host_time's, less the back-to-back average, which
+# the steady form and the first call after a wait split)
+FORMS = tuple(form for form in GOAL_FORMS if form[0] != "host_us_back_to_back")
 # settings a run may have and still be of the default path: the transport, the watchdog's timeout, how
 # the ranks wait for the device (fused_host_time --sync)
 NEUTRAL_SETTINGS = frozenset({"COMPASS_FUSED_TRANSPORT", "COMPASS_FUSED_TIMEOUT_S", "sync"})
-
-
-def goal_us(world: int) -> float:
-    """Issue 27's goal for one call's host time: 60 us at two ranks, 150 at four and eight."""
-    return 60.0 if world == 2 else 150.0
-
-
-def card(stem: str) -> str:
-    """The GPU a run's file name says it ran on (``fused_host_time-<card>-...``)."""
-    tail = stem[len(NAME) + 1:] if stem.startswith(NAME + "-") else stem.split("-", 1)[-1]
-    return tail.split("-", 1)[0]
 
 
 def default_path(payload: dict) -> bool:
@@ -59,8 +53,10 @@ def run_rows(stem: str, payload: dict) -> list[dict]:
     for world in sorted({r["world"] for r in payload["rows"]}):
         rows = [r for r in payload["rows"] if r["world"] == world]
         env = payload.get("environment") or {}
-        row = {"run": stem, "card": card(stem), "world": world, "transport": payload.get("transport", "host"),
-               "sync": (payload.get("settings") or {}).get("sync", "auto"), "date": str(env.get("date_utc", ""))[:10],
+        row = {"run": stem, "card": machine_and_variant(RUN_NAME, stem)[0], "world": world,
+               "transport": payload.get("transport", "host"),
+               "sync": (payload.get("settings") or {}).get("sync", "auto"),
+               "date": str(env.get("date_utc", ""))[:10],
                "commit": str(env.get("commit") or "")[:7],
                "mm_launch_us": (payload.get("launch_us") or {}).get(str(world), {}).get("Matmul")}
         for key, _ in FORMS:
@@ -75,7 +71,7 @@ def run_rows(stem: str, payload: dict) -> list[dict]:
 def collect(folder: Path = RUNS) -> list[dict]:
     """Every default-path run's rows, by transport, world and the host's launch speed."""
     rows = []
-    for path in sorted(folder.glob("fused_host_time-*.json")):
+    for path in sorted(folder.glob(f"{RUN_NAME}-*.json")):
         payload = json.loads(path.read_text())
         if default_path(payload):
             rows += run_rows(path.stem, payload)
@@ -102,8 +98,8 @@ def markdown(payload: dict) -> str:
              "committed `fused_host_time` run of the default path (calls issued from C, schedule direct, no setting "
              "changed but how the ranks wait), read from `benchmarks/results/fused_host_time/` on the CPU. "
              ".graph: four calls after the device went idle; steady: each issued while the ones before it run (as "
-             "a step issues them); between ops: each after a step's own eager ops. mm launch: that start's host "
-             "launching one torch.mm alone (us): how fast the lent host was.", ""]
+             "a step issues them); between a step's ops: each after a step's own eager ops. mm launch: that start's "
+             "host launching one torch.mm alone (us): how fast the lent host was.", ""]
     for t in payload["tally"]:
         parts = [f"{label} every row within in {t[f'{key}_all_within']} of {t[f'{key}_runs']} runs"
                  for key, label in FORMS if t[f"{key}_runs"]]
