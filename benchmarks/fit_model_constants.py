@@ -233,14 +233,23 @@ def _run_most_pieces(run: dict, world: int) -> int:
 REPLAY_COLUMNS = ("host_us_graph", "host_us_steady")
 
 
+def _run_at(run: dict, world: int, reference: dict[str, float]) -> tuple[float, bool, int, str]:
+    """How a ``fused_host_time.py`` run measured at ``world``: its launch speed against the launches
+    ``reference`` (as a calibration scales the constants), whether host-staged (where it names no
+    transport), its pieces' cap and its schedule ("direct" where it names none: runs before
+    fused_host_time --schedule timed it)."""
+    from compass_fx.cost.strategies import _launch_speed
+
+    _, speed = _launch_speed({"launch_s": run["launch_us"][str(world)]}, reference)
+    return speed, run.get("transport", "host") == "host", _run_most_pieces(run, world), run.get("schedule", "direct")
+
+
 def _replay_points(runs: dict[str, dict], worlds: tuple[int, ...], column: str,
                    reference: dict[str, float] | None = None) -> tuple[list[tuple], dict[str, float]]:
     """Each case of ``runs`` at ``worlds`` as (slow nodes, host us in ``column`` scaled by its run's
     launch speed at that world, transport, world), and the launches alone it is scaled to:
     ``reference`` where given (a fit's, to price other runs as a calibration would scale the
     constants), else the median over the runs' and worlds' launches of each kind."""
-    from compass_fx.cost.strategies import _launch_speed
-
     launches = {(name, world): run["launch_us"][str(world)]
                 for name, run in runs.items() for world in worlds if str(world) in run.get("launch_us", {})}
     if not launches:
@@ -249,13 +258,10 @@ def _replay_points(runs: dict[str, dict], worlds: tuple[int, ...], column: str,
         kinds = sorted(set.intersection(*(set(l) for l in launches.values())))
         reference = {k: round(statistics.median(l[k] for l in launches.values()), 2) for k in kinds}
     points = []
-    for (name, world), launch in launches.items():
+    for name, world in launches:
         run = runs[name]
-        _, speed = _launch_speed({"launch_s": launch}, reference)  # as a calibration scales the constants
-        host = run.get("transport", "host") == "host"
+        speed, host, most, schedule = _run_at(run, world, reference)
         batched = run.get("replay_waits", "stream") == "batch"  # runs before batched waits name none
-        most = _run_most_pieces(run, world)
-        schedule = run.get("schedule", "direct")  # runs before fused_host_time --schedule timed "direct"
         points += [(_slow_nodes(r, world, host, batched, most, schedule), r[column] / speed,
                     "host" if host else "peer", world)
                    for r in run["rows"] if r["world"] == world and r.get(column)]
@@ -320,18 +326,15 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
     excess over ``call_us + node_us * slow nodes``; per run and world, the several-graph cases'
     median excess per extra graph less the one-graph cases' median excess (their host's baseline,
     which the launches alone scale only roughly: other machines, other starts); the median of those."""
-    from compass_fx.cost.strategies import _launch_speed, replay_slow_nodes
+    from compass_fx.cost.strategies import replay_slow_nodes
 
     differences = []
     for name, run in runs.items():
-        host = run.get("transport", "host") == "host"
-        schedule = run.get("schedule", "direct")
         for world in worlds:
             if str(world) not in run.get("launch_us", {}):
                 continue
-            _, speed = _launch_speed({"launch_s": run["launch_us"][str(world)]}, launch_us)
+            speed, host, most, schedule = _run_at(run, world, launch_us)
             excess: dict[int, list[float]] = collections.defaultdict(list)  # by graphs
-            most = _run_most_pieces(run, world)
             for r in run["rows"]:
                 if r["world"] != world or not r.get(column):
                     continue
