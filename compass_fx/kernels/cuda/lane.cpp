@@ -347,8 +347,10 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   return THPVariable_Wrap(std::move(outs[0]));
 }
 
-// `issue` with no C++ exception leaving it: the outputs, None (declined) or nullptr (an error set).
-PyObject* issue_guarded(PyObject* const* args, Py_ssize_t nargs) {
+// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, None (declined) or
+// nullptr (an error set); ``b`` is the gather's list of weights, the other operators' weight.  No C++
+// exception leaves it.
+PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   bool committed = false;
   try {
     return issue(args, nargs, committed);
@@ -358,10 +360,6 @@ PyObject* issue_guarded(PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
 }
-
-// call(op, a, b, schedule, group_name, group_size): the outputs of a replayed call, or None; ``b``
-// is the gather's list of weights, the other operators' weight.
-PyObject* call(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return issue_guarded(args, nargs); }
 
 // The ``.graph`` overloads' eager entry (lane.py's `enter_from_c` says why).  A call on plain tensors
 // of the kernel's device, outside any mode or transform, with the fast path on (``fast_calls`` not
@@ -419,7 +417,7 @@ PyObject* direct_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf
   if (!ready || kwnames || nargs != 5 || !plain_call(d, args[0], args[1]))
     return PyObject_Vectorcall(d->fallback, args, nargsf, kwnames);
   PyObject* full[6] = {d->op, args[0], args[1], args[2], args[3], args[4]};
-  PyObject* out = issue_guarded(full, 6);
+  PyObject* out = call(nullptr, full, 6);
   if (out != Py_None) return out;  // the outputs, or an error
   Py_DECREF(out);
   return PyObject_Vectorcall(d->python_path, args, nargs, nullptr);
