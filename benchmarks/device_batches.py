@@ -541,6 +541,13 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,
                 extra=("--overload", "graph")),
     ),
+    # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
+    # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
+    # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
+    "h200-cold-host": (
+        Step("cold_host_probe", "cold_host_probe.py", ("--worlds", "1,2,8", "--tag", f"{MACHINE}-mps",
+                                                       "--out-dir", RESULTS), 150),
+    ),
     # Issue 27: is the first call after a wait slow because the waiting core looked idle (a virtual CPU that
     # pauses or halts in a synchronize may be handed to other work)?  fused_host_time --sync poll: the timing
     # loops wait by polling the stream in a busy loop; CUDA's auto before it, both transports, two ranks

@@ -912,3 +912,41 @@ def test_the_committed_host_time_goals_cover_every_committed_default_path_run():
     stale = "stale: rerun python benchmarks/host_time_goals.py"
     assert [r["run"] for r in committed["rows"]] == [r["run"] for r in fresh], stale
     assert committed["rows"] == fresh, stale
+
+
+def test_cold_host_probe_times_the_first_work_after_the_wait_apart_from_the_steady():
+    """``cold_host_probe``: after the barrier and the wait, the first call is timed alone and the
+    steady figure is the median of the calls after it (a first call 3 ms slower shows as such)."""
+    probe = _bench("cold_host_probe")
+    calls, waited = [], []
+
+    class Barrier:
+        def wait(self):
+            waited.append("barrier")
+
+    def work():
+        calls.append(len(waited))
+        probe._spin(3e-3 if len(calls) == 1 else 1e-5)
+
+    first, steady = probe._one_round(Barrier(), lambda: waited.append("wait"), work)
+    assert waited == ["barrier", "wait"] and len(calls) == 1 + probe.STEADY_CALLS
+    assert first >= 3000 and steady < 1000, (first, steady)
+
+
+def test_cold_host_probe_runs_pinned_processes_and_writes_every_condition(tmp_path):
+    """One real run on the CPU (one process, no CUDA, one round): a row per wait, gap and work, the
+    first and steady figures positive, the summary at the longest wait, both files written."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "cold_host_probe.py"), "--worlds", "1", "--cuda", "off",
+                           "--rounds", "1", "--tag", "cpu-test", "--out-dir", str(tmp_path)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    probe = _bench("cold_host_probe")
+    payload = json.loads((tmp_path / "cold_host_probe-cpu-test.json").read_text())
+    rows = payload["worlds"][0]["rows"]
+    assert len(rows) == len(probe.WAITS_PLAIN) * len(probe.GAPS_MS) * 3
+    assert {(r["wait"], r["gap_ms"], r["work"]) for r in rows} == {
+        (w, g, k) for w in probe.WAITS_PLAIN for g in probe.GAPS_MS for k in ("loop", "dense", "walk")}
+    assert all(r["first_us"] > 0 and r["steady_us"] > 0 and not r["cuda"] for r in rows)
+    text = (tmp_path / "cold_host_probe-cpu-test.md").read_text()
+    assert "* walk, no CUDA, wait spin 10 ms: world 1 " in text and "| 1 | no | sleep | 10.000 | walk |" in text
