@@ -17,7 +17,9 @@ at a barrier, as ranks waiting for one GPU do:
 The work: ``loop``, 200 additions in Python (the core's speed: a few cache lines); ``walk``, one
 attribute read from each of 512 objects picked at random among 8192 (the caches: ~1500 lines on
 ~400 pages, like a call's lookups); ``dense``, the same reads of 512 objects made side by side
-(as many lines on a tenth of the pages: the address translation's share).  Reading it: first / steady high without CUDA at world 1 says the
+(as many lines on a tenth of the pages: the address translation's share); with a CUDA context also
+``mm launch``, issuing one 256 x 256 ``torch.mm`` (what any eager op's issue pays after a wait: the
+unfused pair's share of the same effect).  Reading it: first / steady high without CUDA at world 1 says the
 host itself (its clocks, or a virtual CPU whose caches others used meanwhile); high only at larger
 worlds, the processes waking together; high only with CUDA, what CUDA does while a rank waits.
 
@@ -132,6 +134,11 @@ def worker(rank: int, world: int, cuda: bool, rounds: int, barrier, results) -> 
         torch.cuda.synchronize()
         waits = WAITS_PLAIN + WAITS_CUDA
     work = {"loop": loop, "dense": make_walk(scattered=False), "walk": make_walk()}
+    if cuda:
+        import torch
+
+        a = torch.randn(256, 256, device="cuda")
+        work["mm launch"] = lambda: torch.mm(a, a)  # what a plain op's issue pays: the baseline's share
     for fn in work.values():
         for _ in range(50):
             fn()
@@ -146,8 +153,20 @@ def worker(rank: int, world: int, cuda: bool, rounds: int, barrier, results) -> 
     results.put((rank, cpus, rows))
 
 
+def steal_ticks() -> "int | None":
+    """The host's stolen time so far (``/proc/stat``'s steal, in clock ticks: time a virtual CPU
+    was ready but its hypervisor ran something else), or None where it is not kept."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def run_world(world: int, cuda: bool, rounds: int) -> dict:
     """Every rank's rounds pooled: per wait, gap and work the median first and steady microseconds."""
+    stolen_before = steal_ticks()
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, cuda, rounds, barrier, results)) for r in range(world)]
@@ -167,14 +186,16 @@ def run_world(world: int, cuda: bool, rounds: int) -> dict:
         rows.append({"world": world, "cuda": cuda, "wait": row["wait"], "gap_ms": row["gap_ms"], "work": row["work"],
                      "first_us": first, "steady_us": steady, "first_over_steady": first / steady,
                      "first_p90_us": sorted(firsts)[int(0.9 * (len(firsts) - 1))]})
-    return {"world": world, "cuda": cuda, "cpus": [g[1] for g in got], "rows": rows}
+    stolen_after = steal_ticks()
+    stolen = None if stolen_before is None or stolen_after is None else stolen_after - stolen_before
+    return {"world": world, "cuda": cuda, "cpus": [g[1] for g in got], "rows": rows, "steal_ticks": stolen}
 
 
 def summary(rows: list[dict]) -> list[str]:
     """First over steady after the longest wait, per work: without CUDA (spin) and with it (sync), by world."""
     gap = max(GAPS_MS)
     lines = []
-    for work in ("loop", "dense", "walk"):
+    for work in ("loop", "dense", "walk", "mm launch"):
         for cuda, wait in ((False, "spin"), (True, "spin"), (True, "sync")):
             pick = [r for r in rows if r["work"] == work and r["cuda"] == cuda and r["wait"] == wait
                     and r["gap_ms"] == gap]
@@ -187,16 +208,18 @@ def summary(rows: list[dict]) -> list[str]:
 
 def markdown(payload: dict) -> str:
     rows = [r for w in payload["worlds"] for r in w["rows"]]
-    cpus = "; ".join(f"world {w['world']}{' (CUDA)' if w['cuda'] else ''}: {w['cpus']}" for w in payload["worlds"])
+    cpus = "; ".join(f"world {w['world']}{' (CUDA)' if w['cuda'] else ''}: {w['cpus']}, "
+                     f"{w.get('steal_ticks')} ticks stolen" for w in payload["worlds"])
     return "\n".join([
         f"# {NAME} ({payload['tag']})", "",
         "Fixed host work that touches no GPU, timed right after a wait of `gap` ms (`first`) and back to back "
         f"(`steady`: median of the next {STEADY_CALLS}), in `world` processes pinned as fused_host_time pins its "
         "ranks, each wait started together at a barrier; medians over every rank's rounds "
         f"({payload['rounds']} a rank). loop: 200 additions in Python (the core's speed); walk: one attribute read "
-        "from each of 512 objects picked at random among 8192 (the caches); dense: the same of 512 objects made side by side (as many lines, a tenth of the pages). Waits: spin on the clock, sleep; with a "
+        "from each of 512 objects picked at random among 8192 (the caches); dense: the same of 512 objects made side by side (as many lines, a tenth of the pages); mm launch (with CUDA): issuing one 256 x 256 torch.mm. Waits: spin on the clock, sleep; with a "
         "CUDA context also the GPU sleeping `gap` then a synchronize (sync) or a busy poll of the stream (poll).",
-        "", f"CPUs: {cpus}.", "", *summary(rows), "",
+        "", f"CPUs, and the host's time stolen by its hypervisor meanwhile (/proc/stat): {cpus}.", "",
+        *summary(rows), "",
         output.markdown_table(rows, [("world", "world"), ("cuda", "CUDA context"), ("wait", "wait"),
                                      ("gap_ms", "gap ms"), ("work", "work"), ("first_us", "first us"),
                                      ("first_p90_us", "first p90 us"), ("steady_us", "steady us"),
