@@ -429,6 +429,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if python_entry is not None:
         timed["host_us_graph_python_entry"] = lambda: python_entry(a, *args)
+    timed["host_us_mm"] = lambda: torch.mm(a, b)  # a plain eager op's issue in the same rounds: the host's reference
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
@@ -450,6 +451,9 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res.update(period_us(lambda: graph_op(a, *args)))
     dist.barrier()
     res.update(between_ops_us(lambda: graph_op(a, *args), lambda: step_ops(a)))
+    dist.barrier()  # a plain torch.mm of the case's operands, back to back: how cold this host runs after a wait
+    res.update({f"{k}_mm": v for k, v in period_us(lambda: torch.mm(a, b)).items()
+                if k in ("host_us_first_of_16", "host_us_steady")})
     if python_entry is not None:  # the same forms through the Python entry, right after
         dist.barrier()
         res.update({f"{k}_python_entry": v for k, v in period_us(lambda: python_entry(a, *args)).items()
@@ -585,6 +589,8 @@ def markdown(payload: dict) -> str:
              "median of all but the first (as a sequence-parallel block issues its pairs); "
              ".graph, ranks in turn: the same issued by one rank at a time while the others wait at a barrier "
              "(no other process launches at that moment, as where each rank has a GPU of its own); "
+             "torch.mm: a plain torch.mm of the case's operands in the same rounds (four calls after idle), and "
+             "its first of 16 back to back and steady ones (a plain eager op's issue on this host, cold and hot); "
              "period: 16 .graph calls back to back from an idle device to the end of the last, per call (every "
              "rank's work shares the GPU: it compares ways of launching, it is no device time of one rank); "
              "host / GPU per rank: .graph host time over period / world, the GPU's time per call and rank "
@@ -620,11 +626,13 @@ def markdown(payload: dict) -> str:
          ("host_us_between_ops", "host us (.graph, between a step's ops)"),
          ("host_us_between_ops_python_entry", "host us (.graph, between a step's ops, Python entry)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
+         ("host_us_mm", "host us (torch.mm)"), ("host_us_first_of_16_mm", "host us (torch.mm, first of 16)"),
+         ("host_us_steady_mm", "host us (torch.mm, steady)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
-    lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"])]
+    lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"]), *mm_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
@@ -692,6 +700,38 @@ def entry_lines(rows: list[dict]) -> list[str]:
         if parts:
             lines.append(f"C entry over the Python entry at world {world} (host time, row by row): " + "; ".join(parts)
                          + ".")
+    return lines
+
+
+MM_FORMS = (("host_us_mm", "four calls after the device went idle"), ("host_us_first_of_16_mm", "first of 16"),
+            ("host_us_steady_mm", "steady"))
+
+
+def mm_lines(rows: list[dict]) -> list[str]:
+    """Per world, a plain ``torch.mm`` of each case's operands timed in the same rounds as the .graph
+    call (four calls after the device went idle, then the first of 16 back to back and the steady
+    ones): its host time, and the first call's slowness after a wait (first of 16 over steady) for
+    the fused call and for ``torch.mm``, row by row.  Why: the first call after a wait is slow in
+    every phase, plain host code included (``cold_host_probe``); a plain op measured beside it says
+    how much of that the host makes any eager op pay, so a reader can tell the call's own cost from
+    the host's."""
+    lines = []
+    for world in sorted({r["world"] for r in rows}):
+        mine = [r for r in rows if r["world"] == world and r.get("host_us_steady_mm") is not None]
+        if not mine:
+            continue
+        parts = []
+        for key, label in MM_FORMS:
+            got = [r[key] for r in mine if r.get(key) is not None]
+            if got:
+                parts.append(f"{label} {min(got):.1f}-{max(got):.1f} us")
+        cold = [(r["host_us_first_of_16"] / r["host_us_steady"], r["host_us_first_of_16_mm"] / r["host_us_steady_mm"])
+                for r in mine if r.get("host_us_first_of_16") and r.get("host_us_steady")
+                and r.get("host_us_first_of_16_mm") and r["host_us_steady_mm"]]
+        said = (f"; first of 16 over steady: the .graph call {min(c for c, _ in cold):.1f}-{max(c for c, _ in cold):.1f}x,"
+                f" torch.mm {min(m for _, m in cold):.1f}-{max(m for _, m in cold):.1f}x") if cold else ""
+        lines += [f"A plain torch.mm of the case's operands in the same rounds at world {world}: " + ", ".join(parts)
+                  + said + ".", ""]
     return lines
 
 

@@ -538,6 +538,22 @@ def test_fused_host_time_compares_the_c_entry_with_the_python_entry_row_by_row()
         "steady 0.90-0.90x (median 2.0 us less)."]
 
 
+def test_fused_host_time_sets_the_call_beside_a_plain_torch_mm_of_the_same_rounds():
+    """``mm_lines``: per world, a plain torch.mm's host time in each form (its range over the rows) and
+    the first call's slowness after a wait (first of 16 over steady) for the .graph call and for
+    torch.mm row by row; a world whose rows have no torch.mm forms (a run from before them) says nothing."""
+    fused_host_time = _bench("fused_host_time")
+    rows = [{"world": 2, "host_us_first_of_16": 120.0, "host_us_steady": 30.0, "host_us_mm": 14.0,
+             "host_us_first_of_16_mm": 40.0, "host_us_steady_mm": 8.0},
+            {"world": 2, "host_us_first_of_16": 60.0, "host_us_steady": 20.0, "host_us_mm": 11.5,
+             "host_us_first_of_16_mm": 24.0, "host_us_steady_mm": 12.0},
+            {"world": 4, "host_us_graph": 80.0, "host_us_steady": 40.0}]
+    assert fused_host_time.mm_lines(rows) == [
+        "A plain torch.mm of the case's operands in the same rounds at world 2: four calls after the device went idle "
+        "11.5-14.0 us, first of 16 24.0-40.0 us, steady 8.0-12.0 us; first of 16 over steady: the .graph call "
+        "3.0-4.0x, torch.mm 2.0-5.0x.", ""]
+
+
 def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(monkeypatch):
     """``period_us``'s issue times: the first of 16 calls (after the wait for the device) apart from
     the median of the other 15, on the host's clock; the mean over all 16 as before."""
