@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import sys
@@ -120,9 +121,9 @@ def _one_round(barrier, wait, fn) -> tuple[float, float]:
     return each[0], statistics.median(each[1:])
 
 
-def worker(rank: int, world: int, cuda: bool, rounds: int, barrier, results) -> None:
+def worker(rank: int, cuda: bool, rounds: int, barrier, results) -> None:
     cores = physical_cores()
-    cpus = cores[rank + 1] if len(cores) >= world + 1 else []
+    cpus = cores[rank + 1] if len(cores) >= rank + 2 else []  # as fused_host_time.pin: core 0 left to the system
     if cpus:
         os.sched_setaffinity(0, set(cpus))
     waits = WAITS_PLAIN
@@ -169,14 +170,21 @@ def run_world(world: int, cuda: bool, rounds: int) -> dict:
     stolen_before = steal_ticks()
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, cuda, rounds, barrier, results)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, cuda, rounds, barrier, results)) for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=600) for _ in procs]
+    got = []
+    while len(got) < world:  # a worker that dies is said at once, not after a long wait for its rows
+        try:
+            got.append(results.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"world {world}: a worker failed (exit codes {[p.exitcode for p in procs]})")
     for p in procs:
         p.join(timeout=60)
-    if any(p.exitcode for p in procs):
-        raise RuntimeError(f"world {world}: a worker failed (exit codes {[p.exitcode for p in procs]})")
     got.sort(key=lambda g: g[0])
     rows = []
     for i, row in enumerate(got[0][2]):

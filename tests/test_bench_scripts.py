@@ -966,3 +966,16 @@ def test_cold_host_probe_runs_pinned_processes_and_writes_every_condition(tmp_pa
     assert all(r["first_us"] > 0 and r["steady_us"] > 0 and not r["cuda"] for r in rows)
     text = (tmp_path / "cold_host_probe-cpu-test.md").read_text()
     assert "* walk, no CUDA, wait spin 10 ms: world 1 " in text and "| 1 | no | sleep | 10.000 | walk |" in text
+
+
+def test_cold_host_probe_says_a_worker_that_died_at_once(monkeypatch):
+    """A worker that fails (here: asked for no rounds, so it has no rows to give) ends the run with an
+    error naming its exit code within seconds, not after waiting for its rows."""
+    import time
+
+    monkeypatch.syspath_prepend(str(BENCH))  # the spawned worker imports the probe by name
+    probe = _bench("cold_host_probe")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"world 1: a worker failed \(exit codes \[1\]\)"):
+        probe.run_world(1, False, 0)
+    assert time.monotonic() - start < 60
