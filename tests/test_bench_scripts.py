@@ -984,3 +984,33 @@ def test_cold_host_probe_says_a_worker_that_died_at_once(monkeypatch):
     with pytest.raises(RuntimeError, match=r"world 1: a worker failed \(exit codes \[1\]\)"):
         probe.run_world(1, False, 0)
     assert time.monotonic() - start < 60
+
+
+def test_cold_host_probe_waits_for_the_gpu_by_synchronize_or_by_polling(monkeypatch):
+    """The CUDA waits (run on a GPU only): the GPU sleeps the gap's cycles, then the host synchronizes
+    (``sync``) or polls the stream until it is done and then synchronizes (``poll``)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    timing = importlib.import_module("harness.timing")  # where the probe reads the GPU's clock from
+    probe = _bench("cold_host_probe")
+    seen = []
+
+    class Stream:
+        def __init__(self):
+            self.queries = 0
+
+        def query(self):
+            self.queries += 1
+            seen.append("query")
+            return self.queries >= 3
+
+    monkeypatch.setattr(timing, "sleep_cycles_per_ms", lambda: 1000.0)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: seen.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    probe._waiter("sync", 2e-3)()
+    assert seen == [("sleep", 2000), "synchronize"]
+    seen.clear()
+    probe._waiter("poll", 10e-3)()
+    assert seen == [("sleep", 10000), "query", "query", "query", "synchronize"]
