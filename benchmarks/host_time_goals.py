@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -47,6 +48,12 @@ def default_path(payload: dict) -> bool:
             and any(r.get("host_us_steady") is not None and r.get("fast_path_calls") for r in rows))
 
 
+def _median_ratio(rows: list[dict], top: str, bottom: str) -> "float | None":
+    """The median over rows of ``top / bottom`` where a row has both (None where none has)."""
+    ratios = [r[top] / r[bottom] for r in rows if r.get(top) is not None and r.get(bottom)]
+    return statistics.median(ratios) if ratios else None
+
+
 def run_rows(stem: str, payload: dict) -> list[dict]:
     """One row per world of a run: the card, when, the host's ``torch.mm`` launch alone, and per
     form the rows within the goal, the rows measured and the worst."""
@@ -60,6 +67,8 @@ def run_rows(stem: str, payload: dict) -> list[dict]:
                "date": str(env.get("date_utc", ""))[:10],
                "commit": str(env.get("commit") or "")[:7],
                "mm_launch_us": (payload.get("launch_us") or {}).get(str(world), {}).get("Matmul")}
+        row["first_over_steady"] = _median_ratio(rows, "host_us_first_of_16", "host_us_steady")
+        row["first_over_steady_mm"] = _median_ratio(rows, "host_us_first_of_16_mm", "host_us_steady_mm")
         for key, _ in FORMS:
             got = [r[key] for r in rows if r.get(key) is not None]
             row[f"{key}_within"] = sum(v <= goal_us(world) for v in got) if got else None
@@ -113,7 +122,10 @@ def markdown(payload: dict) -> str:
              "changed but how the ranks wait), read from `benchmarks/results/fused_host_time/` on the CPU. "
              ".graph: four calls after the device went idle; steady: each issued while the ones before it run (as "
              "a step issues them); between a step's ops: each after a step's own eager ops. mm launch: that start's "
-             "host launching one torch.mm alone (us): how fast the lent host was.", ""]
+             "host launching one torch.mm alone (us): how fast the lent host was. First after a wait / steady: the first of 16 "
+             "calls back to back (right after the wait for the device) over the steady ones, median over the rows, for "
+             "the .graph call and for a plain torch.mm of the same operands timed in the same rounds (runs since "
+             "fused_host_time timed it): how much slower this host runs any op right after a wait.", ""]
     lines += tally_lines(payload["tally"])
     if payload.get("tally_goal_card"):
         lines += ["", f"On the {GOAL_CARD.upper()} alone (the card the goals name; the other runs had an H100):", "",
@@ -124,7 +136,9 @@ def markdown(payload: dict) -> str:
              for r in payload["rows"]]
     lines.append(output.markdown_table(table, [
         "transport", "world", "card", "run", "date", "commit", "sync", ("mm_launch_us", "mm launch us"),
-        *((f"{key}_cell", f"{label} within (max us)") for key, label in FORMS)]))
+        *((f"{key}_cell", f"{label} within (max us)") for key, label in FORMS),
+        ("first_over_steady", "first after a wait / steady: .graph"),
+        ("first_over_steady_mm", "first after a wait / steady: torch.mm")]))
     return "\n".join(lines)
 
 

@@ -886,13 +886,16 @@ def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path
     schedule, with a setting changed, or from before the steady form (or without calls from C) is left out."""
     host_time_goals = _bench("host_time_goals")
 
-    def row(world, graph, steady, between=None):
+    def row(world, graph, steady, between=None, **more):
         return {"world": world, "host_us_graph": graph, "host_us_steady": steady, "host_us_between_ops": between,
-                "fast_path_calls": 40}
+                "fast_path_calls": 40, **more}
 
+    cold = [{"host_us_first_of_16": 60.0, "host_us_first_of_16_mm": 30.0, "host_us_steady_mm": 10.0},
+            {"host_us_first_of_16": 200.0, "host_us_first_of_16_mm": 20.0, "host_us_steady_mm": 10.0}]
     runs = {
         "fused_host_time-h100-a-host-pin-mps": {"transport": "host", "launch_us": {"2": {"Matmul": 8.0}},
-                                                "rows": [row(2, 30.0, 20.0, 25.0), row(2, 59.0, 40.0, 61.0)]},
+                                                "rows": [row(2, 30.0, 20.0, 25.0, **cold[0]),
+                                                         row(2, 59.0, 40.0, 61.0, **cold[1])]},
         "fused_host_time-h200-b-host-pin-mps": {"transport": "host", "settings": {"sync": "poll"},
                                                 "launch_us": {"2": {"Matmul": 18.0}, "8": {"Matmul": 19.0}},
                                                 "rows": [row(2, 90.0, 50.0), row(8, 149.0, 80.0), row(8, 151.0, 90.0)]},
@@ -908,6 +911,8 @@ def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path
     fast, slow, eight = rows
     assert (fast["host_us_graph_within"], fast["host_us_graph_rows"], fast["host_us_graph_max"]) == (2, 2, 59.0)
     assert (fast["host_us_between_ops_within"], fast["mm_launch_us"]) == (1, 8.0)
+    assert (fast["first_over_steady"], fast["first_over_steady_mm"]) == (4.0, 2.5)  # medians of 3, 5 and of 3, 2
+    assert slow["first_over_steady"] is None and slow["first_over_steady_mm"] is None  # a run without those forms
     assert slow["host_us_between_ops_rows"] is None and eight["host_us_graph_within"] == 1
     tally = host_time_goals.tally(rows)
     assert [(t["world"], t["runs"], t["host_us_graph_all_within"], t["host_us_steady_all_within"],
