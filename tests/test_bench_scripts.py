@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -556,20 +557,23 @@ def test_fused_host_time_sets_the_call_beside_a_plain_torch_mm_of_the_same_round
 
 def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(monkeypatch):
     """``period_us``'s issue times: the first of 16 calls (after the wait for the device) apart from
-    the median of the other 15, on the host's clock; the mean over all 16 as before."""
+    the median of the other 15, on the host's clock; the mean over all 16 as before.  The clock is a
+    stand-in that each call moves (no timing in a test: exact under any load)."""
     fused_host_time = _bench("fused_host_time")
     monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
+    now = [100.0]
+    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
-    def call():  # the first call of each round of 16 slow (4 ms), the others fast (0.2 ms)
+    def call():  # the first call of each round of 16 takes 4 ms, the others 0.2 ms
         calls.append(None)
-        fused_host_time.spin(4e-3 if len(calls) % 16 == 1 else 2e-4)
+        now[0] += 4e-3 if len(calls) % 16 == 1 else 2e-4
 
     got = fused_host_time.period_us(call, calls=16, rounds=3)
     assert len(calls) == 48
-    assert got["host_us_first_of_16"] >= 4000 and 200 <= got["host_us_steady"] < 1000, got
-    assert 15 * 200 + 4000 <= 16 * got["host_us_back_to_back"] < 16 * 1000 + 8000, got
-    assert got["period_us"] >= got["host_us_back_to_back"]
+    assert got["host_us_first_of_16"] == pytest.approx(4000) and got["host_us_steady"] == pytest.approx(200), got
+    assert got["host_us_back_to_back"] == pytest.approx((4000 + 15 * 200) / 16), got
+    assert got["period_us"] == pytest.approx(got["host_us_back_to_back"])  # nothing left to wait for after the last
 
 
 def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkeypatch):
@@ -577,19 +581,21 @@ def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkey
     first after the wait for the device left out; and ``step_ops`` keeps the activations' shape."""
     fused_host_time = _bench("fused_host_time")
     monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
+    now = [100.0]  # the host's clock, a stand-in that the functions below move (exact under any load)
+    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     order = []
 
     def other():  # the step's ops: 2 ms of host each time, never counted
         order.append("ops")
-        fused_host_time.spin(2e-3)
+        now[0] += 2e-3
 
     def call():  # the first call of a round 3 ms, the others 0.1 ms
         order.append("call")
-        fused_host_time.spin(3e-3 if order.count("call") % 16 == 1 else 1e-4)
+        now[0] += 3e-3 if order.count("call") % 16 == 1 else 1e-4
 
     got = fused_host_time.between_ops_us(call, other, calls=16, rounds=3)
     assert order[:4] == ["ops", "call", "ops", "call"] and len(order) == 96
-    assert 100 <= got["host_us_between_ops"] < 1000, got
+    assert got["host_us_between_ops"] == pytest.approx(100), got
     x = fused_host_time.torch.randn(8, 16, dtype=fused_host_time.torch.bfloat16)
     y = fused_host_time.step_ops(x)
     assert y.shape == x.shape and y.dtype == x.dtype and fused_host_time.torch.isfinite(y.float()).all()
@@ -642,18 +648,21 @@ def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_the
             return None
         return dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0 if n == 1 else 20.0 + n % 2, 0.5)))
 
+    now = [100.0]  # the host's clock, a stand-in that each call moves (exact under any load)
+    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
     def call():  # the first call of a round takes 400 us of host, the others 60 (the phases' 162.5 and 32.5 or 33.5)
         calls.append(None)
-        fused_host_time.spin(4e-4 if len(calls) % 16 == 1 else 6e-5)
+        now[0] += 4e-4 if len(calls) % 16 == 1 else 6e-5
 
     monkeypatch.setattr(lane, "last_phases", phases)
     got = fused_host_time.phases_of_16(call, calls=16, rounds=3)
     assert len(calls) == 48 and got["first_from_c"] == 3
     outside = fused_host_time.OUTSIDE_C
     assert {k: v for k, v in got["first"].items() if k != outside} == dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0, 0.5)))
-    assert 400 - 162.5 <= got["first"][outside] < 400, got
+    assert got["first"][outside] == pytest.approx(400 - 162.5), got
     assert got["steady"]["launch"] == 20.0 and got["steady"]["outputs"] == 9.0
-    assert 60 - 33.5 <= got["steady"][outside] < 200, got
+    assert got["steady"][outside] == pytest.approx(60 - 32.5), got  # the median call launches in 20 us
     # a committed run's last row, with these phases
     run = json.loads((BENCH / "results" / "fused_host_time" / "fused_host_time-h100-check-w2-breakdown-host-pin-mps.json")
                      .read_text())
@@ -940,23 +949,25 @@ def test_the_committed_host_time_goals_cover_every_committed_default_path_run():
     assert committed["rows"] == fresh, stale
 
 
-def test_cold_host_probe_times_the_first_work_after_the_wait_apart_from_the_steady():
+def test_cold_host_probe_times_the_first_work_after_the_wait_apart_from_the_steady(monkeypatch):
     """``cold_host_probe``: after the barrier and the wait, the first call is timed alone and the
     steady figure is the median of the calls after it (a first call 3 ms slower shows as such)."""
     probe = _bench("cold_host_probe")
+    now = [100.0]  # the host's clock, a stand-in that the work moves (exact under any load)
+    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     calls, waited = [], []
 
     class Barrier:
         def wait(self):
             waited.append("barrier")
 
-    def work():
+    def work():  # 3 ms right after the wait, then 10 us
         calls.append(len(waited))
-        probe._spin(3e-3 if len(calls) == 1 else 1e-5)
+        now[0] += 3e-3 if len(calls) == 1 else 1e-5
 
     first, steady = probe._one_round(Barrier(), lambda: waited.append("wait"), work)
     assert waited == ["barrier", "wait"] and len(calls) == 1 + probe.STEADY_CALLS
-    assert first >= 3000 and steady < 1000, (first, steady)
+    assert first == pytest.approx(3000) and steady == pytest.approx(10), (first, steady)
 
 
 def test_cold_host_probe_runs_pinned_processes_and_writes_every_condition(tmp_path):
