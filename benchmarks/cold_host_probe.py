@@ -127,18 +127,14 @@ def worker(rank: int, cuda: bool, rounds: int, barrier, results) -> None:
     if cpus:
         os.sched_setaffinity(0, set(cpus))
     waits = WAITS_PLAIN
-    if cuda:
-        import torch
-
-        torch.cuda.set_device(0)
-        torch.zeros(1, device="cuda")  # the context (an MPS client where the daemon runs)
-        torch.cuda.synchronize()
-        waits = WAITS_PLAIN + WAITS_CUDA
     work = {"loop": loop, "dense": make_walk(scattered=False), "walk": make_walk()}
     if cuda:
         import torch
 
-        a = torch.randn(256, 256, device="cuda")
+        torch.cuda.set_device(0)
+        a = torch.randn(256, 256, device="cuda")  # the context (an MPS client where the daemon runs)
+        torch.cuda.synchronize()
+        waits = WAITS_PLAIN + WAITS_CUDA
         work["mm launch"] = lambda: torch.mm(a, a)  # what a plain op's issue pays: the baseline's share
     for fn in work.values():
         for _ in range(50):
@@ -224,7 +220,9 @@ def markdown(payload: dict) -> str:
         f"(`steady`: median of the next {STEADY_CALLS}), in `world` processes pinned as fused_host_time pins its "
         "ranks, each wait started together at a barrier; medians over every rank's rounds "
         f"({payload['rounds']} a rank). loop: 200 additions in Python (the core's speed); walk: one attribute read "
-        "from each of 512 objects picked at random among 8192 (the caches); dense: the same of 512 objects made side by side (as many lines, a tenth of the pages); mm launch (with CUDA): issuing one 256 x 256 torch.mm. Waits: spin on the clock, sleep; with a "
+        "from each of 512 objects picked at random among 8192 (the caches); dense: the same of 512 objects made "
+        "side by side (as many lines, a tenth of the pages); mm launch (with CUDA): issuing one 256 x 256 torch.mm. "
+        "Waits: spin on the clock, sleep; with a "
         "CUDA context also the GPU sleeping `gap` then a synchronize (sync) or a busy poll of the stream (poll).",
         "", f"CPUs, and the host's time stolen by its hypervisor meanwhile (/proc/stat): {cpus}.", "",
         *summary(rows), "",
@@ -243,13 +241,18 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default=None, help="device tag in the file names (default h200, or cpu without a GPU)")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
+    try:
+        worlds = [int(w) for w in args.worlds.split(",")]
+    except ValueError:
+        p.error(f"--worlds: comma-separated process counts, got {args.worlds!r}")
+    if min(worlds) < 1 or args.rounds < 1:
+        p.error(f"--worlds and --rounds must be at least 1, got {args.worlds!r} and {args.rounds}")
     import torch
 
     has_gpu = torch.cuda.is_available()
     if args.cuda == "on" and not has_gpu:
         raise SystemExit("cold_host_probe --cuda on needs a CUDA GPU")
     sides = {"auto": (False, True) if has_gpu else (False,), "on": (True,), "off": (False,)}[args.cuda]
-    worlds = [int(w) for w in args.worlds.split(",")]
     payload = {"benchmark": NAME, "tag": args.tag or ("h200" if has_gpu else "cpu"), "rounds": args.rounds,
                "gaps_ms": list(GAPS_MS), "worlds": [], "environment": output.environment(not has_gpu),
                "mps": bool(os.path.exists("/tmp/nvidia-mps") or os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))}

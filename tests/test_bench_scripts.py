@@ -1030,3 +1030,13 @@ def test_cold_host_probe_waits_for_the_gpu_by_synchronize_or_by_polling(monkeypa
     seen.clear()
     probe._waiter("poll", 10e-3)()
     assert seen == [("sleep", 10000), "query", "query", "query", "synchronize"]
+
+
+@pytest.mark.parametrize("argv,said", [(["--rounds", "0"], "at least 1"), (["--worlds", "1,0"], "at least 1"),
+                                       (["--worlds", "two"], "comma-separated process counts")])
+def test_cold_host_probe_refuses_counts_it_cannot_run(argv, said, capsys):
+    """A bad count is a one-line usage error before any process starts."""
+    probe = _bench("cold_host_probe")
+    with pytest.raises(SystemExit) as stop:
+        probe.main(argv)
+    assert stop.value.code == 2 and said in capsys.readouterr().err
