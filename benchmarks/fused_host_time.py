@@ -429,7 +429,6 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if python_entry is not None:
         timed["host_us_graph_python_entry"] = lambda: python_entry(a, *args)
-    timed["host_us_mm"] = lambda: torch.mm(a, b)  # a plain eager op's issue in the same rounds: the host's reference
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
@@ -443,6 +442,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         if res["async_relative_error"] > TOLERANCE:
             raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
         timed["host_us_async"] = started
+    # a plain eager op's issue in the same rounds, last (the forms above keep their order): the host's reference
+    timed["host_us_mm"] = lambda: torch.mm(a, b)
     dist.barrier()
     # every rank runs the same sequence of calls: they are collective
     res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"}),
@@ -451,9 +452,6 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res.update(period_us(lambda: graph_op(a, *args)))
     dist.barrier()
     res.update(between_ops_us(lambda: graph_op(a, *args), lambda: step_ops(a)))
-    dist.barrier()  # a plain torch.mm of the case's operands, back to back: how cold this host runs after a wait
-    res.update({f"{k}_mm": v for k, v in period_us(lambda: torch.mm(a, b)).items()
-                if k in ("host_us_first_of_16", "host_us_steady")})
     if python_entry is not None:  # the same forms through the Python entry, right after
         dist.barrier()
         res.update({f"{k}_python_entry": v for k, v in period_us(lambda: python_entry(a, *args)).items()
@@ -461,6 +459,11 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         dist.barrier()
         res["host_us_between_ops_python_entry"] = between_ops_us(lambda: python_entry(a, *args),
                                                                  lambda: step_ops(a))["host_us_between_ops"]
+    # a plain torch.mm of the case's operands back to back, after the forms above (their order as before it):
+    # how much slower this host runs any eager op right after a wait
+    dist.barrier()
+    res.update({f"{k}_mm": v for k, v in period_us(lambda: torch.mm(a, b)).items()
+                if k in ("host_us_first_of_16", "host_us_steady")})
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
