@@ -41,21 +41,14 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402
-from harness.ranks import physical_cores  # noqa: E402
+from harness.ranks import pin  # noqa: E402
+from harness.timing import python_loop, sleep_cycles_per_ms, spin, synchronize_polling  # noqa: E402
 
 NAME = "cold_host_probe"
 GAPS_MS = (0.1, 0.5, 2.0, 10.0)
 STEADY_CALLS = 15
 WAITS_PLAIN = ("spin", "sleep")
 WAITS_CUDA = ("sync", "poll")
-
-
-def loop() -> int:
-    """200 additions: the core's speed, a handful of cache lines."""
-    total = 0
-    for i in range(200):
-        total += i
-    return total
 
 
 def make_walk(objects: int = 8192, touched: int = 512, seed: int = 0, scattered: bool = True):
@@ -78,20 +71,13 @@ def make_walk(objects: int = 8192, touched: int = 512, seed: int = 0, scattered:
     return walk
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def _waiter(kind: str, gap_s: float):
     """The wait of kind ``kind`` for ``gap_s`` seconds, as a function of no arguments."""
     if kind == "spin":
-        return lambda: _spin(gap_s)
+        return lambda: spin(gap_s)
     if kind == "sleep":
         return lambda: time.sleep(gap_s)
     import torch
-    from harness.timing import sleep_cycles_per_ms
 
     cycles = int(sleep_cycles_per_ms() * gap_s * 1e3)
     if kind == "sync":
@@ -102,10 +88,7 @@ def _waiter(kind: str, gap_s: float):
 
     def poll() -> None:
         torch.cuda._sleep(cycles)
-        stream = torch.cuda.current_stream()
-        while not stream.query():
-            pass
-        torch.cuda.synchronize()
+        synchronize_polling()
     return poll
 
 
@@ -122,12 +105,9 @@ def _one_round(barrier, wait, fn) -> tuple[float, float]:
 
 
 def worker(rank: int, cuda: bool, rounds: int, barrier, results) -> None:
-    cores = physical_cores()
-    cpus = cores[rank + 1] if len(cores) >= rank + 2 else []  # as fused_host_time.pin: core 0 left to the system
-    if cpus:
-        os.sched_setaffinity(0, set(cpus))
+    cpus = pin(rank)  # as fused_host_time pins its ranks: core rank + 1, core 0 left to the system
     waits = WAITS_PLAIN
-    work = {"loop": loop, "dense": make_walk(scattered=False), "walk": make_walk()}
+    work = {"loop": python_loop, "dense": make_walk(scattered=False), "walk": make_walk()}
     if cuda:
         import torch
 

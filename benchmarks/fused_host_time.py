@@ -37,7 +37,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
-from harness.timing import host_us_per_call, spin  # noqa: E402
+from harness.ranks import pin  # noqa: E402
+from harness.timing import host_us_per_call, spin, synchronize_polling  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -69,10 +70,9 @@ def wait_for_device() -> None:
     hypervisor); a core that polls never looks idle.  Measured: polling does not keep the first call
     fast either (``fused_host_time-h100-poll-*``: first of 16 still 2-6x its steady time)."""
     if _POLLING[0]:
-        stream = torch.cuda.current_stream()
-        while not stream.query():
-            pass
-    torch.cuda.synchronize()
+        synchronize_polling()
+    else:
+        torch.cuda.synchronize()
 
 
 def host_us(fns: dict, calls: int = 4, rounds: int = 15, busy: frozenset = frozenset(),
@@ -520,19 +520,6 @@ def set_sync(mode: str) -> dict:
     return {"mode": mode, "flags": flags.value}
 
 
-def pin(rank: int) -> list[int]:
-    """Pin this rank's process to a physical core of its own (all of that core's hardware
-    threads; core ``rank + 1``, leaving core 0 to the system), so that no other rank, spinning in
-    a synchronize, shares it.  Returns the CPUs, or [] where there are too few cores."""
-    from harness.ranks import physical_cores
-
-    cores = physical_cores()
-    if len(cores) < rank + 2:
-        return []
-    os.sched_setaffinity(0, set(cores[rank + 1]))
-    return cores[rank + 1]
-
-
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
            pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None,
            schedule: str = "direct", sync: str = "auto") -> None:
@@ -678,6 +665,8 @@ GOAL_US = {2: 60.0}  # issue 27: one eager fused call's host time, two ranks; 15
 def goal_us(world: int) -> float:
     """Issue 27's goal for one eager fused call's host time with ``world`` ranks sharing the GPU."""
     return GOAL_US.get(world, 150.0)
+
+
 GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to back"), ("host_us_steady", "steady"),
               ("host_us_between_ops", "between a step's ops"))
 

@@ -1005,10 +1005,7 @@ def test_cold_host_probe_says_a_worker_that_died_at_once(monkeypatch):
 def test_cold_host_probe_waits_for_the_gpu_by_synchronize_or_by_polling(monkeypatch):
     """The CUDA waits (run on a GPU only): the GPU sleeps the gap's cycles, then the host synchronizes
     (``sync``) or polls the stream until it is done and then synchronizes (``poll``)."""
-    import importlib
-
     monkeypatch.syspath_prepend(str(BENCH))
-    timing = importlib.import_module("harness.timing")  # where the probe reads the GPU's clock from
     probe = _bench("cold_host_probe")
     seen = []
 
@@ -1021,7 +1018,7 @@ def test_cold_host_probe_waits_for_the_gpu_by_synchronize_or_by_polling(monkeypa
             seen.append("query")
             return self.queries >= 3
 
-    monkeypatch.setattr(timing, "sleep_cycles_per_ms", lambda: 1000.0)
+    monkeypatch.setattr(probe, "sleep_cycles_per_ms", lambda: 1000.0)  # the GPU's clock
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: seen.append(("sleep", cycles)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("synchronize"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())

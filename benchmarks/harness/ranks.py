@@ -90,3 +90,13 @@ def physical_cores() -> list[list[int]]:
         cores.setdefault(key, []).append(cpu)
     return sorted(cores.values())
 
+
+def pin(rank: int) -> list[int]:
+    """Pin this rank's process to a physical core of its own (all of that core's hardware threads;
+    core ``rank + 1``, leaving core 0 to the system), so that no other rank, spinning in a
+    synchronize, shares it.  Returns the CPUs, or [] where there are too few cores."""
+    cores = physical_cores()
+    if len(cores) < rank + 2:
+        return []
+    os.sched_setaffinity(0, set(cores[rank + 1]))
+    return cores[rank + 1]

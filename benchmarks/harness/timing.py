@@ -141,6 +141,16 @@ def spin(seconds: float) -> None:
         pass
 
 
+def synchronize_polling() -> None:
+    """Wait for the current stream by polling it in a busy loop (no pause instruction, no sleep, no
+    yield: a core that never looks idle to its host or hypervisor), then synchronize (which then
+    finds nothing to wait for)."""
+    stream = torch.cuda.current_stream()
+    while not stream.query():
+        pass
+    torch.cuda.synchronize()
+
+
 def python_loop() -> int:
     """A fixed piece of pure Python (200 additions): what the host's speed alone makes of it, beside
     the CUDA calls a probe times."""
