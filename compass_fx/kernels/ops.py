@@ -358,7 +358,7 @@ def _direct_possible() -> bool:
                                                                                           "1") != "0"
 
 
-def _direct(overload, kernel, weights_listed: bool, op: str, python_path) -> None:
+def _direct(overload, kernel, weights_listed: bool, python_path) -> None:
     """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above), and C take
     them once the host fast path is built (:func:`.cuda.lane.enter_from_c`: a call it declines runs
     ``python_path``, the kernel without its try of C)."""
@@ -376,13 +376,14 @@ def _direct(overload, kernel, weights_listed: bool, op: str, python_path) -> Non
             return through_dispatcher(a, b, schedule, group_name, group_size)
     call.through_dispatcher = through_dispatcher
     overload._op = call  # what OpOverload.__call__ runs
-    enter_from_c(overload, op, python_path, weights_listed, (_dispatch_modes, _function_modes, _transforms))
+    enter_from_c(overload, overload._overloadpacket.__name__, python_path, weights_listed,
+                 (_dispatch_modes, _function_modes, _transforms))
 
 
 if _direct_possible():
-    _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True, "all_gather_matmul", _ag_python)
-    _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False, "matmul_reduce_scatter", _rs_python)
-    _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False, "matmul_all_reduce", _ar_python)
+    _direct(torch.ops.compass.all_gather_matmul.graph, _ag_cuda, True, _ag_python)
+    _direct(torch.ops.compass.matmul_reduce_scatter.graph, _rs_cuda, False, _rs_python)
+    _direct(torch.ops.compass.matmul_all_reduce.graph, _ar_cuda, False, _ar_python)
 
 
 def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
