@@ -49,6 +49,14 @@ def _bench(module: str):
         sys.path.remove(str(BENCH))
 
 
+def _stand_in_clock(monkeypatch, module) -> list[float]:
+    """``module``'s ``time.perf_counter`` replaced by a clock that only the test moves (``now[0] += s``):
+    a timing loop's figures exact under any load, no timed assertion."""
+    now = [100.0]
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
 def _run(script: str, out: Path, *extra: str, ranks=None) -> dict:
     """A script's dry run and the files it wrote: on ``ranks`` (the pool fixture: its 2 ranks) or,
     without, in a subprocess."""
@@ -561,8 +569,7 @@ def test_fused_host_time_tells_the_first_call_after_a_wait_from_the_steady_ones(
     stand-in that each call moves (no timing in a test: exact under any load)."""
     fused_host_time = _bench("fused_host_time")
     monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
-    now = [100.0]
-    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    now = _stand_in_clock(monkeypatch, fused_host_time)
     calls = []
 
     def call():  # the first call of each round of 16 takes 4 ms, the others 0.2 ms
@@ -581,8 +588,7 @@ def test_fused_host_time_times_a_call_between_a_steps_ops_and_not_the_ops(monkey
     first after the wait for the device left out; and ``step_ops`` keeps the activations' shape."""
     fused_host_time = _bench("fused_host_time")
     monkeypatch.setattr(fused_host_time.torch.cuda, "synchronize", lambda *a: None)
-    now = [100.0]  # the host's clock, a stand-in that the functions below move (exact under any load)
-    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    now = _stand_in_clock(monkeypatch, fused_host_time)
     order = []
 
     def other():  # the step's ops: 2 ms of host each time, never counted
@@ -648,8 +654,7 @@ def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_the
             return None
         return dict(zip(lane.PHASES, (2.0, 9.0, 1.0, 150.0 if n == 1 else 20.0 + n % 2, 0.5)))
 
-    now = [100.0]  # the host's clock, a stand-in that each call moves (exact under any load)
-    monkeypatch.setattr(fused_host_time, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    now = _stand_in_clock(monkeypatch, fused_host_time)
 
     def call():  # the first call of a round takes 400 us of host, the others 60 (the phases' 162.5 and 32.5 or 33.5)
         calls.append(None)
@@ -953,8 +958,7 @@ def test_cold_host_probe_times_the_first_work_after_the_wait_apart_from_the_stea
     """``cold_host_probe``: after the barrier and the wait, the first call is timed alone and the
     steady figure is the median of the calls after it (a first call 3 ms slower shows as such)."""
     probe = _bench("cold_host_probe")
-    now = [100.0]  # the host's clock, a stand-in that the work moves (exact under any load)
-    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    now = _stand_in_clock(monkeypatch, probe)
     calls, waited = [], []
 
     class Barrier:
