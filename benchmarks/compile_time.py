@@ -1,11 +1,14 @@
-"""What compiling a model with the compass pass costs, as the model grows (issue 26).
+"""What compiling a model with the compass pass costs, as the model and the group grow (issue 26).
 
-The demo transformer (``compass_fx.demo``, sequence parallelism over a 4-rank fake process group:
-tracing only, no numbers) at 2 to 64 layers, compiled forward and backward with the pass off
-(``strategy="off"``: the pairs are still found and reported), ``auto`` (the cost model decides; on
-CPU it keeps most pairs sequential) and forced decomposition (``chunks=2``: every pair rewritten,
-the most work the pass can do).  Each configuration runs in a fresh process, with one intra-op
-thread (the shared CPU machine's cores are contended: more threads only add noise).
+The demo transformer (``compass_fx.demo``, sequence parallelism over a fake process group of 2, 4
+or 8 ranks: tracing only, no numbers) at 2 to 64 layers, compiled forward and backward with the
+pass off (``strategy="off"``: the pairs are still found and reported), ``auto`` (the cost model
+decides; on CPU it keeps most pairs sequential), forced decomposition into two parts
+(``decompose``: ``chunks=2``, every pair rewritten), into one part per rank (``parts``: what grows
+with the group) and the fused operators (``fuse``).  Each rank's share of the sequence has as many
+tokens as ranks (a sequence of at least 16) so that every pair can split into one part per rank,
+and the model has as many heads as ranks (at least four).  Each configuration runs in a fresh process, with one intra-op thread (the
+shared CPU machine's cores are contended: more threads only add noise).
 
 Times (wall clock, seconds):
 
@@ -20,6 +23,7 @@ compares the best of the repeats.
 
     python benchmarks/compile_time.py                  # 2..64 layers, writes compile_time-cpu.{json,md}
     python benchmarks/compile_time.py --layers 2,4,8   # a subset
+    python benchmarks/compile_time.py --worlds 2,4,8 --modes off,auto,parts,fuse   # the group's growth
 """
 from __future__ import annotations
 
@@ -36,12 +40,21 @@ from harness import output  # noqa: E402
 
 NAME = "compile_time"
 LAYERS = (2, 4, 8, 16, 32, 64)
-MODES = {"off": {"strategy": "off"}, "auto": {"strategy": "auto"}, "decompose": {"chunks": 2}}
-WORLD, TOKENS = 4, (2, 16)
+MODES = {"off": {"strategy": "off"}, "auto": {"strategy": "auto"}, "decompose": {"chunks": 2},
+         "parts": {"strategy": "decompose"}, "fuse": {"strategy": "fuse"}}
+DEFAULT_MODES = ("off", "auto", "decompose")
+WORLDS, BATCH = (4,), 2
 
 
-def measure(layers: int, mode: str, inner: str) -> dict:
-    """Compile the demo at ``layers`` with ``mode``'s options (in this process) and time it."""
+def tokens_shape(world: int) -> tuple[int, int]:
+    """The demo's input at ``world`` ranks: each rank's share of the sequence as many tokens as
+    ranks (so that every pair can split its rows into one part per rank), at least 16 in all."""
+    return (BATCH, max(16, world * world))
+
+
+def measure(layers: int, mode: str, inner: str, world: int = 4) -> dict:
+    """Compile the demo at ``layers`` over ``world`` fake ranks with ``mode``'s options (in this
+    process) and time it."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -52,19 +65,22 @@ def measure(layers: int, mode: str, inner: str) -> dict:
     from compass_fx.options import parse_options
 
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = parallelize(Transformer(ModelArgs(n_layers=layers)), mesh, sequence_parallel=True)
-    tokens = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(0))
+    model = parallelize(Transformer(ModelArgs(n_layers=layers, n_heads=max(4, world))), mesh, sequence_parallel=True)
+    tokens = torch.randint(0, 256, tokens_shape(world), generator=torch.Generator().manual_seed(0))
     opts = parse_options({**MODES[mode], "inner": inner})
     nodes: dict[str, int] = {}
+    nodes_out: dict[str, int] = {}
     compile_s: list[float] = []
     real_pass = backend.compass_pass
 
     def counting_pass(gm, kind, *args, **kwargs):
         nodes[kind] = len(gm.graph.nodes)
-        return real_pass(gm, kind, *args, **kwargs)
+        out = real_pass(gm, kind, *args, **kwargs)
+        nodes_out[kind] = len(gm.graph.nodes)
+        return out
 
     def timed_backend(gm, example_inputs):
         started = time.perf_counter()
@@ -84,55 +100,78 @@ def measure(layers: int, mode: str, inner: str) -> dict:
         backend.compass_pass = real_pass
         dist.destroy_process_group()
     pairs = [p for r in reports for p in r.pairs]
-    return {"layers": layers, "mode": mode, "inner": inner,
+    return {"world": world, "layers": layers, "mode": mode, "inner": inner, "tokens": list(tokens_shape(world)),
             "nodes_forward": nodes.get("forward"), "nodes_backward": nodes.get("backward"),
+            "nodes_out": sum(nodes_out.values()),
             "pairs": len(pairs), "rewritten": sum(p.status == "rewritten" for p in pairs),
             "pass_s": round(sum(r.pass_seconds or 0.0 for r in reports), 3),
             "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3)}
 
 
-def run_fresh(layers: int, mode: str, inner: str, timeout: float) -> dict:
+def run_fresh(layers: int, mode: str, inner: str, world: int, timeout: float) -> dict:
     """``measure`` in a fresh Python process (no dynamo cache, no warm fake-tensor cache)."""
-    cmd = [sys.executable, __file__, "--one", json.dumps([layers, mode, inner])]
+    cmd = [sys.executable, __file__, "--one", json.dumps([layers, mode, inner, world])]
+    failed = {"world": world, "layers": layers, "mode": mode, "inner": inner}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"layers": layers, "mode": mode, "inner": inner, "error": f"timed out after {timeout:.0f} s"}
+        return dict(failed, error=f"timed out after {timeout:.0f} s")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"layers": layers, "mode": mode, "inner": inner,
-                "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}"}
+        return dict(failed, error=f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
     return json.loads(lines[-1])
 
 
-def measure_here(layers: int, mode: str, inner: str) -> dict:
+def measure_here(layers: int, mode: str, inner: str, world: int) -> dict:
     """``measure`` in this process (the dry run: the script's every step, without a fresh
     interpreter's start per row); dynamo's cache is cleared first so each row compiles."""
     import torch
 
     torch._dynamo.reset()
     try:
-        return measure(layers, mode, inner)
+        return measure(layers, mode, inner, world)
     except Exception as e:  # noqa: BLE001 - a row's failure is its outcome, as in a fresh process
-        return {"layers": layers, "mode": mode, "inner": inner, "error": f"{type(e).__name__}: {e}"}
+        return {"world": world, "layers": layers, "mode": mode, "inner": inner, "error": f"{type(e).__name__}: {e}"}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 def summary(rows: list[dict]) -> dict:
-    """The issue's goals, read off the rows (best of the repeats per configuration)."""
-    best: dict[tuple[int, str], dict] = {}
+    """What the rows say about growth (best of the repeats per configuration): the compile added
+    over the pass off; the pass from 8 to 64 layers (linear: 8x) per group size and mode; and the
+    pass from the smallest group to the largest per layer count and mode, beside the growth of the
+    graph it leaves (its nodes, forward and backward): a pass that grows no faster than what it
+    writes is linear in its work."""
+    best: dict[tuple[int, int, str], dict] = {}
     for r in rows:
-        key = (r["layers"], r["mode"])
+        key = (r.get("world", 4), r["layers"], r["mode"])
         if "error" not in r and (key not in best or r["compile_s"] < best[key]["compile_s"]):
             best[key] = r
-    out: dict = {"added_compile": {}, "pass_s": {}}
-    for (layers, mode), r in sorted(best.items()):
-        off = best.get((layers, "off"))
+    out: dict = {"added_compile": {}, "pass_s": {}, "pass_growth_8_to_64": {}, "pass_growth_with_world": {}}
+    for (world, layers, mode), r in sorted(best.items()):
+        name = f"w{world}/{layers}/{mode}"
+        off = best.get((world, layers, "off"))
         if off and mode != "off":
-            out["added_compile"][f"{layers}/{mode}"] = round(r["compile_s"] / off["compile_s"] - 1, 3)
-        out["pass_s"][f"{layers}/{mode}"] = r["pass_s"]
-    d8, d64 = best.get((8, "decompose")), best.get((64, "decompose"))
-    if d8 and d64 and d8["pass_s"]:
-        out["pass_growth_8_to_64"] = round(d64["pass_s"] / d8["pass_s"], 2)  # linear: 8.0
+            out["added_compile"][name] = round(r["compile_s"] / off["compile_s"] - 1, 3)
+        out["pass_s"][name] = r["pass_s"]
+    worlds = sorted({w for w, _, _ in best})
+    modes = sorted({m for _, _, m in best})
+    for world in worlds:
+        for mode in modes:
+            d8, d64 = best.get((world, 8, mode)), best.get((world, 64, mode))
+            if d8 and d64 and _ratio(d64["pass_s"], d8["pass_s"]):
+                out["pass_growth_8_to_64"][f"w{world}/{mode}"] = _ratio(d64["pass_s"], d8["pass_s"])
+    if len(worlds) > 1:
+        small, large = worlds[0], worlds[-1]
+        for layers in sorted({n for _, n, _ in best}):
+            for mode in modes:
+                a, b = best.get((small, layers, mode)), best.get((large, layers, mode))
+                if a and b and _ratio(b["pass_s"], a["pass_s"]):
+                    out["pass_growth_with_world"][f"{layers}/{mode}"] = {
+                        "worlds": [small, large], "pass": _ratio(b["pass_s"], a["pass_s"]),
+                        "nodes_out": _ratio(b.get("nodes_out"), a.get("nodes_out"))}
     return out
 
 
@@ -140,57 +179,74 @@ def markdown(payload: dict) -> str:
     env = payload["environment"]
     rows = [dict(r, nodes=f"{r.get('nodes_forward')} / {r.get('nodes_backward')}") for r in payload["rows"]]
     s = payload["summary"]
+    worlds = ", ".join(map(str, payload["worlds"]))
     lines = [f"# {NAME} ({payload['tag']})", "",
-             f"The demo transformer with sequence parallelism on a {WORLD}-rank fake process group, tokens "
-             f"{list(TOKENS)}, compiled forward and backward (inner compiler: {payload['inner']}), one fresh process "
-             f"per row, one intra-op thread; torch {env['torch']}, {env.get('cpus')} CPUs (shared), commit "
-             f"{env['commit']}.  Seconds, wall clock.  `compile`: the backend's compile (AOTAutograd, the pass, the "
-             "inner compiler); `first call`: dynamo's tracing, the compile and one forward run.", "",
-             output.markdown_table(rows, ["layers", "mode", ("nodes", "nodes fw / bw"), "pairs", "rewritten",
-                                          ("pass_s", "pass"), ("compile_s", "compile"),
+             f"The demo transformer with sequence parallelism on a fake process group of {worlds} ranks, tokens "
+             f"{[list(tokens_shape(w)) for w in payload['worlds']]}, compiled forward and backward (inner compiler: "
+             f"{payload['inner']}), one fresh process per row, one intra-op thread; torch {env['torch']}, "
+             f"{env.get('cpus')} CPUs (shared), commit {env['commit']}.  Seconds, wall clock.  `pass`: inside the "
+             "compass pass; `compile`: the backend's compile (AOTAutograd, the pass, the inner compiler); `first "
+             "call`: dynamo's tracing, the compile and one forward run; `nodes out`: the graphs the pass leaves, "
+             "forward and backward together.", "",
+             output.markdown_table(rows, ["world", "layers", "mode", ("nodes", "nodes fw / bw"), "pairs", "rewritten",
+                                          ("nodes_out", "nodes out"), ("pass_s", "pass"), ("compile_s", "compile"),
                                           ("first_call_s", "first call"), "error"]), "",
-             "Compile time added over the pass off (same layers; best of the repeats):", "",
+             "Compile time added over the pass off (same ranks and layers; best of the repeats):", "",
              output.markdown_table([{"config": k, "added": f"{v:+.1%}"} for k, v in s["added_compile"].items()],
-                                   [("config", "layers / mode"), "added"])]
-    if "pass_growth_8_to_64" in s:
-        lines += ["", f"Pass time, forced decomposition, 64 layers over 8 layers: {s['pass_growth_8_to_64']}x "
-                      "(linear growth: 8x)."]
+                                   [("config", "ranks / layers / mode"), "added"])]
+    if s["pass_growth_8_to_64"]:
+        lines += ["", "Pass time, 64 layers over 8 layers (linear growth: 8x):", "",
+                  output.markdown_table([{"config": k, "growth": f"{v}x"} for k, v in s["pass_growth_8_to_64"].items()],
+                                        [("config", "ranks / mode"), "growth"])]
+    if s["pass_growth_with_world"]:
+        lines += ["", "Pass time and the nodes it leaves, the largest group over the smallest (same layers and mode):",
+                  "", output.markdown_table(
+                      [{"config": k, "worlds": " over ".join(map(str, v["worlds"][::-1])), "pass": f"{v['pass']}x",
+                        "nodes": f"{v['nodes_out']}x" if v["nodes_out"] else None}
+                       for k, v in s["pass_growth_with_world"].items()],
+                      [("config", "layers / mode"), ("worlds", "ranks"), "pass", ("nodes", "nodes out")])]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="comma-separated layer counts")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {list(MODES)}")
+    p.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma-separated fake group sizes")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     p.add_argument("--inner", default="eager", choices=("eager", "inductor"))
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (fresh processes)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one configuration may take")
     p.add_argument("--dry-run", action="store_true",
-                   help="1 layer, one run per mode, in this process (not a fresh one): checks the script")
+                   help="1 layer, one run per mode and group size, in this process (not a fresh one): checks the script")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", default=str(output.RESULTS))
-    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: [layers, mode, inner], measured in this process
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: [layers, mode, inner, world], measured here
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(measure(*json.loads(args.one))), flush=True)
         return 0
     layers = [1] if args.dry_run else [int(x) for x in args.layers.split(",")]
+    worlds = [int(x) for x in args.worlds.split(",")]
+    if any(w < 2 for w in worlds):
+        p.error(f"--worlds: a group has at least 2 ranks, got {worlds}")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
     rows, t0 = [], time.time()
-    total = len(layers) * len(modes) * args.repeats
-    for n in layers:
-        for _ in range(args.repeats):
-            for mode in modes:  # the modes take turns: a slow spell of the shared machine hits them all
-                row = measure_here(n, mode, args.inner) if args.dry_run else run_fresh(n, mode, args.inner, args.timeout)
-                rows.append(row)
-                print(f"[{len(rows)}/{total}] {n} layers, {mode}: pass {row.get('pass_s')} s, compile "
-                      f"{row.get('compile_s')} s, first call {row.get('first_call_s')} s {row.get('error', '')} "
-                      f"({time.time() - t0:.0f} s elapsed)", flush=True)
+    total = len(worlds) * len(layers) * len(modes) * args.repeats
+    for world in worlds:
+        for n in layers:
+            for _ in range(args.repeats):
+                for mode in modes:  # the modes take turns: a slow spell of the shared machine hits them all
+                    row = (measure_here(n, mode, args.inner, world) if args.dry_run
+                           else run_fresh(n, mode, args.inner, world, args.timeout))
+                    rows.append(row)
+                    print(f"[{len(rows)}/{total}] {world} ranks, {n} layers, {mode}: pass {row.get('pass_s')} s, "
+                          f"compile {row.get('compile_s')} s, first call {row.get('first_call_s')} s "
+                          f"{row.get('error', '')} ({time.time() - t0:.0f} s elapsed)", flush=True)
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(args.dry_run),
-               "inner": args.inner, "world": WORLD, "tokens": list(TOKENS), "repeats": args.repeats,
+               "inner": args.inner, "worlds": worlds, "repeats": args.repeats,
                "seconds": round(time.time() - t0, 1), "rows": rows, "summary": summary(rows)}
     return output.print_and_write(NAME, args, payload, markdown(payload))
 

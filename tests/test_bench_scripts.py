@@ -443,20 +443,36 @@ def test_decompose_overhead_dry_run_checks_every_rewrite_and_writes_markdown(tmp
 
 def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     """The compile-time benchmark's dry run (1 layer, in one process; a real run starts a fresh one
-    per row), the pass off and every pair decomposed: every row timed, every pair rewritten where
-    forced, JSON and markdown written."""
+    per row) at two group sizes, the pass off and every pair split into one part per rank: every
+    row timed, every pair rewritten where forced (the input is shaped so that eight parts fit), the
+    larger group's rewrite leaving more nodes, the growth with the group summed up, JSON and
+    markdown written."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "off,decompose",
-                           "--out-dir", str(tmp_path)], check=False, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "off,parts",
+                           "--worlds", "2,8", "--out-dir", str(tmp_path)], check=False, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
     rows = data["rows"]
-    assert [(r["layers"], r["mode"]) for r in rows] == [(1, "off"), (1, "decompose")]
+    assert [(r["world"], r["layers"], r["mode"]) for r in rows] == [(2, 1, "off"), (2, 1, "parts"),
+                                                                    (8, 1, "off"), (8, 1, "parts")]
     assert all("error" not in r and r["compile_s"] > r["pass_s"] > 0 and r["pairs"] > 0 for r in rows), rows
-    assert all(r["rewritten"] == (r["pairs"] if r["mode"] == "decompose" else 0) for r in rows), rows
-    assert set(data["summary"]["added_compile"]) == {"1/decompose"}
+    assert all(r["rewritten"] == (r["pairs"] if r["mode"] == "parts" else 0) for r in rows), rows
+    off2, parts2, off8, parts8 = rows
+    assert parts8["nodes_out"] - off8["nodes_out"] > 2 * (parts2["nodes_out"] - off2["nodes_out"]) > 0
+    summary = data["summary"]
+    assert set(summary["added_compile"]) == {"w2/1/parts", "w8/1/parts"}
+    assert summary["pass_growth_with_world"]["1/parts"]["nodes_out"] == round(parts8["nodes_out"] / parts2["nodes_out"], 2)
     assert (tmp_path / "compile_time-cpu.md").read_text().startswith("# compile_time (cpu)")
+
+
+def test_compile_time_refuses_a_group_of_one(tmp_path):
+    """A group size under two is refused before anything runs."""
+    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--worlds", "1",
+                           "--out-dir", str(tmp_path)], check=False, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
 
 
 def test_fresh_ranks_reports_every_rank(tmp_path):
