@@ -1,14 +1,14 @@
 """What compiling a model with the compass pass costs, as the model and the group grow (issue 26).
 
-The demo transformer (``compass_fx.demo``, sequence parallelism over a fake process group of 2, 4
-or 8 ranks: tracing only, no numbers) at 2 to 64 layers, compiled forward and backward with the
-pass off (``strategy="off"``: the pairs are still found and reported), ``auto`` (the cost model
-decides; on CPU it keeps most pairs sequential), forced decomposition into two parts
-(``decompose``: ``chunks=2``, every pair rewritten), into one part per rank (``parts``: what grows
-with the group) and the fused operators (``fuse``).  Each rank's share of the sequence has as many
-tokens as ranks (a sequence of at least 16) so that every pair can split into one part per rank,
-and the model has as many heads as ranks (at least four).  Each configuration runs in a fresh process, with one intra-op thread (the
-shared CPU machine's cores are contended: more threads only add noise).
+The demo transformer (``compass_fx.demo``, sequence parallelism over a fake process group of 2, 4 or
+8 ranks: tracing only, no numbers) at 2 to 64 layers, compiled forward and backward with the pass
+off (``strategy="off"``: the pairs are still found and reported), ``auto`` (the cost model decides;
+on CPU it keeps most pairs sequential), forced decomposition into two parts (``decompose``:
+``chunks=2``, every pair rewritten), into one part per rank (``parts``: what grows with the group)
+and the fused operators (``fuse``). Each rank's share of the sequence has as many tokens as ranks (a
+sequence of at least 16) so that every pair can split into one part per rank, and the model has as
+many heads as ranks (at least four). Each configuration runs in a fresh process, with one intra-op
+thread (the shared CPU machine's cores are contended: more threads only add noise).
 
 Times (wall clock, seconds):
 
@@ -217,7 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (fresh processes)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one configuration may take")
     p.add_argument("--dry-run", action="store_true",
-                   help="1 layer, one run per mode and group size, in this process (not a fresh one): checks the script")
+                   help="1 layer, one run per mode and group size, in this process (not a fresh one): "
+                        "checks the script")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: [layers, mode, inner, world], measured here

@@ -24,7 +24,7 @@ import torch.fx as fx
 from .cost.decision import Decision
 from .graph.normalize import normalize
 from .graph.pairs import Pair
-from .lowering import RewriteFailed, erase_unused, graph_fake_mode, stable_toposort, transaction
+from .lowering import Disorder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort, transaction
 from .lowering import fuse
 from .machine.calibration import calibration_in_use
 from .options import CompassOptions
@@ -163,6 +163,7 @@ class _Rewriter:
     plan_again: Callable[[Pair], "_Plan"]   # the plan of a pair matched again
     skipped: list[SkipRecord]
     touched: set[fx.Node] = field(default_factory=set)  # what the rewrites so far changed
+    disorder: Disorder = field(default_factory=Disorder)  # where they left the graph out of order
     asynchronous: list[tuple[list[fx.Node], str]] = field(default_factory=list)
     rewritten: int = 0
     _fake_mode: object = None
@@ -217,15 +218,17 @@ class _Rewriter:
         erased = erase_unused(self.gm.graph, [*built.created, *replaced], (pair.wait, pair.collective))
         read = {a for n in built.created for a in n.all_input_nodes if a not in made}
         self.touched |= {pair.collective, pair.wait, *replaced, *read, *erased}
+        self.disorder.note([*built.created, *(new for _, new in built.replacements)])
         if record.asynchronous:
             self.asynchronous.append((built.created, described))
         return record
 
     def _match_again(self, plan: _Plan) -> _Plan | None:
         """A rewrite before this pair touched what its match looked at: match its collective again
-        (on a sorted graph), as if the graph had been matched after that rewrite; decide and agree
-        again only when the pair changed.  None when it is no pair any more (then it is a skip)."""
-        stable_toposort(self.gm.graph)
+        (on a sorted graph: the stretches the rewrites left out of order are sorted, not the whole
+        graph), as if the graph had been matched after that rewrite; decide and agree again only
+        when the pair changed.  None when it is no pair any more (then it is a skip)."""
+        self.disorder.repair()
         log.info("compass_fx: %s graph: %s matched again: a rewrite before it touched its nodes",
                  self.graph_kind, plan.described)
         kind = kind_of(plan.pair)

@@ -12,9 +12,10 @@ import torch.fx as fx
 
 # register compass::all_gather_blocking and compass::all_gather_mm_parts (counted as collectives)
 from . import blocking_gather, gather_parts  # noqa: F401
-from .graph_edit import NodeBuilder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort
+from .graph_edit import Disorder, NodeBuilder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort
 
-__all__ = ["NodeBuilder", "RewriteFailed", "erase_unused", "graph_fake_mode", "stable_toposort", "transaction"]
+__all__ = ["Disorder", "NodeBuilder", "RewriteFailed", "erase_unused", "graph_fake_mode", "stable_toposort",
+           "transaction"]
 
 T = TypeVar("T")
 

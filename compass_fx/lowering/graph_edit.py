@@ -8,7 +8,9 @@ which nothing else uses yet.  So a rewrite that fails half-way leaves the graph 
 a copy of the graph, and the cost of a rewrite is that of the nodes it adds.
 
 Operands defined after the anchor (a weight permuted late in a backward graph) leave the graph out
-of order until ``stable_toposort`` runs, once per graph after every rewrite.
+of order until ``stable_toposort`` runs, once per graph after every rewrite; where the pass needs
+the order sooner (to match a pair again), :class:`Disorder` sorts only the stretches a rewrite left
+out of order.
 """
 from __future__ import annotations
 
@@ -300,9 +302,61 @@ def stable_toposort(graph: fx.Graph) -> None:
     Among the nodes whose inputs are ready, the one that came first in the current order goes
     first; so a graph that is already valid keeps its order exactly.
     """
-    nodes = list(graph.nodes)
+    _sort_in_place(list(graph.nodes))
+
+
+class Disorder:
+    """The edges that rewrites left pointing backwards (a new node placed before an operand defined
+    after its anchor, or a node now reading a replacement placed after it), so that the graph can
+    be put in order again stretch by stretch.
+
+    A stable sort of the stretch from an edge's reader to its operand, with every other backward
+    edge that touches that stretch merged in, gives exactly the order ``stable_toposort`` gives the
+    whole graph (a node before the stretch is ready before any in it, and one in it before any
+    after it), at the cost of the stretch: the pass can keep the graph sorted after each rewrite
+    without a walk of the graph each time."""
+
+    def __init__(self) -> None:
+        self._edges: list[tuple[fx.Node, fx.Node]] = []  # (reader, operand placed after it)
+
+    def note(self, nodes: Iterable[fx.Node]) -> None:
+        """Record the backward edges that touch ``nodes`` (what a commit created or wired in);
+        every other edge was in order before the commit and still is."""
+        for node in nodes:
+            if node._erased:
+                continue
+            self._edges += [(node, i) for i in node.all_input_nodes if i > node]
+            self._edges += [(u, node) for u in node.users if u < node]
+
+    def __bool__(self) -> bool:
+        return bool(self._edges)
+
+    def repair(self) -> None:
+        """Sort each stretch that a recorded edge spans (overlapping stretches as one), then forget
+        the edges.  An edge whose end a later rewrite erased is gone with it; one that a sort of
+        the whole graph already turned round needs nothing."""
+        edges = sorted(((reader, operand) for reader, operand in self._edges
+                        if not reader._erased and not operand._erased and operand > reader), key=lambda e: e[0])
+        self._edges.clear()
+        stretches: list[list[fx.Node]] = []
+        for reader, operand in edges:
+            if stretches and reader <= stretches[-1][1]:
+                stretches[-1][1] = max(stretches[-1][1], operand)
+            else:
+                stretches.append([reader, operand])
+        for first, last in stretches:
+            nodes, node = [first], first
+            while node is not last:
+                node = node.next
+                nodes.append(node)
+            _sort_in_place(nodes)
+
+
+def _sort_in_place(nodes: list[fx.Node]) -> None:
+    """Stable topological sort of ``nodes``, a stretch of consecutive nodes of one graph (or all of
+    them), moved within the stretch; inputs from outside it are already in place before it."""
     index = {n: i for i, n in enumerate(nodes)}
-    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    pending = {n: len({i for i in n.all_input_nodes if i in index}) for n in nodes}
     ready = [(index[n], n.name) for n in nodes if pending[n] == 0]
     by_name = {n.name: n for n in nodes}
     heapq.heapify(ready)
@@ -312,6 +366,8 @@ def stable_toposort(graph: fx.Graph) -> None:
         node = by_name[name]
         order.append(node)
         for user in node.users:
+            if user not in index:
+                continue
             pending[user] -= 1
             if pending[user] == 0:
                 heapq.heappush(ready, (index[user], user.name))
