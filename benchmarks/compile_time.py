@@ -24,6 +24,7 @@ compares the best of the repeats.
     python benchmarks/compile_time.py                  # 2..64 layers, writes compile_time-cpu.{json,md}
     python benchmarks/compile_time.py --layers 2,4,8   # a subset
     python benchmarks/compile_time.py --worlds 2,4,8 --modes off,auto,parts,fuse   # the group's growth
+    python benchmarks/compile_time.py --model torchtitan-checkpointed --layers 8,16,32,64   # pairs matched again
 """
 from __future__ import annotations
 
@@ -46,30 +47,59 @@ DEFAULT_MODES = ("off", "auto", "decompose")
 WORLDS, BATCH = (4,), 2
 
 
+MODEL_TEXT = {"demo": "The demo transformer", "torchtitan": "torchtitan's Llama-3 (debug model, its TP plan)",
+              "torchtitan-checkpointed": "torchtitan's Llama-3 (debug model, its TP plan, every layer checkpointed)"}
+MODELS = tuple(MODEL_TEXT)
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
 def tokens_shape(world: int) -> tuple[int, int]:
-    """The demo's input at ``world`` ranks: each rank's share of the sequence as many tokens as
-    ranks (so that every pair can split its rows into one part per rank), at least 16 in all."""
+    """The input at ``world`` ranks: each rank's share of the sequence as many tokens as ranks (so
+    that every pair can split its rows into one part per rank), at least 16 in all."""
     return (BATCH, max(16, world * world))
 
 
-def measure(layers: int, mode: str, inner: str, world: int = 4) -> dict:
-    """Compile the demo at ``layers`` over ``world`` fake ranks with ``mode``'s options (in this
+def build(model: str, layers: int, world: int):
+    """The model to compile, its tokens and the context its call needs.  ``demo``: this package's
+    transformer (as many heads as ranks, at least four).  ``torchtitan``: torchtitan 0.3.0's
+    Llama-3 debug model and TP plan with sequence parallelism, built as the tests build it
+    (``tests/real_torchtitan.py``: its 6 layers repeated to ``layers``); ``-checkpointed``: every
+    layer under activation checkpointing, whose backward graph has pairs matched again."""
+    import contextlib
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if model == "demo":
+        from compass_fx.demo import ModelArgs, Transformer, parallelize
+
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        module = parallelize(Transformer(ModelArgs(n_layers=layers, n_heads=max(4, world))), mesh,
+                             sequence_parallel=True)
+        tokens = torch.randint(0, 256, tokens_shape(world), generator=torch.Generator().manual_seed(0))
+        return module, tokens, contextlib.nullcontext()
+    sys.path.insert(0, str(TESTS))
+    import real_torchtitan as rt
+
+    module = rt.build_llama3(world, True, layers=layers, checkpoint=model.endswith("-checkpointed"))
+    tokens = rt.tokens(*tokens_shape(world))
+    return module, tokens, rt.spmd_context(module, tokens)
+
+
+def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "demo") -> dict:
+    """Compile ``model`` at ``layers`` over ``world`` fake ranks with ``mode``'s options (in this
     process) and time it."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import compass_fx.backend as backend
-    from compass_fx.demo import ModelArgs, Transformer, parallelize
     from compass_fx.options import parse_options
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = parallelize(Transformer(ModelArgs(n_layers=layers, n_heads=max(4, world))), mesh, sequence_parallel=True)
-    tokens = torch.randint(0, 256, tokens_shape(world), generator=torch.Generator().manual_seed(0))
+    module, tokens, context = build(model, layers, world)
     opts = parse_options({**MODES[mode], "inner": inner})
     nodes: dict[str, int] = {}
     nodes_out: dict[str, int] = {}
@@ -90,9 +120,9 @@ def measure(layers: int, mode: str, inner: str, world: int = 4) -> dict:
 
     backend.compass_pass = counting_pass
     try:
-        compiled = torch.compile(model, backend=timed_backend, fullgraph=True)
+        compiled = torch.compile(module, backend=timed_backend, fullgraph=True)
         started = time.perf_counter()
-        with backend.collect_reports() as reports, \
+        with backend.collect_reports() as reports, context, \
                 torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch.enable_grad():
             compiled(tokens)
         first_call = time.perf_counter() - started
@@ -100,7 +130,8 @@ def measure(layers: int, mode: str, inner: str, world: int = 4) -> dict:
         backend.compass_pass = real_pass
         dist.destroy_process_group()
     pairs = [p for r in reports for p in r.pairs]
-    return {"world": world, "layers": layers, "mode": mode, "inner": inner, "tokens": list(tokens_shape(world)),
+    return {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner,
+            "tokens": list(tokens_shape(world)),
             "nodes_forward": nodes.get("forward"), "nodes_backward": nodes.get("backward"),
             "nodes_out": sum(nodes_out.values()),
             "pairs": len(pairs), "rewritten": sum(p.status == "rewritten" for p in pairs),
@@ -108,10 +139,10 @@ def measure(layers: int, mode: str, inner: str, world: int = 4) -> dict:
             "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3)}
 
 
-def run_fresh(layers: int, mode: str, inner: str, world: int, timeout: float) -> dict:
+def run_fresh(layers: int, mode: str, inner: str, world: int, model: str, timeout: float) -> dict:
     """``measure`` in a fresh Python process (no dynamo cache, no warm fake-tensor cache)."""
-    cmd = [sys.executable, __file__, "--one", json.dumps([layers, mode, inner, world])]
-    failed = {"world": world, "layers": layers, "mode": mode, "inner": inner}
+    cmd = [sys.executable, __file__, "--one", json.dumps([layers, mode, inner, world, model])]
+    failed = {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -122,28 +153,36 @@ def run_fresh(layers: int, mode: str, inner: str, world: int, timeout: float) ->
     return json.loads(lines[-1])
 
 
-def measure_here(layers: int, mode: str, inner: str, world: int) -> dict:
+def measure_here(layers: int, mode: str, inner: str, world: int, model: str) -> dict:
     """``measure`` in this process (the dry run: the script's every step, without a fresh
     interpreter's start per row); dynamo's cache is cleared first so each row compiles."""
     import torch
 
     torch._dynamo.reset()
     try:
-        return measure(layers, mode, inner, world)
+        return measure(layers, mode, inner, world, model)
     except Exception as e:  # noqa: BLE001 - a row's failure is its outcome, as in a fresh process
-        return {"world": world, "layers": layers, "mode": mode, "inner": inner, "error": f"{type(e).__name__}: {e}"}
+        return {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner,
+                "error": f"{type(e).__name__}: {e}"}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def _added(row: dict) -> int | None:
+    """The nodes the pass added to a row's graphs (what its rewrites wrote, less what they erased)."""
+    if row.get("nodes_out") is None or None in (row.get("nodes_forward"), row.get("nodes_backward")):
+        return None
+    return row["nodes_out"] - row["nodes_forward"] - row["nodes_backward"]
+
+
 def summary(rows: list[dict]) -> dict:
     """What the rows say about growth (best of the repeats per configuration): the compile added
     over the pass off; the pass from 8 to 64 layers (linear: 8x) per group size and mode; and the
     pass from the smallest group to the largest per layer count and mode, beside the growth of the
-    graph it leaves (its nodes, forward and backward): a pass that grows no faster than what it
-    writes is linear in its work."""
+    graph it leaves and of the nodes it added (forward and backward): a pass that grows no faster
+    than what it writes is linear in its work."""
     best: dict[tuple[int, int, str], dict] = {}
     for r in rows:
         key = (r.get("world", 4), r["layers"], r["mode"])
@@ -171,7 +210,8 @@ def summary(rows: list[dict]) -> dict:
                 if a and b and _ratio(b["pass_s"], a["pass_s"]):
                     out["pass_growth_with_world"][f"{layers}/{mode}"] = {
                         "worlds": [small, large], "pass": _ratio(b["pass_s"], a["pass_s"]),
-                        "nodes_out": _ratio(b.get("nodes_out"), a.get("nodes_out"))}
+                        "nodes_out": _ratio(b.get("nodes_out"), a.get("nodes_out")),
+                        "nodes_added": _ratio(_added(b), _added(a))}
     return out
 
 
@@ -181,7 +221,8 @@ def markdown(payload: dict) -> str:
     s = payload["summary"]
     worlds = ", ".join(map(str, payload["worlds"]))
     lines = [f"# {NAME} ({payload['tag']})", "",
-             f"The demo transformer with sequence parallelism on a fake process group of {worlds} ranks, tokens "
+             f"{MODEL_TEXT[payload.get('model', 'demo')]} with sequence parallelism on a fake process group of "
+             f"{worlds} ranks, tokens "
              f"{[list(tokens_shape(w)) for w in payload['worlds']]}, compiled forward and backward (inner compiler: "
              f"{payload['inner']}), one fresh process per row, one intra-op thread; torch {env['torch']}, "
              f"{env.get('cpus')} CPUs (shared), commit {env['commit']}.  Seconds, wall clock.  `pass`: inside the "
@@ -202,9 +243,11 @@ def markdown(payload: dict) -> str:
         lines += ["", "Pass time and the nodes it leaves, the largest group over the smallest (same layers and mode):",
                   "", output.markdown_table(
                       [{"config": k, "worlds": " over ".join(map(str, v["worlds"][::-1])), "pass": f"{v['pass']}x",
-                        "nodes": f"{v['nodes_out']}x" if v["nodes_out"] else None}
+                        "nodes": f"{v['nodes_out']}x" if v["nodes_out"] else None,
+                        "added": f"{v['nodes_added']}x" if v.get("nodes_added") else None}
                        for k, v in s["pass_growth_with_world"].items()],
-                      [("config", "layers / mode"), ("worlds", "ranks"), "pass", ("nodes", "nodes out")])]
+                      [("config", "layers / mode"), ("worlds", "ranks"), "pass", ("nodes", "nodes out"),
+                       ("added", "nodes added")])]
     return "\n".join(lines)
 
 
@@ -212,6 +255,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", default=",".join(map(str, LAYERS)), help="comma-separated layer counts")
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="comma-separated fake group sizes")
+    p.add_argument("--model", default="demo", choices=MODELS,
+                   help="the transformer to compile (torchtitan's: needs torchtitan 0.3.0 installed)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     p.add_argument("--inner", default="eager", choices=("eager", "inductor"))
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (fresh processes)")
@@ -221,7 +266,7 @@ def main(argv=None) -> int:
                         "checks the script")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", default=str(output.RESULTS))
-    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: [layers, mode, inner, world], measured here
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: [layers, mode, inner, world, model], measured here
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(measure(*json.loads(args.one))), flush=True)
@@ -240,14 +285,14 @@ def main(argv=None) -> int:
         for n in layers:
             for _ in range(args.repeats):
                 for mode in modes:  # the modes take turns: a slow spell of the shared machine hits them all
-                    row = (measure_here(n, mode, args.inner, world) if args.dry_run
-                           else run_fresh(n, mode, args.inner, world, args.timeout))
+                    row = (measure_here(n, mode, args.inner, world, args.model) if args.dry_run
+                           else run_fresh(n, mode, args.inner, world, args.model, args.timeout))
                     rows.append(row)
                     print(f"[{len(rows)}/{total}] {world} ranks, {n} layers, {mode}: pass {row.get('pass_s')} s, "
                           f"compile {row.get('compile_s')} s, first call {row.get('first_call_s')} s "
                           f"{row.get('error', '')} ({time.time() - t0:.0f} s elapsed)", flush=True)
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(args.dry_run),
-               "inner": args.inner, "worlds": worlds, "repeats": args.repeats,
+               "model": args.model, "inner": args.inner, "worlds": worlds, "repeats": args.repeats,
                "seconds": round(time.time() - t0, 1), "rows": rows, "summary": summary(rows)}
     return output.print_and_write(NAME, args, payload, markdown(payload))
 

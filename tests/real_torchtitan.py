@@ -7,6 +7,7 @@ and attention uses SDPA (flex attention has no CPU backward).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -53,7 +54,7 @@ def _cpu_workarounds() -> None:
 
 def build_llama3(world: int, sequence_parallel: bool, layers: int = 2, seed: int = 0,
                  checkpoint: bool = False, dims=None) -> torch.nn.Module:
-    """torchtitan's llama3 "debugmodel" (dim 256, 16 heads) cut to ``layers`` layers, TP over ``world``.
+    """torchtitan's llama3 "debugmodel" (dim 256, 16 heads) with ``layers`` layers, TP over ``world``.
 
     Every rank must call this (it builds the device mesh); the same seed gives the same weights.
     """
@@ -64,7 +65,8 @@ def build_llama3(world: int, sequence_parallel: bool, layers: int = 2, seed: int
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     config = llama3_configs["debugmodel"](attn_backend="flex")
-    config.layers = config.layers[:layers]
+    # the debug model has 6 layers: deeper models repeat them (each layer its own config)
+    config.layers = [copy.deepcopy(config.layers[i % len(config.layers)]) for i in range(layers)]
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_llama3_sharding_config(config, enable_sp=sequence_parallel)

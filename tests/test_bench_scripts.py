@@ -467,6 +467,24 @@ def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     assert (tmp_path / "compile_time-cpu.md").read_text().startswith("# compile_time (cpu)")
 
 
+@pytest.mark.slow
+def test_compile_time_compiles_torchtitan_with_checkpointed_layers(tmp_path):
+    """The benchmark's torchtitan model (the tests' build of its Llama-3 and TP plan, every layer
+    checkpointed): compiled forward and backward, every pair decomposed, the model named in the
+    results."""
+    pytest.importorskip("torchtitan")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "decompose",
+                           "--worlds", "2", "--model", "torchtitan-checkpointed", "--out-dir", str(tmp_path)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
+    [row] = data["rows"]
+    assert data["model"] == row["model"] == "torchtitan-checkpointed"
+    assert "error" not in row and row["rewritten"] == row["pairs"] > 0, row
+    assert "every layer checkpointed" in (tmp_path / "compile_time-cpu.md").read_text()
+
+
 def test_compile_time_refuses_a_group_of_one(tmp_path):
     """A group size under two is refused before anything runs."""
     proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--worlds", "1",
