@@ -167,7 +167,9 @@ def measure_here(layers: int, mode: str, inner: str, world: int, model: str) -> 
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a and b else None
+    """``a / b`` where both are counts or times above zero (a rewrite that leaves fewer nodes than
+    it found, as fusing does, has no growth to compare)."""
+    return round(a / b, 2) if a is not None and b is not None and a > 0 and b > 0 else None
 
 
 def _added(row: dict) -> int | None:

@@ -25,7 +25,7 @@ from . import gather_parts  # noqa: F401 - defines compass::all_gather_mm_parts
 from .graph_edit import NodeBuilder
 from .replay import RowReplay
 from .row_blocks import block_matmul, matmul_into_rows, part_row_blocks, result_buffer
-from .rows import interleave, interleave_rows, select_rows
+from .rows import interleave, interleave_rows, ranks_side_by_side, ranks_stacked, select_rows
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -176,7 +176,7 @@ def all_gather(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
             issue(i + 1)  # in flight while part i is waited for and multiplied
         gathered = gathers[i] if blocking else b.wait(gathers[i])
         if g > 0:
-            gathered = b.cat(b.split(gathered, shard_shape[0], 0, world), g)
+            gathered = ranks_side_by_side(b, gathered, world, g)
         logical_parts.append(gathered)
         plain = gathered if len(layout.shape) == 2 else b.view(gathered, flat)
         cast_rows: dict[tuple, fx.Node] = {(): plain}  # each distinct cast chain once per part
@@ -350,7 +350,6 @@ def _rebuild_shared_partial_sums(values: _PartValues) -> None:
 def reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
     """matmul -> reduce_scatter in ``parts`` parts: part i's collective is issued after its matmuls."""
     layout, world, g = pair.layout, pair.group_size, pair.layout.dim
-    c = layout.local_extent // parts
     part_shape = list(layout.shape)
     part_shape[g] //= parts
     values = _PartValues(b, pair, parts)
@@ -359,7 +358,7 @@ def reduce_scatter(b: NodeBuilder, pair: ReducePair, parts: int) -> None:
         total = values.value(pair.reduced, i)
         logical = b.view(total, part_shape)
         if g > 0:
-            logical = b.cat(b.split(logical, c, g, world), 0)
+            logical = ranks_stacked(b, logical, world, g)
         pending.append(b.call(c10d.reduce_scatter_tensor.default, logical, pair.reduce_op, world,
                               pair.group_name))
     out = b.cat([b.wait(p) for p in pending], g)

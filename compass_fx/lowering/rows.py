@@ -52,3 +52,33 @@ def interleave_rows(b: NodeBuilder, pieces: list[fx.Node], layout: RowLayout) ->
     """Per-part 2-D results (rows of part i) back into one 2-D tensor in the original row order."""
     cols = shape_of(pieces[0])[-1]
     return b.view(interleave(b, pieces, layout, [cols]), [layout.rows, cols])
+
+
+def ranks_side_by_side(b: NodeBuilder, stacked: fx.Node, world: int, dim: int) -> fx.Node:
+    """The ranks' slabs, stacked on dim 0 as a gather returns them, placed side by side along
+    ``dim`` instead: what ``cat(split(stacked, rows, 0), dim)`` gives, in four nodes whatever the
+    group's size (a view that names the ranks, a permute that moves them next to ``dim``, one copy,
+    a view) where the split and cat take one per rank."""
+    slab = list(shape_of(stacked))
+    slab[0] //= world
+    named = b.view(stacked, [world, *slab])
+    order = [*range(1, dim + 1), 0, *range(dim + 1, len(slab) + 1)]
+    moved = b.contiguous(b.call(aten.permute.default, named, order))
+    out = list(slab)
+    out[dim] *= world
+    return b.view(moved, out)
+
+
+def ranks_stacked(b: NodeBuilder, x: fx.Node, world: int, dim: int) -> fx.Node:
+    """The inverse of ``ranks_side_by_side``: ``x`` cut along ``dim`` into one run per rank, the
+    runs stacked on dim 0 as a reduce-scatter takes them (``cat(split(x, extent // world, dim),
+    0)``), in four nodes whatever the group's size."""
+    shape = list(shape_of(x))
+    run = shape[dim] // world
+    named = b.view(x, [*shape[:dim], world, run, *shape[dim + 1:]])
+    order = [dim, *range(dim), *range(dim + 1, len(shape) + 1)]
+    moved = b.contiguous(b.call(aten.permute.default, named, order))
+    out = list(shape)
+    out[0] *= world
+    out[dim] = run
+    return b.view(moved, out)
