@@ -164,6 +164,7 @@ class _Rewriter:
     skipped: list[SkipRecord]
     touched: set[fx.Node] = field(default_factory=set)  # what the rewrites so far changed
     disorder: Disorder = field(default_factory=Disorder)  # where they left the graph out of order
+    sorted_whole: bool = False  # the graph was sorted whole once (so only the rewrites disorder it)
     asynchronous: list[tuple[list[fx.Node], str]] = field(default_factory=list)
     rewritten: int = 0
     _fake_mode: object = None
@@ -225,10 +226,16 @@ class _Rewriter:
 
     def _match_again(self, plan: _Plan) -> _Plan | None:
         """A rewrite before this pair touched what its match looked at: match its collective again
-        (on a sorted graph: the stretches the rewrites left out of order are sorted, not the whole
-        graph), as if the graph had been matched after that rewrite; decide and agree again only
-        when the pair changed.  None when it is no pair any more (then it is a skip)."""
-        self.disorder.repair()
+        (on a sorted graph: the whole graph the first time, whatever order it came in, then only
+        the stretches the rewrites since left out of order), as if the graph had been matched after
+        that rewrite; decide and agree again only when the pair changed.  None when it is no pair
+        any more (then it is a skip)."""
+        if self.sorted_whole:
+            self.disorder.repair()
+        else:
+            stable_toposort(self.gm.graph)
+            self.disorder.forget()
+            self.sorted_whole = True
         log.info("compass_fx: %s graph: %s matched again: a rewrite before it touched its nodes",
                  self.graph_kind, plan.described)
         kind = kind_of(plan.pair)

@@ -331,13 +331,17 @@ class Disorder:
     def __bool__(self) -> bool:
         return bool(self._edges)
 
+    def forget(self) -> None:
+        """Drop the recorded edges (the whole graph was just sorted)."""
+        self._edges.clear()
+
     def repair(self) -> None:
         """Sort each stretch that a recorded edge spans (overlapping stretches as one), then forget
         the edges.  An edge whose end a later rewrite erased is gone with it; one that a sort of
         the whole graph already turned round needs nothing."""
         edges = sorted(((reader, operand) for reader, operand in self._edges
                         if not reader._erased and not operand._erased and operand > reader), key=lambda e: e[0])
-        self._edges.clear()
+        self.forget()
         stretches: list[list[fx.Node]] = []
         for reader, operand in edges:
             if stretches and reader <= stretches[-1][1]:
