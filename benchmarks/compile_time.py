@@ -9,6 +9,8 @@ and the fused operators (``fuse``). Each rank's share of the sequence has as man
 sequence of at least 16) so that every pair can split into one part per rank, and the model has as
 many heads as ranks (at least four). Each configuration runs in a fresh process, with one intra-op
 thread (the shared CPU machine's cores are contended: more threads only add noise).
+``--model torchtitan`` compiles torchtitan's Llama-3 instead, and ``torchtitan-checkpointed`` the same
+with every layer checkpointed (its backward graph matches pairs again after rewrites: ``build``).
 
 Times (wall clock, seconds):
 
