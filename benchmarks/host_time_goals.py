@@ -9,7 +9,8 @@ host's launch of one ``torch.mm`` alone (how fast that start's host was), and fo
 (``.graph``: four calls after the device went idle; steady: each call issued while the ones before it
 run; between a step's ops) how many rows were within the goal (60 us at two ranks, 150 beyond) and the
 worst row; then per world and transport how many runs had every row within the goal in each form, over
-every card and on the H200 alone (the card the goals name).
+every card and on the H200 alone (the card the goals name), and where a form missed it in some run, how
+the runs split by the host's speed.
 
     python benchmarks/host_time_goals.py      # writes benchmarks/results/host_time_goals/host_time_goals-cpu.*
 """
@@ -102,6 +103,39 @@ def tally(rows: list[dict]) -> list[dict]:
     return out
 
 
+def by_host_speed(rows: list[dict]) -> list[dict]:
+    """Per transport, world and form where some run missed the goal: how the runs split by their host's
+    speed (its launch of one ``torch.mm``), fastest first: how many of the fastest hosts had every row
+    within (and the slowest of them), then from the first run that missed it on (and its host's
+    speed), how many runs still had every row within.  A form met on every fast host and on no slow one is a property of the host, not the call."""
+    out = []
+    for transport, world in sorted({(r["transport"], r["world"]) for r in rows}):
+        group = sorted((r for r in rows if r["transport"] == transport and r["world"] == world
+                        and r["mm_launch_us"] is not None), key=lambda r: r["mm_launch_us"])
+        for key, label in FORMS:
+            measured = [r for r in group if r[f"{key}_rows"]]
+            met = [r[f"{key}_within"] == r[f"{key}_rows"] for r in measured]
+            if all(met):
+                continue
+            fast = next(i for i, ok in enumerate(met) if not ok)
+            out.append({"transport": transport, "world": world, "form": label, "fast_runs": fast,
+                        "fast_up_to_us": measured[fast - 1]["mm_launch_us"] if fast else None,
+                        "slower_runs": len(measured) - fast, "slower_within": sum(met[fast:]),
+                        "slower_from_us": measured[fast]["mm_launch_us"]})
+    return out
+
+
+def host_speed_lines(splits: list[dict]) -> list[str]:
+    """One line per split of ``by_host_speed``."""
+    lines = []
+    for s in splits:
+        fast = (f"every row within on the {s['fast_runs']} fastest hosts (torch.mm launched in up to "
+                f"{s['fast_up_to_us']:.1f} us)" if s["fast_runs"] else "not every row within on the fastest host")
+        lines.append(f"* {s['transport']}, world {s['world']}, {s['form']}: {fast}; from the first that missed it "
+                     f"({s['slower_from_us']:.1f} us) on, in {s['slower_within']} of {s['slower_runs']} runs.")
+    return lines
+
+
 GOAL_CARD = "h200"  # the card the issue's goals name
 
 
@@ -127,6 +161,10 @@ def markdown(payload: dict) -> str:
              "the .graph call and for a plain torch.mm of the same operands timed in the same rounds (runs since "
              "fused_host_time timed it): how much slower this host runs any op right after a wait.", ""]
     lines += tally_lines(payload["tally"])
+    if payload.get("by_host_speed"):
+        lines += ["", "By the host's speed (the runs of each world and transport from the fastest host, by its "
+                      "launch of one torch.mm alone), where some run missed the goal:", "",
+                  *host_speed_lines(payload["by_host_speed"])]
     if payload.get("tally_goal_card"):
         lines += ["", f"On the {GOAL_CARD.upper()} alone (the card the goals name; the other runs had an H100):", "",
                   *tally_lines(payload["tally_goal_card"], f"{GOAL_CARD}: ")]
@@ -151,6 +189,7 @@ def main(argv=None) -> int:
     rows = collect(Path(args.runs))
     payload = {"benchmark": NAME, "tag": args.tag, "rows": rows, "tally": tally(rows),
                "tally_goal_card": tally([r for r in rows if r["card"] == GOAL_CARD]),
+               "by_host_speed": by_host_speed(rows),
                "environment": output.environment(True)}
     text = markdown(payload)
     output.write_results(NAME, args.tag, payload, text, args.out_dir)

@@ -967,6 +967,16 @@ def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path
     assert [(t["world"], t["runs"], t["host_us_graph_all_within"], t["host_us_steady_all_within"],
              t["host_us_between_ops_runs"], t["host_us_between_ops_all_within"]) for t in tally] == [
         (2, 2, 1, 2, 1, 0), (8, 1, 0, 1, 0, 0)]
+    splits = host_time_goals.by_host_speed(rows)
+    assert [(x["world"], x["form"], x["fast_runs"], x["fast_up_to_us"], x["slower_runs"], x["slower_within"],
+             x["slower_from_us"]) for x in splits] == [
+        (2, ".graph", 1, 8.0, 1, 0, 18.0),  # met on the fast host (8 us), not on the slow one (18 us)
+        (2, "between a step's ops", 0, None, 1, 0, 8.0),  # missed on the only run that measured it
+        (8, ".graph", 0, None, 1, 0, 19.0)]  # steady: met in every run, no split
+    text = host_time_goals.markdown({"tag": "cpu", "rows": rows, "tally": tally, "by_host_speed": splits})
+    assert ("host, world 2, .graph: every row within on the 1 fastest hosts (torch.mm launched in up to 8.0 us); "
+            "from the first that missed it (18.0 us) on, in 0 of 1 runs.") in text
+    assert "host, world 8, .graph: not every row within on the fastest host" in text
     text = host_time_goals.markdown({"tag": "cpu", "rows": rows, "tally": tally})
     assert "host, world 2 (2 runs): .graph every row within in 1 of 2 runs" in text
     assert "| 1/2 (max 61) |" in text and "On the H200 alone" not in text
