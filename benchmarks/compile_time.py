@@ -31,6 +31,7 @@ compares the best of the repeats.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -275,6 +276,9 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(measure(*json.loads(args.one))), flush=True)
         return 0
+    if args.model != "demo" and importlib.util.find_spec("torchtitan") is None:
+        p.error(f"--model {args.model} needs torchtitan 0.3.0: pip install --no-deps torchtitan==0.3.0 "
+                "(and the test extra, the two of its dependencies its model imports)")
     layers = [1] if args.dry_run else [int(x) for x in args.layers.split(",")]
     worlds = [int(x) for x in args.worlds.split(",")]
     if any(w < 2 for w in worlds):

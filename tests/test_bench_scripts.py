@@ -485,6 +485,20 @@ def test_compile_time_compiles_torchtitan_with_checkpointed_layers(tmp_path):
     assert "every layer checkpointed" in (tmp_path / "compile_time-cpu.md").read_text()
 
 
+def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
+    """Without torchtitan installed, ``--model torchtitan`` is refused before anything runs, saying
+    how to install it (not a failed row per configuration)."""
+    import importlib.util
+
+    compile_time = _bench("compile_time")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        compile_time.main(["--model", "torchtitan", "--dry-run", "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and "pip install --no-deps torchtitan==0.3.0" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_compile_time_refuses_a_group_of_one(tmp_path):
     """A group size under two is refused before anything runs."""
     proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--worlds", "1",
