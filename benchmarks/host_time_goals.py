@@ -89,16 +89,31 @@ def collect(folder: Path = RUNS) -> list[dict]:
     return sorted(rows, key=lambda r: (r["transport"], r["world"], r["mm_launch_us"] or 0.0, r["run"]))
 
 
+def _groups(rows: list[dict]):
+    """``(transport, world, its rows)`` for each transport and world of ``rows``, in that order."""
+    for transport, world in sorted({(r["transport"], r["world"]) for r in rows}):
+        yield transport, world, [r for r in rows if r["transport"] == transport and r["world"] == world]
+
+
+def _measured(group: list[dict], key: str) -> list[dict]:
+    """The runs of ``group`` that measured form ``key``."""
+    return [r for r in group if r[f"{key}_rows"]]
+
+
+def _all_within(run: dict, key: str) -> bool:
+    """Whether every row that ``run`` measured in form ``key`` was within the goal."""
+    return run[f"{key}_within"] == run[f"{key}_rows"]
+
+
 def tally(rows: list[dict]) -> list[dict]:
     """Per transport and world: the runs, and per form how many had every row within the goal."""
     out = []
-    for transport, world in sorted({(r["transport"], r["world"]) for r in rows}):
-        group = [r for r in rows if r["transport"] == transport and r["world"] == world]
+    for transport, world, group in _groups(rows):
         line = {"transport": transport, "world": world, "runs": len(group)}
         for key, _ in FORMS:
-            measured = [r for r in group if r[f"{key}_rows"]]
+            measured = _measured(group, key)
             line[f"{key}_runs"] = len(measured)
-            line[f"{key}_all_within"] = sum(r[f"{key}_within"] == r[f"{key}_rows"] for r in measured)
+            line[f"{key}_all_within"] = sum(_all_within(r, key) for r in measured)
         out.append(line)
     return out
 
@@ -107,17 +122,17 @@ def by_host_speed(rows: list[dict]) -> list[dict]:
     """Per transport, world and form where some run missed the goal: how the runs split by their host's
     speed (its launch of one ``torch.mm``), fastest first: how many of the fastest hosts had every row
     within (and the slowest of them), then from the first run that missed it on (and its host's
-    speed), how many runs still had every row within.  A form met on every fast host and on no slow one is a property of the host, not the call."""
+    speed), how many runs still had every row within.  A form met on every fast host and on no slow
+    one is a property of the host, not the call."""
     out = []
-    for transport, world in sorted({(r["transport"], r["world"]) for r in rows}):
-        group = sorted((r for r in rows if r["transport"] == transport and r["world"] == world
-                        and r["mm_launch_us"] is not None), key=lambda r: r["mm_launch_us"])
+    for transport, world, group in _groups([r for r in rows if r["mm_launch_us"] is not None]):
+        group.sort(key=lambda r: r["mm_launch_us"])
         for key, label in FORMS:
-            measured = [r for r in group if r[f"{key}_rows"]]
-            met = [r[f"{key}_within"] == r[f"{key}_rows"] for r in measured]
+            measured = _measured(group, key)
+            met = [_all_within(r, key) for r in measured]
             if all(met):
                 continue
-            fast = next(i for i, ok in enumerate(met) if not ok)
+            fast = met.index(False)
             out.append({"transport": transport, "world": world, "form": label, "fast_runs": fast,
                         "fast_up_to_us": measured[fast - 1]["mm_launch_us"] if fast else None,
                         "slower_runs": len(measured) - fast, "slower_within": sum(met[fast:]),
