@@ -142,17 +142,22 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
             "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3)}
 
 
+def _failed(layers: int, mode: str, inner: str, world: int, model: str, error: str) -> dict:
+    """The row of a configuration that could not be measured."""
+    return {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner, "error": error}
+
+
 def run_fresh(layers: int, mode: str, inner: str, world: int, model: str, timeout: float) -> dict:
     """``measure`` in a fresh Python process (no dynamo cache, no warm fake-tensor cache)."""
-    cmd = [sys.executable, __file__, "--one", json.dumps([layers, mode, inner, world, model])]
-    failed = {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner}
+    config = [layers, mode, inner, world, model]
+    cmd = [sys.executable, __file__, "--one", json.dumps(config)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return dict(failed, error=f"timed out after {timeout:.0f} s")
+        return _failed(*config, f"timed out after {timeout:.0f} s")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return dict(failed, error=f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
+        return _failed(*config, f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}")
     return json.loads(lines[-1])
 
 
@@ -165,8 +170,7 @@ def measure_here(layers: int, mode: str, inner: str, world: int, model: str) -> 
     try:
         return measure(layers, mode, inner, world, model)
     except Exception as e:  # noqa: BLE001 - a row's failure is its outcome, as in a fresh process
-        return {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner,
-                "error": f"{type(e).__name__}: {e}"}
+        return _failed(layers, mode, inner, world, model, f"{type(e).__name__}: {e}")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -205,16 +209,16 @@ def summary(rows: list[dict]) -> dict:
     for world in worlds:
         for mode in modes:
             d8, d64 = best.get((world, 8, mode)), best.get((world, 64, mode))
-            if d8 and d64 and _ratio(d64["pass_s"], d8["pass_s"]):
-                out["pass_growth_8_to_64"][f"w{world}/{mode}"] = _ratio(d64["pass_s"], d8["pass_s"])
+            if d8 and d64 and (growth := _ratio(d64["pass_s"], d8["pass_s"])):
+                out["pass_growth_8_to_64"][f"w{world}/{mode}"] = growth
     if len(worlds) > 1:
         small, large = worlds[0], worlds[-1]
         for layers in sorted({n for _, n, _ in best}):
             for mode in modes:
                 a, b = best.get((small, layers, mode)), best.get((large, layers, mode))
-                if a and b and _ratio(b["pass_s"], a["pass_s"]):
+                if a and b and (growth := _ratio(b["pass_s"], a["pass_s"])):
                     out["pass_growth_with_world"][f"{layers}/{mode}"] = {
-                        "worlds": [small, large], "pass": _ratio(b["pass_s"], a["pass_s"]),
+                        "worlds": [small, large], "pass": growth,
                         "nodes_out": _ratio(b.get("nodes_out"), a.get("nodes_out")),
                         "nodes_added": _ratio(_added(b), _added(a))}
     return out
