@@ -537,6 +537,17 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w2", 2, f"{MACHINE}-c-entry-peer-w2-pin-mps", 80, extra=("--transport", "peer")),
         _host_time("host_time-w4-w8", "4,8", f"{MACHINE}-c-entry-w48-host-pin-mps", 230),
     ),
+    # Issue 27: gathers of several weights (Q, K, V; w1, w3: most gathers of a sequence-parallel block) entered
+    # from C like those of one weight (they took the C++ dispatcher and the kernel in Python before), beside
+    # the dispatcher's path in the same rounds: host-staged at 2 (with the breakdown), 4 and 8 ranks, peer at 2
+    "h200-weights": (
+        _host_time("host_time-weights-w2", 2, f"{MACHINE}-weights-w2-breakdown-host-pin-mps", 100,
+                   extra=("--cases", "weights", "--breakdown")),
+        _host_time("host_time-weights-peer-w2", 2, f"{MACHINE}-weights-peer-w2-pin-mps", 70,
+                   extra=("--cases", "weights", "--transport", "peer")),
+        _host_time("host_time-weights-w48", "4,8", f"{MACHINE}-weights-w48-host-pin-mps", 170,
+                   extra=("--cases", "weights")),
+    ),
     "h200-c-entry-stress": (
         _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,
                 extra=("--overload", "graph")),

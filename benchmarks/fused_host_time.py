@@ -52,6 +52,16 @@ CASES = [("all_gather_matmul", 256, 4096, 7168), ("all_gather_matmul", 1024, 409
          ("matmul_reduce_scatter", 8192, 7168, 4096),
          ("matmul_all_reduce", 512, 7168, 4096), ("matmul_all_reduce", 2048, 7168, 4096),
          ("matmul_all_reduce", 8192, 7168, 4096)]
+# gathers feeding several weights (n: their widths), as a sequence-parallel Llama-3 8B block's at TP 2: Q, K and
+# V (2048 + 512 + 512 columns) and w1, w3 (2 x 7168) share their gathered rows: most gathers of a real model
+WEIGHT_CASES = [("all_gather_matmul", 1024, 4096, (2048, 512, 512)), ("all_gather_matmul", 4096, 4096, (2048, 512, 512)),
+                ("all_gather_matmul", 1024, 4096, (7168, 7168)), ("all_gather_matmul", 4096, 4096, (7168, 7168))]
+CASE_SETS = {"default": CASES, "weights": WEIGHT_CASES}
+
+
+def widths(n) -> tuple[int, ...]:
+    """A case's weights' widths: ``n`` is one width, or a gather's widths (a tuple; a list in JSON)."""
+    return tuple(n) if isinstance(n, (tuple, list)) else (n,)
 
 
 BUSY_S = 2e-3  # the GPU's sleep before a "GPU busy" form's calls: longer than their issue
@@ -220,21 +230,37 @@ def launch_costs() -> dict[str, float]:
     return {kind: s * 1e6 for kind, s in measure_fused_host(calls=50)["launch_s"].items()}
 
 
-def operands(op: str, rows: int, k: int, n: int, rank: int):
+def operands(op: str, rows: int, k: int, n, rank: int):
+    """A rank's input and its weight (a list of weights where ``n`` holds several widths)."""
     g = torch.Generator(device="cuda").manual_seed(11 + rank)
     a = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    return a, b
+    bs = [torch.randn(k, width, device="cuda", dtype=torch.bfloat16, generator=g) for width in widths(n)]
+    return a, (bs if isinstance(n, (tuple, list)) else bs[0])
 
 
-def relative_error(op: str, result, rows: int, k: int, n: int, rank: int, world: int) -> float:
+def weight_list(b) -> list:
+    """A case's weights as a list (one, or a gather's several)."""
+    return b if isinstance(b, list) else [b]
+
+
+def weights_arg(op: str, b):
+    """What the operator takes for ``b``: the gather a list of weights, the others the weight."""
+    return weight_list(b) if op == "all_gather_matmul" else b
+
+
+def relative_error(op: str, result, rows: int, k: int, n, rank: int, world: int) -> float:
     """Largest difference from plain matmuls of every rank's operands, over the largest element."""
     pairs = [operands(op, rows, k, n, r) for r in range(world)]
     if op == "all_gather_matmul":
-        got, want = result[1][0], torch.cat([a for a, _ in pairs]) @ pairs[rank][1]
+        gathered = torch.cat([a for a, _ in pairs])
+        return max(_relative(got, gathered @ b) for got, b in zip(result[1], weight_list(pairs[rank][1])))
     else:
         full = sum(a.float() @ b.float() for a, b in pairs)
         got, want = result, (full.chunk(world)[rank] if op == "matmul_reduce_scatter" else full)
+    return _relative(got, want)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
@@ -255,15 +281,16 @@ def python_profile(fn, calls: int = 40) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])[:20]
 
 
-def _workspace_of(op: str, rows: int):
-    """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows use (not the
-    asynchronous form's: its key ends in ``deferred`` = True)."""
+def _workspace_of(op: str, rows: int, n=None):
+    """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows (and, for a gather, the
+    weights' widths ``n``) use (not the asynchronous form's: its key ends in ``deferred`` = True)."""
     from compass_fx.kernels.cuda import impl as cuda
 
     short = {"all_gather_matmul": "ag", "matmul_reduce_scatter": "rs", "matmul_all_reduce": "ar"}[op]
     at = 4 if short == "ag" or short == "rs" else 3  # where the rows sit in the key
     found = [ws for (key, captured), ws in cuda._workspaces.items()
-             if not captured and key[0] == short and key[at] == rows and not key[-1] and ws.replays is not None]
+             if not captured and key[0] == short and key[at] == rows and not key[-1] and ws.replays is not None
+             and (n is None or short != "ag" or key[6] == widths(n))]
     return found[-1] if len(found) == 1 else None
 
 
@@ -274,7 +301,7 @@ def _graph_nodes(ws, a, b, outs: list, gathered) -> dict:
 
     from compass_fx.kernels.cuda import replay
 
-    tensors = {"A": [a], "W": [b], "OUT": outs}
+    tensors = {"A": [a], "W": weight_list(b), "OUT": outs}
     if gathered is not None:
         tensors["GATHERED"] = [gathered]
     stream = replay._capture_stream(ws.device_index)
@@ -291,7 +318,7 @@ def _graph_nodes(ws, a, b, outs: list, gathered) -> dict:
     return kinds
 
 
-def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a, b, rounds: int,
+def breakdown(op: str, rows: int, k: int, n, world: int, group_name: str, a, b, rounds: int,
               schedule: str = "direct") -> dict:
     """Where a replayed call's host microseconds go, without a profiler's overhead: forms timed in
     turns (every rank runs the same sequence: launches are collective).  ``call``: the ``.graph``
@@ -304,18 +331,17 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     ``in_turn``: no other rank launches at the same moment)."""
     from compass_fx.kernels.cuda import impl as cuda
 
-    ws = _workspace_of(op, rows)
+    ws = _workspace_of(op, rows, n)
     if ws is None or ws.progress is None:
         return {"error": "no single replaying workspace with a progress count"}
-    args = ([b] if op == "all_gather_matmul" else b, schedule, group_name, world)
+    args = (weights_arg(op, b), schedule, group_name, world)
     graph_op = getattr(torch.ops.compass, op).graph
     out_rows = {"all_gather_matmul": rows * world, "matmul_reduce_scatter": rows // world,
                 "matmul_all_reduce": rows}[op]
 
     def allocations(gathered_rows: int, rows_out: int):
-        if op == "all_gather_matmul":
-            return a.new_empty((gathered_rows, k)), [a.new_empty((rows_out, n))]
-        return None, [a.new_empty((rows_out, n))]
+        gathered = a.new_empty((gathered_rows, k)) if op == "all_gather_matmul" else None  # first, as the call
+        return gathered, [a.new_empty((rows_out, width)) for width in widths(n)]
 
     def alloc():
         return allocations(rows * world, out_rows)
@@ -327,7 +353,7 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
 
     def alloc_launch():
         gathered, outs = alloc()
-        tensors = {"A": [a], "W": [b], "OUT": outs}
+        tensors = {"A": [a], "W": weight_list(b), "OUT": outs}
         if gathered is not None:
             tensors["GATHERED"] = [gathered]
         ws.epoch += 1
@@ -365,7 +391,7 @@ def breakdown(op: str, rows: int, k: int, n: int, world: int, group_name: str, a
     return res
 
 
-def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_name: str, rounds: int,
+def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: str, rounds: int,
             profile: bool = False, split: bool = False, schedule: str = "direct") -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
@@ -378,7 +404,7 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     a, b = operands(op, rows, k, n, rank)
     through_op = getattr(torch.ops.compass, op)
     direct = getattr(cuda, op)
-    args = ([b] if op == "all_gather_matmul" else b, schedule, group_name, world)
+    args = (weights_arg(op, b), schedule, group_name, world)
     graph_op = through_op.graph
 
     def checked(name: str, fn) -> float:
@@ -416,6 +442,9 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     # done when the process's first workspace built the fast path: read after the calls above): the A/B's
     # other side, behind it the same fast path (None where C does not take them)
     python_entry = getattr(graph_op._op, "fallback", None)
+    # the C++ dispatcher's path to the same kernel: what a gather of several weights took while only one
+    # weight counted as plain (ops._direct), and what the other calls took before they skipped it
+    through_dispatcher = getattr(graph_op._op, "through_dispatcher", None)
     dist.barrier()
     before = dict(replay.stats)
     res = {"op": op, "world": world, "rows": rows, "k": k, "n": n, "relative_error": err,
@@ -429,6 +458,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
              "host_us_impl": lambda: direct(a, *args), "host_us_issued": lambda: issued(a, *args)}
     if python_entry is not None:
         timed["host_us_graph_python_entry"] = lambda: python_entry(a, *args)
+    if through_dispatcher is not None:
+        timed["host_us_graph_dispatcher"] = lambda: through_dispatcher(a, *args)
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
@@ -443,7 +474,8 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
             raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
         timed["host_us_async"] = started
     # a plain eager op's issue in the same rounds, last (the forms above keep their order): the host's reference
-    timed["host_us_mm"] = lambda: torch.mm(a, b)
+    first_weight = weight_list(b)[0]
+    timed["host_us_mm"] = lambda: torch.mm(a, first_weight)
     dist.barrier()
     # every rank runs the same sequence of calls: they are collective
     res.update(host_us(timed, rounds=rounds, busy=frozenset({"host_us_graph_busy"}),
@@ -459,10 +491,17 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
         dist.barrier()
         res["host_us_between_ops_python_entry"] = between_ops_us(lambda: python_entry(a, *args),
                                                                  lambda: step_ops(a))["host_us_between_ops"]
+    if through_dispatcher is not None:  # and through the dispatcher
+        dist.barrier()
+        res.update({f"{k}_dispatcher": v for k, v in period_us(lambda: through_dispatcher(a, *args)).items()
+                    if k in ("host_us_first_of_16", "host_us_steady")})
+        dist.barrier()
+        res["host_us_between_ops_dispatcher"] = between_ops_us(lambda: through_dispatcher(a, *args),
+                                                               lambda: step_ops(a))["host_us_between_ops"]
     # a plain torch.mm of the case's operands back to back, after the forms above (their order as before it):
     # how much slower this host runs any eager op right after a wait
     dist.barrier()
-    res.update({f"{k}_mm": v for k, v in period_us(lambda: torch.mm(a, b)).items()
+    res.update({f"{k}_mm": v for k, v in period_us(lambda: torch.mm(a, first_weight)).items()
                 if k in ("host_us_first_of_16", "host_us_steady")})
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
@@ -476,19 +515,20 @@ def measure(op: str, rows: int, k: int, n: int, rank: int, world: int, group_nam
     res["device_launched_graphs"] = replay.stats["device_launched"] - before["device_launched"]
     dist.barrier()
     cols = k if op == "all_gather_matmul" else n
+    matmuls = len(widths(n))
     host = os.environ["COMPASS_FUSED_TRANSPORT"] == "host"
-    plans = call_plans(op, schedule, world, rank, rows, cols, 1, 2, host=host, piece_bytes=host_piece_bytes(),
+    plans = call_plans(op, schedule, world, rank, rows, cols, matmuls, 2, host=host, piece_bytes=host_piece_bytes(),
                        most_pieces=host_most_pieces_setting())
     counts: dict[str, int] = {}
     for plan in plans:
         for c in plan.commands:
             counts[type(c).__name__] = counts.get(type(c).__name__, 0) + 1
     res["commands"] = counts
-    res["plan_digest"] = plan_digest(plans + graph_plans(op, schedule, world, rank, rows, cols, 1, 2, host=host,
+    res["plan_digest"] = plan_digest(plans + graph_plans(op, schedule, world, rank, rows, cols, matmuls, 2, host=host,
                                                          piece_bytes=host_piece_bytes(),
                                                          most_pieces=host_most_pieces_setting()))
     m = rows * world if op == "all_gather_matmul" else rows
-    w = Workload(op, m, n, k, "bfloat16", world)
+    w = Workload(op, m, sum(widths(n)), k, "bfloat16", world, matmuls=matmuls, extra_n=widths(n)[1:])
     topo = Topology.preset("h200-host-staged-8" if host else "h200-nvswitch-8")
     res["model_us"] = fused_host_seconds(w, topo, schedule) * 1e6
     return res
@@ -565,7 +605,10 @@ def markdown(payload: dict) -> str:
              "exists; the overload's eager calls entered from C, .cuda.lane.enter_from_c); .graph, Python entry: "
              "the same through the overload's Python entry (ops._direct's, as before C took its calls; its first of "
              "16, steady and between-ops forms measured right after the C entry's); .graph, Python path: the same "
-             "with the fast path set aside (as before it); issued: the same with COMPASS_FUSED_REPLAY=0 (every "
+             "with the fast path set aside (as before it); .graph, dispatcher: the same through the C++ dispatcher (the "
+             "path a gather of several weights took while only one weight counted as plain: its Python kernel, then "
+             "C; its steady and between-ops forms after the Python entry's); n: the weights' widths (a gather of "
+             "several: Q, K and V, or w1 and w3, sharing their gathered rows); issued: the same with COMPASS_FUSED_REPLAY=0 (every "
              "command launched from Python, as before); impl: the implementation called directly; start, wait: the asynchronous form "
              "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
@@ -600,12 +643,14 @@ def markdown(payload: dict) -> str:
     for world, launch in payload["launch_us"].items():
         lines += [f"Launch alone, world {world} (us): " + ", ".join(f"{k} {v:.1f}" for k, v in launch.items()), ""]
     lines.append(output.markdown_table(
-        [dict(r, n_commands=sum(r["commands"].values()), model_over_graph=r["model_us"] / r["host_us_graph"],
+        [dict(r, n="+".join(str(width) for width in widths(r["n"])), n_commands=sum(r["commands"].values()),
+              model_over_graph=r["model_us"] / r["host_us_graph"],
               host_share=r["host_us_graph"] / (r["period_us"] / r["world"]) if r.get("period_us") else None)
          for r in payload["rows"]],
         ["world", "op", "rows", "k", "n", ("n_commands", "commands"), ("host_us_op", "host us (op)"),
          ("host_us_graph", "host us (.graph)"), ("host_us_graph_python_entry", "host us (.graph, Python entry)"),
          ("host_us_graph_python", "host us (.graph, Python path)"),
+         ("host_us_graph_dispatcher", "host us (.graph, dispatcher)"),
          ("host_us_graph_busy", "host us (.graph, GPU busy)"),
          ("host_us_graph_warm", "host us (.graph, warm host)"),
          ("host_us_back_to_back", "host us (.graph, 16 back to back)"),
@@ -613,8 +658,10 @@ def markdown(payload: dict) -> str:
          ("host_us_first_of_16_python_entry", "host us (.graph, first of 16, Python entry)"),
          ("host_us_steady", "host us (.graph, steady)"),
          ("host_us_steady_python_entry", "host us (.graph, steady, Python entry)"),
+         ("host_us_steady_dispatcher", "host us (.graph, steady, dispatcher)"),
          ("host_us_between_ops", "host us (.graph, between a step's ops)"),
          ("host_us_between_ops_python_entry", "host us (.graph, between a step's ops, Python entry)"),
+         ("host_us_between_ops_dispatcher", "host us (.graph, between a step's ops, dispatcher)"),
          ("host_us_graph_in_turn", "host us (.graph, ranks in turn)"),
          ("host_us_mm", "host us (torch.mm)"), ("host_us_first_of_16_mm", "host us (torch.mm, first of 16)"),
          ("host_us_steady_mm", "host us (torch.mm, steady)"),
@@ -622,7 +669,8 @@ def markdown(payload: dict) -> str:
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
-    lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"]), *mm_lines(payload["rows"])]
+    lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"]),
+              *entry_lines(payload["rows"], "_dispatcher", "the dispatcher"), *mm_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
@@ -675,23 +723,23 @@ ENTRY_FORMS = (("host_us_graph", ".graph"), ("host_us_first_of_16", "first of 16
                ("host_us_between_ops", "between a step's ops"))
 
 
-def entry_lines(rows: list[dict]) -> list[str]:
+def entry_lines(rows: list[dict], other: str = "_python_entry", name: str = "the Python entry") -> list[str]:
     """Per world, the .graph overload's C entry against its Python entry (the A/B of
-    ``lane.enter_from_c``, both in one run): each form's host time through C over that through Python,
-    its range over the rows and the median of the microseconds saved."""
+    ``lane.enter_from_c``, both in one run; ``other`` ``_dispatcher``: against the C++ dispatcher's path):
+    each form's host time through C over that through the other path, its range over the rows and the
+    median of the microseconds saved."""
     lines = []
     for world in sorted({r["world"] for r in rows}):
         parts = []
         for key, label in ENTRY_FORMS:
-            pairs = [(r[key], r[f"{key}_python_entry"]) for r in rows
-                     if r["world"] == world and r.get(key) is not None and r.get(f"{key}_python_entry") is not None]
+            pairs = [(r[key], r[f"{key}{other}"]) for r in rows
+                     if r["world"] == world and r.get(key) is not None and r.get(f"{key}{other}") is not None]
             if pairs:
                 ratios = [c / p for c, p in pairs]
                 saved = statistics.median(p - c for c, p in pairs)
                 parts.append(f"{label} {min(ratios):.2f}-{max(ratios):.2f}x (median {saved:.1f} us less)")
         if parts:
-            lines.append(f"C entry over the Python entry at world {world} (host time, row by row): " + "; ".join(parts)
-                         + ".")
+            lines.append(f"C entry over {name} at world {world} (host time, row by row): " + "; ".join(parts) + ".")
     return lines
 
 
@@ -758,16 +806,18 @@ def plan_digest(plans) -> str:
     return hashlib.sha1(repr(tuple(plan.commands for plan in plans)).encode()).hexdigest()[:12]
 
 
-def selected_cases(ops: str) -> list:
-    """The cases of the operators named in ``ops`` (comma-separated; empty: every case)."""
+def selected_cases(ops: str, case_set: str = "default") -> list:
+    """The cases of ``case_set`` (:data:`CASE_SETS`) of the operators named in ``ops`` (comma-separated;
+    empty: every case of the set)."""
+    cases = CASE_SETS[case_set]
     if not ops:
-        return list(CASES)
+        return list(cases)
     wanted = [op.strip() for op in ops.split(",") if op.strip()]
-    known = sorted({case[0] for case in CASES})
+    known = sorted({case[0] for case in cases})
     unknown = [op for op in wanted if op not in known]
     if unknown:
         raise SystemExit(f"--ops: unknown operator(s) {unknown}; the cases' operators are {known}")
-    return [case for case in CASES if case[0] in wanted]
+    return [case for case in cases if case[0] in wanted]
 
 
 def main(argv=None) -> int:
@@ -793,10 +843,13 @@ def main(argv=None) -> int:
                    "poll: the timing loops first poll the stream in a busy loop (wait_for_device)")
     p.add_argument("--ops", default="",
                    help="only these operators' cases, comma-separated (e.g. all_gather_matmul); default: all")
+    p.add_argument("--cases", choices=sorted(CASE_SETS), default="default",
+                   help="default: one weight a call, llama3-8b widths at 512-8192 tokens; weights: gathers of "
+                   "several weights (Q, K, V; w1, w3) as a sequence-parallel block makes them")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
-    cases = selected_cases(args.ops)
+    cases = selected_cases(args.ops, args.cases)
     if args.transport == "host" and args.schedule != "direct":
         p.error("--schedule: the host-staged transport runs only 'direct' in rewritten graphs (cost.select); "
                 "measure the others with --transport peer")
@@ -810,6 +863,8 @@ def main(argv=None) -> int:
     payload["schedule"] = args.schedule
     if args.ops:
         payload["ops"] = args.ops
+    if args.cases != "default":
+        payload["cases"] = args.cases
     if args.sync != "auto":
         payload["settings"]["sync"] = args.sync
     from compass_fx.kernels.cuda import replay

@@ -741,6 +741,37 @@ def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
         fused_host_time.selected_cases("all_gather")
 
 
+def test_fused_host_time_runs_gathers_of_several_weights_and_checks_each(monkeypatch):
+    """``--cases weights``: gathers feeding several weights (Q, K, V; w1, w3), each output checked
+    against the gathered rows times its own weight (a wrong second output fails the check); the
+    markdown names their widths and sets the C entry beside the dispatcher's path."""
+    fused_host_time = _bench("fused_host_time")
+    cases = fused_host_time.selected_cases("", "weights")
+    assert cases == fused_host_time.WEIGHT_CASES and {len(c[3]) for c in cases} == {2, 3}
+    assert fused_host_time.selected_cases("all_gather_matmul", "weights") == cases
+
+    def operands(op, rows, k, n, rank):  # as the script's, on the CPU
+        g = torch.Generator().manual_seed(11 + rank)
+        a = torch.randn(rows, k, generator=g)
+        bs = [torch.randn(k, width, generator=g) for width in fused_host_time.widths(n)]
+        return a, (bs if isinstance(n, tuple) else bs[0])
+
+    monkeypatch.setattr(fused_host_time, "operands", operands)
+    op, rows, k, n = "all_gather_matmul", 4, 8, (6, 3, 3)
+    everyone = torch.cat([operands(op, rows, k, n, r)[0] for r in range(2)])
+    right = [everyone @ b for b in operands(op, rows, k, n, 1)[1]]
+    assert fused_host_time.relative_error(op, (everyone, right), rows, k, n, 1, 2) < 1e-6
+    wrong = [right[0], right[1] * 1.5, right[2]]
+    assert fused_host_time.relative_error(op, (everyone, wrong), rows, k, n, 1, 2) == pytest.approx(0.5, rel=1e-5)
+    row = {"world": 2, "op": op, "rows": 1024, "k": 4096, "n": [2048, 512, 512], "commands": {"Gemm": 6},
+           "model_us": 30.0, "host_us_graph": 40.0, "host_us_graph_dispatcher": 64.0, "host_us_steady": 20.0,
+           "host_us_steady_dispatcher": 36.0}
+    text = fused_host_time.markdown({"tag": "t", "launch_us": {}, "rows": [row]})
+    assert "| 2 | all_gather_matmul | 1024 | 4096 | 2048+512+512 | 6 |" in text, text
+    assert ("C entry over the dispatcher at world 2 (host time, row by row): .graph 0.62-0.62x (median 24.0 us "
+            "less); steady 0.56-0.56x (median 16.0 us less).") in text, text
+
+
 def test_fused_host_time_measures_a_schedule_the_transport_runs(capsys):
     """``--schedule``: the peer transport's calls may run any schedule (the cost model chooses among
     them there); the host-staged transport runs only "direct" in rewritten graphs, so asking it for

@@ -82,6 +82,17 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             del reduced
         torch.cuda.synchronize()
         stats = dict(replay.stats)
+        # one more replayed call of each, watching for Python frames of ours: a plain call runs none of
+        # ops.py's (its entry or kernel), a gather of two weights too (it took the dispatcher and the
+        # kernel in Python while only one weight counted as plain)
+        frames = {name: _python_frames(call) for name, call in (
+            ("gather", lambda: torch.ops.compass.all_gather_matmul.graph(shard, [w], "direct", group, world)),
+            ("gather, two weights", lambda: torch.ops.compass.all_gather_matmul.graph(shard, [w, w2], "direct",
+                                                                                      group, world)),
+            ("reduce-scatter", lambda: torch.ops.compass.matmul_reduce_scatter.graph(a, w, "direct", group, world)),
+            ("all-reduce", lambda: torch.ops.compass.matmul_all_reduce.graph(a, w, "direct", group, world)))}
+        torch.cuda.synchronize()
+        stats_frames = {k: replay.stats[k] - stats[k] for k in ("replayed", "lane")}
         ring_from_c = []  # the ring's all-reduce (the cost model picks the ring where GPUs reach each other): a
         # fused reduce-scatter, then a gather of the sums; once both have graphs, two replays from one lane
         for step in range(10 if transport == "peer" else 0):
@@ -98,6 +109,7 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         result = {"worst": worst, "workspaces": len(mapped), "replayed": stats["replayed"],
                   "captured": stats["captured"], "from_c": stats["lane"], "ring_from_c": ring_from_c,
                   "python_step": python_step, "fast_path_off": lane._state.get("failed"),
+                  "frames": frames, "frames_stats": stats_frames,
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
                   "ipc": transport == "peer" and all(isinstance(ws.memory[1], dict) for ws in mapped),
                   "counted_on_gpu": sum(ws.progress is not None for ws in mapped),
@@ -109,6 +121,26 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _python_frames(call) -> list[str]:
+    """The Python functions of compass_fx that ``call`` runs (file:function, in order)."""
+    import os
+    import sys
+
+    seen: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "compass_fx" in frame.f_code.co_filename:
+            seen.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        out = call()
+    finally:
+        sys.setprofile(None)
+    del out
+    return seen
 
 
 def _shares_a_gpu(rank: int, ids: list[str]) -> bool:
@@ -143,6 +175,9 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         # every replay from C but the captures and the eighth calls (the host fast path set aside)
         assert r["python_step"]["lane"] == 0 and r["fast_path_off"] is None, r
         assert r["from_c"] == r["replayed"] - r["captured"] - r["python_step"]["replayed"] >= 4 * 3, r
+        # a plain call, a gather of two weights too, enters C from OpOverload.__call__: no Python of ops.py
+        assert r["frames_stats"] == {"replayed": 4, "lane": 4}, r
+        assert not [f for frames in r["frames"].values() for f in frames if f.startswith("ops.py")], r["frames"]
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
         # the ring's all-reduce, once its two calls' graphs exist (by the sixth call): both replays from C, every call
         assert r["ring_from_c"][6:] == [2] * 4, r

@@ -480,21 +480,26 @@ def entry(fast):
     lane.lanes.clear()
 
 
-def _entry_case(fast, op: str):
-    _, a_shape, b_shapes, world, _ = CASES["reduce-scatter" if op == "matmul_reduce_scatter" else "gather"]
-    a, b = _meta(*a_shape), _meta(*b_shapes[0])
+ENTRY_CASES = {"reduce-scatter": "scatter", "gather": "gather", "gather, three weights": "gather"}
+
+
+def _entry_case(fast, case: str):
+    op, a_shape, b_shapes, world, _ = CASES[case]
+    a, bs = _meta(*a_shape), [_meta(*shape) for shape in b_shapes]
+    b = bs[0] if op == "matmul_reduce_scatter" else bs
     ws = _workspace()
     lane.lanes[_key(fast, op, a, b, world)] = ws
-    return a, (b if op == "matmul_reduce_scatter" else [b]), world, ws
+    return a, b, world, ws
 
 
-@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
-def test_the_graph_overloads_c_entry_issues_a_plain_call_and_hands_on_one_it_declines(fast, entry, op):
+@pytest.mark.parametrize("case", sorted(ENTRY_CASES))
+def test_the_graph_overloads_c_entry_issues_a_plain_call_and_hands_on_one_it_declines(fast, entry, case):
     """A plain call (exact tensors on the kernel's device, no mode, no gradient wanted) goes from the
     overload's entry straight to the replay, no Python called; one C declines (no graph yet) goes to
-    the kernel's Python path with its arguments, not back through the entry."""
-    e = entry.scatter if op == "matmul_reduce_scatter" else entry.gather
-    a, b, world, ws = _entry_case(fast, op)
+    the kernel's Python path with its arguments, not back through the entry.  A gather of three
+    weights (Q, K and V sharing their gathered rows) is as plain as one of one."""
+    e = getattr(entry, ENTRY_CASES[case])
+    a, b, world, ws = _entry_case(fast, case)
     args = (a, b, "direct", "g0", world)
     assert e.call(*args) is a  # no graph: declined, the Python path's answer
     assert e.python_path.seen == [(args, {})] and e.fallback.seen == []
@@ -504,8 +509,12 @@ def test_the_graph_overloads_c_entry_issues_a_plain_call_and_hands_on_one_it_dec
         out = e.call(*args)
         assert out is not a and len(fast.launches.seen) == launches + 1
         assert fast.launches.seen[-1] == (0x3000 + epoch % 4, STREAM) and ws.epoch == epoch
+    if ENTRY_CASES[case] == "gather":
+        assert [tuple(t.shape) for t in out[1]] == [tuple(w.shape) for w in b] and out[1][0] is not a
     with torch.no_grad():  # a gradient not wanted: plain however the inputs require one
         a.requires_grad_()
+        b_last = b[-1] if isinstance(b, list) else b
+        b_last.requires_grad_()
         assert e.call(*args) is not a and ws.epoch == 3
     assert len(e.python_path.seen) == 1 and e.fallback.seen == []
     assert e.call.through_dispatcher == "the dispatcher"
@@ -530,6 +539,13 @@ def _not_plain():
         args[0].requires_grad_()
         return e.call(*args)
 
+    def last_weight(change):  # the call with its (last) weight changed
+        def call(e, args):
+            b = args[1]
+            b = b[:-1] + [change(b[-1])] if isinstance(b, list) else change(b)
+            return e.call(args[0], b, *args[2:])
+        return call
+
     return {
         "keywords": lambda e, args: e.call(*args[:4], group_size=args[4]),
         "four arguments": lambda e, args: e.call(*args[:4]),
@@ -540,15 +556,17 @@ def _not_plain():
         "a functorch transform": lambda e, args: torch.func.vmap(lambda x: e.call(x, *args[1:]))(
             _meta(2, *args[0].shape)),
         "a gradient wanted": requires_grad,
+        "a weight a tensor subclass": last_weight(lambda w: torch.nn.Parameter(w, requires_grad=False)),
+        "a weight wanting a gradient": last_weight(lambda w: w.requires_grad_()),
         "the fast path set aside": None,  # fast_calls emptied, as COMPASS_FUSED_LANE's A/B does
     }
 
 
 @pytest.mark.parametrize("case", sorted(_not_plain()))
-@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
-def test_the_c_entry_hands_anything_but_a_plain_call_to_the_python_entry(fast, entry, op, case):
-    e = entry.scatter if op == "matmul_reduce_scatter" else entry.gather
-    a, b, world, ws = _entry_case(fast, op)
+@pytest.mark.parametrize("entry_case", sorted(ENTRY_CASES))
+def test_the_c_entry_hands_anything_but_a_plain_call_to_the_python_entry(fast, entry, entry_case, case):
+    e = getattr(entry, ENTRY_CASES[entry_case])
+    a, b, world, ws = _entry_case(fast, entry_case)
     args = (a, b, "direct", "g0", world)
     e.call(*args)
     ws.replays.graphs[fast.module.last_addresses()] = [Graph(0x3000 + phase) for phase in range(4)]
@@ -563,9 +581,11 @@ def test_the_c_entry_hands_anything_but_a_plain_call_to_the_python_entry(fast, e
     assert len(fast.launches.seen) == launches and ws.epoch == 1
 
 
-def test_a_gather_with_more_weights_than_one_is_not_plain(fast, entry):
-    """As ops._direct's entry: a gather is plain with one weight only."""
-    a, b = _meta(4, 8), [_meta(8, 6), _meta(8, 5)]
+@pytest.mark.parametrize("weights", ["none", "a tuple"])
+def test_a_gather_is_plain_with_a_list_of_weights_only(fast, entry, weights):
+    """As ops._direct's entry: a gather's weights come as a list of at least one."""
+    a, bs = _meta(4, 8), [_meta(8, 6), _meta(8, 5)]
+    b = [] if weights == "none" else tuple(bs)
     entry.gather.call(a, b, "direct", "g0", 2)
     assert entry.gather.fallback.seen == [((a, b, "direct", "g0", 2), {})] and entry.gather.python_path.seen == []
 

@@ -324,8 +324,11 @@ _graph_op("matmul_all_reduce.graph", _MATMUL_SCHEMA, _ar_any, _ar_fake, _ar_cuda
 # Python kernel and back cost ~30 us of a ~110 us replayed call on the lent H200 host
 # (fused_host_time-h200-replay-trim: .graph against impl).  Anything else (a tensor subclass such as
 # a fake or functional tensor, a dispatch or torch-function mode, a functorch transform, a CPU
-# tensor, an input that requires grad while grad mode is on) takes the dispatcher as before.  Once
-# the host fast path is built, C takes these calls from OpOverload.__call__ on (.cuda.lane.enter_from_c).
+# tensor, an input that requires grad while grad mode is on) takes the dispatcher as before.  A gather
+# is plain with every weight of its list plain: Q, K and V share one gathered input in a sequence-
+# parallel attention, w1 and w3 in its MLP, so most gathers of a real model carry two or three (they
+# took the dispatcher while only one weight counted as plain).  Once the host fast path is built, C
+# takes these calls from OpOverload.__call__ on (.cuda.lane.enter_from_c).
 _plain = torch.Tensor
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
@@ -366,7 +369,7 @@ def _direct(overload, kernel, weights_listed: bool, python_path) -> None:
 
     if weights_listed:
         def call(a_shard, bs, schedule, group_name, group_size):
-            if (type(bs) is list and len(bs) == 1 and _plain_cuda(a_shard, bs[0])):
+            if type(bs) is list and bs and _plain_cuda_list(a_shard, bs):
                 return kernel(a_shard, bs, schedule, group_name, group_size)
             return through_dispatcher(a_shard, bs, schedule, group_name, group_size)
     else:

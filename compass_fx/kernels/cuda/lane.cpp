@@ -381,21 +381,33 @@ struct Direct {
   PyObject* op;           // the operator's code (lane.OPS)
   PyObject* fallback;     // the overload's Python entry
   PyObject* python_path;  // the kernel's Python path, (a, b, schedule, group_name, group_size)
-  int listed;             // the weights come as a list (the gather's): plain with one weight only
+  int listed;             // the weights come as a list (the gather's): plain with every weight plain
 };
 
 bool plain_tensor(PyObject* o) { return Py_TYPE(o) == direct_cfg.tensor_type; }
 
+// The weights of a call as tensors, where each is plain: the gather's list (at least one: Q, K and V
+// share their gathered rows), the others' one tensor.
+bool plain_weights(const Direct* d, PyObject* b, Weights* ws) {
+  if (!d->listed) {
+    if (!plain_tensor(b)) return false;
+    ws->push_back(&THPVariable_Unpack(b));
+    return true;
+  }
+  if (!PyList_CheckExact(b) || PyList_GET_SIZE(b) < 1) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(b); ++i) {
+    PyObject* w = PyList_GET_ITEM(b, i);
+    if (!plain_tensor(w)) return false;
+    ws->push_back(&THPVariable_Unpack(w));
+  }
+  return true;
+}
+
 // What ops._plain_cuda / _plain_cuda_list check, the same way: exact tensors, the input on the kernel's
 // device, no mode or transform, no gradient wanted.
 bool plain_call(const Direct* d, PyObject* a, PyObject* b) {
-  if (!plain_tensor(a)) return false;
-  PyObject* w = b;
-  if (d->listed) {
-    if (!PyList_CheckExact(b) || PyList_GET_SIZE(b) != 1) return false;
-    w = PyList_GET_ITEM(b, 0);
-  }
-  if (!plain_tensor(w)) return false;
+  Weights ws;
+  if (!plain_tensor(a) || !plain_weights(d, b, &ws)) return false;
   const at::Tensor& at_a = THPVariable_Unpack(a);
   if (at_a.device().type() != direct_cfg.device_type) return false;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(direct_cfg.quiet_checks); ++i) {
@@ -407,7 +419,11 @@ bool plain_call(const Direct* d, PyObject* a, PyObject* b) {
       return false;
     }
   }
-  return !(c10::GradMode::is_enabled() && (at_a.requires_grad() || THPVariable_Unpack(w).requires_grad()));
+  if (!c10::GradMode::is_enabled()) return true;
+  if (at_a.requires_grad()) return false;
+  for (const at::Tensor* w : ws)
+    if (w->requires_grad()) return false;
+  return true;
 }
 
 PyObject* direct_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
