@@ -196,6 +196,8 @@ def _peer_schedules(schedules: tuple[str, ...], label: str) -> tuple[Step, ...]:
 
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
 EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
+# gathers of three and of two weights (Q, K, V; w1, w3), every rank's rows together
+WEIGHT_GATHERS = "all_gather_matmul:4096:2048+512+512:4096,all_gather_matmul:4096:7168+7168:4096"
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
     """``replay_trace.py`` on the 512-row reduce-scatter and all-reduce, ``variants`` traced in turns,
     half the SMs per rank (as the guards' cost was measured); results tagged ``h200-{rs|ar}512-{tag}``."""
@@ -547,6 +549,11 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    extra=("--cases", "weights", "--transport", "peer")),
         _host_time("host_time-weights-w48", "4,8", f"{MACHINE}-weights-w48-host-pin-mps", 170,
                    extra=("--cases", "weights")),
+    ),
+    # and 500 calls a case of such gathers through the .graph overloads (every output checked), at 2, 4 and 8
+    "h200-weights-stress": (
+        _stress("stress-500-weights", "2,4,8", 500, WEIGHT_GATHERS, f"{MACHINE}-weights-500-graph-mps", 170,
+                extra=("--overload", "graph")),
     ),
     "h200-c-entry-stress": (
         _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,

@@ -50,22 +50,31 @@ SHAPES = [("all_gather_matmul", 512, 256, 256), ("all_gather_matmul", 512, 7168,
           ("matmul_reduce_scatter", 256, 512, 256), ("matmul_all_reduce", 512, 512, 256)]
 
 
-def operands(kind: str, m: int, n: int, k: int, world: int, rank: int, seed: int):
+def widths(n) -> tuple[int, ...]:
+    """A case's weights' widths: ``n`` is one width, or a gather's several (a list: Q, K and V, or w1
+    and w3, sharing their gathered rows)."""
+    return tuple(n) if isinstance(n, (tuple, list)) else (n,)
+
+
+def operands(kind: str, m: int, n, k: int, world: int, rank: int, seed: int):
+    """A rank's input and its weight, or a gather's list of weights where ``n`` holds several widths."""
     g = torch.Generator(device="cuda").manual_seed(seed * 100 + rank)
     rows = m // world if kind == "all_gather_matmul" else m
     a = (torch.randn(rows, k, generator=g, device="cuda") / k ** 0.25).bfloat16()
     shared = kind == "all_gather_matmul"  # the gather's weight is the same on every rank
     gw = torch.Generator(device="cuda").manual_seed(seed * 100 + 99 + (0 if shared else rank))
-    b = (torch.randn(k, n, generator=gw, device="cuda") / k ** 0.25).bfloat16()
-    return a, b
+    bs = [(torch.randn(k, width, generator=gw, device="cuda") / k ** 0.25).bfloat16() for width in widths(n)]
+    return a, (bs if isinstance(n, (tuple, list)) else bs[0])
 
 
-def reference(kind: str, m: int, n: int, k: int, world: int, rank: int, seed: int) -> torch.Tensor:
+def reference(kind: str, m: int, n, k: int, world: int, rank: int, seed: int) -> list[torch.Tensor]:
+    """The call's outputs from every rank's inputs: one per weight of a gather, the one otherwise."""
     ins = [operands(kind, m, n, k, world, r, seed) for r in range(world)]
     if kind == "all_gather_matmul":
-        return torch.cat([a for a, _ in ins]).float() @ ins[0][1].float()
+        gathered = torch.cat([a for a, _ in ins]).float()
+        return [gathered @ b.float() for b in (ins[0][1] if isinstance(n, (tuple, list)) else [ins[0][1]])]
     total = sum(a.float() @ b.float() for a, b in ins)
-    return total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total
+    return [total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total]
 
 
 def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: str = "op") -> dict:
@@ -89,10 +98,10 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
         fused = packet.graph if overload == "graph" else packet
         if kind == "all_gather_matmul":
             def op(a, b):
-                return fused(a, [b], schedule, group, world)[1][0]
+                return fused(a, b if isinstance(b, list) else [b], schedule, group, world)[1]
         else:
             def op(a, b):
-                return fused(a, b, schedule, group, world)
+                return [fused(a, b, schedule, group, world)]
         errors = torch.zeros(calls, device="cuda")
         before = dict(replay.stats)
         t0 = time.time()
@@ -105,7 +114,8 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
             out = op(*sets[c % 3])
             if issue_one:
                 os.environ["COMPASS_FUSED_REPLAY"] = "1"
-            errors[c] = (out.float() - refs[c % 3]).abs().max() / refs[c % 3].abs().max()
+            errors[c] = torch.stack([(got.float() - want).abs().max() / want.abs().max()  # no wait for the GPU
+                                     for got, want in zip(out, refs[c % 3])]).max()
             del out
         torch.cuda.synchronize()
         err = float(errors.max())
@@ -183,7 +193,8 @@ def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: fl
 def cases(worlds: list[int], shapes: str = "", schedules: tuple[str, ...] = ("direct", "ring", "double_ring")
           ) -> list[dict]:
     """Every world x shape x schedule.  ``shapes``: ``kind:m:n:k`` cases, comma-separated (``m``: the
-    rows of A, every rank's together for a gather), instead of :data:`SHAPES` (whose rows are per rank)."""
+    rows of A, every rank's together for a gather; a gather's ``n`` may name several weights' widths,
+    ``2048+512+512``), instead of :data:`SHAPES` (whose rows are per rank)."""
     chosen = [(kind, rows, n, k, False) for kind, rows, n, k in SHAPES]
     if shapes:
         chosen = []
@@ -191,7 +202,14 @@ def cases(worlds: list[int], shapes: str = "", schedules: tuple[str, ...] = ("di
             kind, *sizes = spec.split(":")
             if kind not in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce") or len(sizes) != 3:
                 raise SystemExit(f"--shapes: {spec!r} is not kind:m:n:k with a fused operator's kind")
-            chosen.append((kind, *map(int, sizes), True))
+            m, n, k = sizes
+            several = "+" in n
+            if several and kind != "all_gather_matmul":
+                raise SystemExit(f"--shapes: {spec!r}: only a gather takes several weights (n as a+b+...)")
+            try:
+                chosen.append((kind, int(m), [int(w) for w in n.split("+")] if several else int(n), int(k), True))
+            except ValueError:
+                raise SystemExit(f"--shapes: {spec!r} is not kind:m:n:k with whole numbers") from None
     out = []
     for world in worlds:
         for kind, rows, n, k, whole in chosen:

@@ -772,6 +772,22 @@ def test_fused_host_time_runs_gathers_of_several_weights_and_checks_each(monkeyp
             "less); steady 0.56-0.56x (median 16.0 us less).") in text, text
 
 
+def test_fused_host_stress_takes_gathers_of_several_weights():
+    """``fused_host_stress.py --shapes``: a gather's n may name several weights' widths (a+b+...); only
+    a gather takes several, and a size that is no whole number is refused."""
+    stress = _bench("fused_host_stress")
+    got = stress.cases([2, 8], "all_gather_matmul:4096:2048+512+512:4096,matmul_reduce_scatter:512:256:128",
+                       ("direct",))
+    assert [(c["kind"], c["world"], c["m"], c["n"], c["k"]) for c in got] == [
+        ("all_gather_matmul", 2, 4096, [2048, 512, 512], 4096), ("matmul_reduce_scatter", 2, 512, 256, 128),
+        ("all_gather_matmul", 8, 4096, [2048, 512, 512], 4096), ("matmul_reduce_scatter", 8, 512, 256, 128)]
+    assert stress.widths(got[0]["n"]) == (2048, 512, 512) and stress.widths(256) == (256,)
+    with pytest.raises(SystemExit, match="only a gather"):
+        stress.cases([2], "matmul_all_reduce:512:256+256:128")
+    with pytest.raises(SystemExit, match="whole numbers"):
+        stress.cases([2], "all_gather_matmul:512:256+x:128")
+
+
 def test_fused_host_time_measures_a_schedule_the_transport_runs(capsys):
     """``--schedule``: the peer transport's calls may run any schedule (the cost model chooses among
     them there); the host-staged transport runs only "direct" in rewritten graphs, so asking it for
