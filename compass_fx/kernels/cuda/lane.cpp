@@ -386,28 +386,26 @@ struct Direct {
 
 bool plain_tensor(PyObject* o) { return Py_TYPE(o) == direct_cfg.tensor_type; }
 
-// The weights of a call as tensors, where each is plain: the gather's list (at least one: Q, K and V
-// share their gathered rows), the others' one tensor.
-bool plain_weights(const Direct* d, PyObject* b, Weights* ws) {
-  if (!d->listed) {
-    if (!plain_tensor(b)) return false;
-    ws->push_back(&THPVariable_Unpack(b));
-    return true;
-  }
+// A weight is plain: an exact tensor that wants no gradient where grad mode is on (`grad`).
+bool plain_weight(PyObject* w, bool grad) {
+  return plain_tensor(w) && !(grad && THPVariable_Unpack(w).requires_grad());
+}
+
+// Every weight of a call is plain: the gather's list (at least one; Q, K and V share their gathered
+// rows), the others' one tensor.
+bool plain_weights(const Direct* d, PyObject* b, bool grad) {
+  if (!d->listed) return plain_weight(b, grad);
   if (!PyList_CheckExact(b) || PyList_GET_SIZE(b) < 1) return false;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(b); ++i) {
-    PyObject* w = PyList_GET_ITEM(b, i);
-    if (!plain_tensor(w)) return false;
-    ws->push_back(&THPVariable_Unpack(w));
-  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(b); ++i)
+    if (!plain_weight(PyList_GET_ITEM(b, i), grad)) return false;
   return true;
 }
 
 // What ops._plain_cuda / _plain_cuda_list check, the same way: exact tensors, the input on the kernel's
 // device, no mode or transform, no gradient wanted.
 bool plain_call(const Direct* d, PyObject* a, PyObject* b) {
-  Weights ws;
-  if (!plain_tensor(a) || !plain_weights(d, b, &ws)) return false;
+  bool grad = c10::GradMode::is_enabled();
+  if (!plain_tensor(a) || !plain_weights(d, b, grad)) return false;
   const at::Tensor& at_a = THPVariable_Unpack(a);
   if (at_a.device().type() != direct_cfg.device_type) return false;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(direct_cfg.quiet_checks); ++i) {
@@ -419,11 +417,7 @@ bool plain_call(const Direct* d, PyObject* a, PyObject* b) {
       return false;
     }
   }
-  if (!c10::GradMode::is_enabled()) return true;
-  if (at_a.requires_grad()) return false;
-  for (const at::Tensor* w : ws)
-    if (w->requires_grad()) return false;
-  return true;
+  return !(grad && at_a.requires_grad());
 }
 
 PyObject* direct_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
