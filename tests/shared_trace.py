@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.fx as fx
 from torch._guards import TracingContext
+from torch._inductor.codecache import PyCodeCache
 
 from compass_fx import backend
 from compass_fx.options import parse_options
@@ -38,6 +39,7 @@ class Variants:
         self.mode = modes.pop()
         self.reports: list[list] = [[] for _ in self.options]
         self.errors: list[BaseException | None] = [None] * len(self.options)
+        self.modules: list[list] = [[] for _ in self.options]  # the Python modules each set's compile loaded
         self.current = 0
         self.traces = 0  # how many graphs Dynamo handed over (1 for a model without graph breaks)
 
@@ -61,9 +63,11 @@ class Variants:
             for i, compile_one in enumerate(compilers):
                 if noted is not None:
                     noted.clear()
+                loaded = len(PyCodeCache.modules)
                 with backend.collect_reports() as reports:
                     try:
                         fn = compile_one(copy.deepcopy(graph), inputs, **kwargs)
+                        self.modules[i] += PyCodeCache.modules[loaded:]  # Inductor's wrappers
                         strides = list(noted) if noted is not None else None
                         if first_strides is None:
                             first_strides = strides

@@ -66,6 +66,8 @@ def run_variants(rank: int, world: int, model_name: str, named_options: list[tup
             "not_rewritten": [p.reason for r in reports for p in r.pairs if p.status != "rewritten"],
             "async": [p.asynchronous for p in rewritten],
         }
+        if options.get("inner", "inductor") == "inductor":
+            res["wrapper_calls"] = _fused_calls(variants.modules[i])
         if options.get("dump_dir"):  # where each start, weight-gradient mm and wait sits in the backward
             dumped = sorted(Path(options["dump_dir"]).glob(f"rank{rank}_*_backward_after.py"))
             code = dumped[-1].read_text().splitlines()
@@ -76,6 +78,28 @@ def run_variants(rank: int, world: int, model_name: str, named_options: list[tup
         dist.barrier()
     assert variants.traces == 1, f"{variants.traces} graphs traced: the model broke its graph"
     return results
+
+
+def _fused_calls(modules) -> list[dict]:
+    """How Inductor's Python wrappers (``modules``) call the fused operators: per call the overload,
+    its positional arguments, its keywords and, where the weights are a list literal, their count."""
+    import ast
+
+    calls = []
+    for module in modules:
+        with open(module.__file__) as f:
+            for line in f:
+                if "torch.ops.compass." not in line or line.lstrip().startswith("#"):
+                    continue
+                statement = ast.parse(line.strip()).body[0]
+                call = getattr(statement, "value", None)
+                if not isinstance(call, ast.Call) or not ast.unparse(call.func).startswith("torch.ops.compass."):
+                    continue
+                weights = call.args[1] if len(call.args) > 1 else None
+                calls.append({"op": ast.unparse(call.func), "positional": len(call.args),
+                              "keywords": [k.arg for k in call.keywords],
+                              "weights": len(weights.elts) if isinstance(weights, ast.List) else None})
+    return calls
 
 
 CASES = [
@@ -173,8 +197,17 @@ def test_fused_operators_match_eager(ranks, tmp_path_factory, world, model_name,
 
 @pytest.mark.inductor
 def test_fused_operators_under_inductor(ranks, tmp_path_factory):
+    """Also how Inductor's wrapper calls them: every call of a ``.graph`` overload with its five
+    arguments positional and a gather's weights as a list, the form the overloads' C entry takes
+    (``lane.enter_from_c``; keywords would send every call to the Python entry), a gather of Q, K
+    and V's three weights among them."""
     res = _result(ranks, tmp_path_factory, 2, "sp1_llama", "inductor", "fuse-double_ring")
     assert res["rewritten"] == res["pairs"] > 0
+    calls = [c for c in res["wrapper_calls"] if c["op"].endswith(".graph")]
+    assert len(calls) == res["rewritten"], res["wrapper_calls"]
+    assert all(c["positional"] == 5 and not c["keywords"] for c in calls), calls
+    gathers = [c["weights"] for c in calls if "all_gather_matmul" in c["op"]]
+    assert None not in gathers and 3 in gathers, calls
 
 
 @pytest.mark.parametrize("name", ["k2", "fuse-direct"])
