@@ -484,20 +484,16 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
     res.update(period_us(lambda: graph_op(a, *args)))
     dist.barrier()
     res.update(between_ops_us(lambda: graph_op(a, *args), lambda: step_ops(a)))
-    if python_entry is not None:  # the same forms through the Python entry, right after
+    # the same forms through the Python entry, then through the dispatcher, right after
+    for suffix, entry in (("_python_entry", python_entry), ("_dispatcher", through_dispatcher)):
+        if entry is None:
+            continue
         dist.barrier()
-        res.update({f"{k}_python_entry": v for k, v in period_us(lambda: python_entry(a, *args)).items()
+        res.update({f"{k}{suffix}": v for k, v in period_us(lambda entry=entry: entry(a, *args)).items()
                     if k in ("host_us_first_of_16", "host_us_steady")})
         dist.barrier()
-        res["host_us_between_ops_python_entry"] = between_ops_us(lambda: python_entry(a, *args),
-                                                                 lambda: step_ops(a))["host_us_between_ops"]
-    if through_dispatcher is not None:  # and through the dispatcher
-        dist.barrier()
-        res.update({f"{k}_dispatcher": v for k, v in period_us(lambda: through_dispatcher(a, *args)).items()
-                    if k in ("host_us_first_of_16", "host_us_steady")})
-        dist.barrier()
-        res["host_us_between_ops_dispatcher"] = between_ops_us(lambda: through_dispatcher(a, *args),
-                                                               lambda: step_ops(a))["host_us_between_ops"]
+        res[f"host_us_between_ops{suffix}"] = between_ops_us(lambda entry=entry: entry(a, *args),
+                                                             lambda: step_ops(a))["host_us_between_ops"]
     # a plain torch.mm of the case's operands back to back, after the forms above (their order as before it):
     # how much slower this host runs any eager op right after a wait
     dist.barrier()
