@@ -41,10 +41,11 @@ NEUTRAL_SETTINGS = frozenset({"COMPASS_FUSED_TRANSPORT", "COMPASS_FUSED_TIMEOUT_
 
 
 def default_path(payload: dict) -> bool:
-    """Whether a run measured the default path: the steady form, calls issued from C, the direct
-    schedule, no setting changed but the neutral ones."""
+    """Whether a run measured the default path on the goals' cases: the steady form, calls issued from
+    C, the direct schedule, no setting changed but the neutral ones, ``fused_host_time``'s default cases
+    (a run of another set, ``--cases weights``, has other rows: its own markdown says where they stand)."""
     rows = payload.get("rows") or []
-    return (payload.get("schedule", "direct") == "direct"
+    return (payload.get("schedule", "direct") == "direct" and payload.get("cases", "default") == "default"
             and not set(payload.get("settings") or {}) - NEUTRAL_SETTINGS
             and any(r.get("host_us_steady") is not None and r.get("fast_path_calls") for r in rows))
 

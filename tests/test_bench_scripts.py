@@ -1012,6 +1012,7 @@ def test_host_time_goals_counts_the_runs_whose_every_row_meets_the_goal(tmp_path
         "fused_host_time-h200-ring-peer": {"transport": "peer", "schedule": "ring", "rows": [row(2, 10.0, 9.0)]},
         "fused_host_time-h200-kwait": {"settings": {"COMPASS_REPLAY_WAITS": "kernel"}, "rows": [row(2, 10.0, 9.0)]},
         "fused_host_time-h200-old": {"rows": [{"world": 2, "host_us_graph": 10.0, "fast_path_calls": 40}]},
+        "fused_host_time-h200-weights": {"cases": "weights", "rows": [row(2, 10.0, 9.0)]},  # other cases
     }
     for stem, payload in runs.items():
         (tmp_path / f"{stem}.json").write_text(json.dumps(payload))
