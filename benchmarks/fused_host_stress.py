@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from fused_host_time import weight_list, widths  # noqa: E402  (a case's weights, as that script's)
 
 NAME = "fused_host_stress"
 TOL = 2e-2
@@ -48,12 +49,6 @@ TIMEOUT_S = "10"
 # into a narrow and a wide GEMM, a reduce-scatter and an all-reduce
 SHAPES = [("all_gather_matmul", 512, 256, 256), ("all_gather_matmul", 512, 7168, 256),
           ("matmul_reduce_scatter", 256, 512, 256), ("matmul_all_reduce", 512, 512, 256)]
-
-
-def widths(n) -> tuple[int, ...]:
-    """A case's weights' widths: ``n`` is one width, or a gather's several (a list: Q, K and V, or w1
-    and w3, sharing their gathered rows)."""
-    return tuple(n) if isinstance(n, (tuple, list)) else (n,)
 
 
 def operands(kind: str, m: int, n, k: int, world: int, rank: int, seed: int):
@@ -72,7 +67,7 @@ def reference(kind: str, m: int, n, k: int, world: int, rank: int, seed: int) ->
     ins = [operands(kind, m, n, k, world, r, seed) for r in range(world)]
     if kind == "all_gather_matmul":
         gathered = torch.cat([a for a, _ in ins]).float()
-        return [gathered @ b.float() for b in (ins[0][1] if isinstance(n, (tuple, list)) else [ins[0][1]])]
+        return [gathered @ b.float() for b in weight_list(ins[0][1])]
     total = sum(a.float() @ b.float() for a, b in ins)
     return [total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total]
 
@@ -98,7 +93,7 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
         fused = packet.graph if overload == "graph" else packet
         if kind == "all_gather_matmul":
             def op(a, b):
-                return fused(a, b if isinstance(b, list) else [b], schedule, group, world)[1]
+                return fused(a, weight_list(b), schedule, group, world)[1]
         else:
             def op(a, b):
                 return [fused(a, b, schedule, group, world)]
