@@ -165,7 +165,7 @@ class _Rewriter:
     touched: set[fx.Node] = field(default_factory=set)  # what the rewrites so far changed
     disorder: Disorder = field(default_factory=Disorder)  # where they left the graph out of order
     sorted_whole: bool = False  # the graph was sorted whole once (so only the rewrites disorder it)
-    asynchronous: list[tuple[list[fx.Node], str]] = field(default_factory=list)
+    asynchronous: list[tuple[list[fx.Node], str, PairRecord]] = field(default_factory=list)  # created, described
     rewritten: int = 0
     _fake_mode: object = None
 
@@ -221,7 +221,7 @@ class _Rewriter:
         self.touched |= {pair.collective, pair.wait, *replaced, *read, *erased}
         self.disorder.note([*built.created, *(new for _, new in built.replacements)])
         if record.asynchronous:
-            self.asynchronous.append((built.created, described))
+            self.asynchronous.append((built.created, described, record))
         return record
 
     def _match_again(self, plan: _Plan) -> _Plan | None:
@@ -254,8 +254,10 @@ class _Rewriter:
             stable_toposort(graph)
             graph.eliminate_dead_code()
         graph.lint()
-        for created, described in self.asynchronous:
-            fuse.spread(graph, created, described)
+        for created, described, record in self.asynchronous:
+            record.asynchronous = fuse.spread(graph, created, described)
+            if not record.asynchronous:
+                record.reason += "; a plain call, not deferred: nothing runs between its operands and its first use"
         if self.asynchronous:
             graph.lint()
         self.gm.recompile()

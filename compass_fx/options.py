@@ -48,8 +48,10 @@ class CompassOptions:
     fused_async: fused reduce-scatter / all-reduce pairs run as ``*_start`` calls moved up to just
         after their inputs, with a ``wait_tensor`` just before the first use of the result, so that
         the work between (a weight gradient beside an input gradient's all-reduce) runs while the
-        pieces travel and are summed on a side stream.  False (default): the call returns with
-        its result complete.
+        pieces travel and are summed on a side stream.  A call with nothing but views between
+        its operands and its first use (the forward's, read at once) stays a plain call: a deferred
+        call is issued command by command, never replayed from a CUDA graph.  False (default): the
+        call returns with its result complete.
     calibration: a file written by ``compass-fx calibrate`` on this machine; the cost model prices
         with its measured constants (None: ``$COMPASS_FX_CALIBRATION`` if set, else datasheet
         constants).  A file from another version, or measured on another GPU than the topology's,

@@ -74,6 +74,12 @@ def run_variants(rank: int, world: int, model_name: str, named_options: list[tup
             res["lines"] = {what: [j for j, line in enumerate(code) if re.search(pattern, line)]
                             for what, pattern in (("start", r"compass\.matmul_\w+_start"), ("wait", r"wait_tensor"),
                                                   ("mm", r"aten\.mm\.default"))}
+            forward = sorted(Path(options["dump_dir"]).glob(f"rank{rank}_*_forward_after.py"))[-1].read_text()
+            res["forward_reductions"] = {  # read at once there: nothing to overlap, so plain calls
+                "start": len(re.findall(r"compass\.matmul_\w+_start", forward)),
+                "plain": len(re.findall(r"compass\.matmul_(?:reduce_scatter|all_reduce)\.graph", forward)),
+                "rewritten": sum(p.kind != "all_gather_matmul" for r in reports if r.graph == "forward"
+                                 for p in r.pairs if p.status == "rewritten")}
         results[name] = res
         dist.barrier()
     assert variants.traces == 1, f"{variants.traces} graphs traced: the model broke its graph"
@@ -222,10 +228,14 @@ def test_batch_one_sequence_parallel_gathers_are_rewritten(ranks, tmp_path_facto
                                               if tuple(p.values) in ASYNC_CASES])
 def test_asynchronous_fused_reductions_match_eager(ranks, tmp_path_factory, world, model_name):
     """fused_async: the reducing fused operators start as soon as their operands exist and are
-    waited for just before the first use; forward and backward still equal eager, and in the
-    backward graph a weight-gradient mm sits between a start and its wait (the overlap)."""
+    waited for just before the first use; forward and backward still equal eager, in the
+    backward graph a weight-gradient mm sits between a start and its wait (the overlap), and the
+    forward's reductions, read at once, are plain calls (deferring them would overlap nothing)."""
     res = _result(ranks, tmp_path_factory, world, model_name, "eager", "async")
     assert res["rewritten"] > 0 and any(res["async"]), res
+    forward = res["forward_reductions"]
+    assert forward["start"] == 0 and forward["plain"] == forward["rewritten"], forward
+    assert forward["rewritten"] > 0 or model_name == "tp_mlp", forward  # its forward reduction has a bias: kept
     lines = res["lines"]
     assert lines["start"], "no asynchronous start in the backward graph"
     assert any(s < m < w for s in lines["start"] for m in lines["mm"] for w in lines["wait"]

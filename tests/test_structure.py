@@ -200,15 +200,21 @@ def test_forced_fused_rings_run_direct_without_peer_access(mesh):
 
 
 def test_asynchronous_fused_calls_are_reported_and_survive_a_failed_move(mesh, monkeypatch, caplog):
-    """fused_async marks the fused reductions (not the gathers) asynchronous in the report; if
-    moving a start or its wait fails, the call stays where the rewrite put it, the graph stays
-    valid and the reason is logged."""
+    """fused_async marks the fused reductions (not the gathers) asynchronous in the report where
+    something runs between the call and its first use (the backward's weight gradients); a forward
+    reduction, read at once, stays a plain call and its reason says why.  If moving a start or its
+    wait fails, the call stays where the rewrite put it, the graph stays valid and the reason is
+    logged."""
     import compass_fx.lowering.fuse as fuse
 
     options = dict(strategy="fuse", schedule="direct", fused_async=True)
     report = compass_fx.explain(demo(mesh, True, 1), TOKENS, **options)
     rewritten = [p for p in report.pairs if p.status == "rewritten"]
-    assert rewritten and all(p.asynchronous == (p.kind != "all_gather_matmul") for p in rewritten)
+    reductions = [p for p in rewritten if p.kind != "all_gather_matmul"]
+    assert rewritten and not any(p.asynchronous for p in rewritten if p.kind == "all_gather_matmul")
+    assert {p.graph for p in reductions} == {"forward", "backward"}
+    assert all(p.asynchronous == (p.graph == "backward") for p in reductions), [(p.graph, p.reason) for p in reductions]
+    assert all("a plain call, not deferred" in p.reason for p in reductions if p.graph == "forward")
     assert "async" in str(report)
 
     def fails(graph, created):

@@ -49,15 +49,56 @@ def _build(b: NodeBuilder, build, pair: Pair, schedule: str, asynchronous: bool)
         b.replace(old, new)
 
 
-def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> None:
+def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> bool:
     """Give an asynchronous fused call (the nodes ``created`` by its rewrite, in a graph sorted since)
     its overlap; if that fails, the call stays where the rewrite put it (it is correct there: only
-    the overlap is lost) and the reason is logged."""
+    the overlap is lost) and the reason is logged.  Whether the call stays asynchronous: one with
+    nothing between its start and its wait becomes the plain call (:func:`_plain_if_idle`)."""
     try:
         _spread(graph, created)
     except Exception as e:  # noqa: BLE001 - the call is correct wherever it sits; only overlap is lost
         stable_toposort(graph)  # in case a move was half done (see _spread: it should not be)
         log.warning("compass_fx: asynchronous fused call of %s left where it was: %s", described, e)
+    return not _plain_if_idle(graph, _start_of(graph, created), described)
+
+
+def _start_of(graph: fx.Graph, created: list[fx.Node]) -> fx.Node:
+    """The ``*_start`` call among the nodes a rewrite ``created``."""
+    return next(n for n in created if not n._erased and n.graph is graph and n.target in _plain_forms())
+
+
+def _runs_nothing(node: fx.Node) -> bool:
+    """A node that gives the device no work: a view of a tensor, or an item of a tuple."""
+    target = node.target
+    return node.op == "call_function" and (target is operator.getitem or target is aten._unsafe_view.default
+                                           or getattr(target, "is_view", False))
+
+
+def _plain_forms() -> dict:
+    """An asynchronous form -> the plain call of the same operator (what rewritten graphs call)."""
+    compass = torch.ops.compass
+    return {compass.matmul_reduce_scatter_start.default: compass.matmul_reduce_scatter.graph,
+            compass.matmul_all_reduce_start.default: compass.matmul_all_reduce.graph}
+
+
+def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
+    """Turn ``start`` into its operator's plain call where nothing but views lies between it and its
+    wait: nothing would run while it travels, and a deferred call costs more than a plain one (it is
+    issued command by command on the host, never replayed from its CUDA graph, and holds every other
+    eager fused call to the same while it is outstanding: ``kernels/cuda/impl.Join``).  Whether it did."""
+    wait = next(iter(start.users))
+    node = start.next
+    while node is not wait:
+        if not _runs_nothing(node):
+            return False
+        node = node.next
+    start.target = _plain_forms()[start.target]
+    wait.replace_all_uses_with(start)
+    graph.erase_node(wait)
+    log.info("compass_fx: %s: nothing runs between the start of its fused call and its first use: "
+             "a plain call instead (replayed from its CUDA graph, where a deferred call is issued command by "
+             "command)", described)
+    return True
 
 
 def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
@@ -68,8 +109,7 @@ def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
     Both places are found before anything moves, by comparing the few nodes involved (FX keeps
     every node's place as a sort key), so a failure leaves the graph as it was."""
     alive = [n for n in created if not n._erased and n.graph is graph]
-    starts = (torch.ops.compass.matmul_reduce_scatter_start.default, torch.ops.compass.matmul_all_reduce_start.default)
-    start = next(n for n in alive if n.target in starts)
+    start = _start_of(graph, created)
     wait = next(iter(start.users))
     feeding = _upstream(start, set(alive))
     outside = {i for n in feeding for i in n.all_input_nodes if i not in feeding}
