@@ -547,8 +547,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                    extra=("--cases", "weights", "--breakdown")),
         _host_time("host_time-weights-peer-w2", 2, f"{MACHINE}-weights-peer-w2-pin-mps", 70,
                    extra=("--cases", "weights", "--transport", "peer")),
-        _host_time("host_time-weights-w48", "4,8", f"{MACHINE}-weights-w48-host-pin-mps", 170,
-                   extra=("--cases", "weights")),
+        _host_time("host_time-weights-w48", "4,8", f"{MACHINE}-weights-w48-host-pin-mps", 300,
+                   extra=("--cases", "weights")),  # 170 s stopped one H100 before world 8's last row
     ),
     # and 500 calls a case of such gathers through the .graph overloads (every output checked), at 2, 4 and 8
     "h200-weights-stress": (
