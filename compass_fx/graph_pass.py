@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .cost.decision import Decision
 from .graph.normalize import normalize
-from .graph.pairs import Pair
+from .graph.pairs import Pair, ReducePair
 from .lowering import Disorder, RewriteFailed, erase_unused, graph_fake_mode, stable_toposort, transaction
 from .lowering import fuse
 from .machine.calibration import calibration_in_use
@@ -140,7 +140,8 @@ def _plan(pair: Pair, options: CompassOptions, topology: object | None) -> _Plan
     kind = kind_of(pair)
     refused = kind.refusals(pair)
     try:
-        return _Plan(pair, refused, decide(pair, options, topology, refused, kind.parts_replayed(pair)))
+        deferred = options.fused_async and isinstance(pair, ReducePair) and fuse.would_defer(pair)
+        return _Plan(pair, refused, decide(pair, options, topology, refused, kind.parts_replayed(pair), deferred))
     except Infeasible as e:
         return _Plan(pair, refused, e.decision or Decision("sequential", reason=str(e)), infeasible=True)
 

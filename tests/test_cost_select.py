@@ -400,3 +400,25 @@ def test_a_reason_says_where_a_fused_call_is_priced_at_its_hosts_issue(tmp_path)
     graphs = select(replace(small, cuda_graphs=True), nvlink, fused_schedules=SCHEDULES)
     big = select(Workload("all_gather_matmul", 8192, 4096, 7168, "bfloat16", 8), nvlink, fused_schedules=SCHEDULES)
     assert "host's issue" not in graphs.reason and "host's issue" not in big.reason, (graphs.reason, big.reason)
+
+
+def test_a_deferred_fused_call_is_priced_as_issued_command_by_command():
+    """fused_async defers a reduction with work to overlap (a ``*_start`` call), and a deferred call
+    is never replayed: its host is priced as issued command by command.  That keeps a small
+    host-staged pair sequential where the replayed call wins, and the reason names the deferred
+    call; a large pair's device time still hides it, and under CUDA graphs nothing is issued."""
+    from dataclasses import replace
+
+    staged = Topology.preset("h200-host-staged-8")
+    small = Workload("matmul_reduce_scatter", 1024, 4096, 7168, "bfloat16", 8)
+    deferred = replace(small, deferred=True)
+    issued = fused_host_seconds(small, staged, "direct", replayed=False)
+    assert fused_host_seconds(deferred, staged, "direct") == issued > 10 * fused_host_seconds(small, staged, "direct")
+    plain, later = (select(w, staged, fused_schedules=("direct",)) for w in (small, deferred))
+    assert plain.strategy == "fuse" and later.strategy == "sequential", (plain.reason, later.reason)
+    assert (f"(priced at the host's issue of a deferred call, issued command by command, {issued * 1e6:.0f} us, "
+            in later.reason), later.reason
+    large = Workload("matmul_reduce_scatter", 8192, 4096, 7168, "bfloat16", 8)
+    assert select(replace(large, deferred=True), staged, fused_schedules=("direct",)).strategy == "fuse"
+    graphs = [select(replace(w, cuda_graphs=True), staged, fused_schedules=("direct",)) for w in (small, deferred)]
+    assert graphs[0].predicted_s == graphs[1].predicted_s and graphs[0].label == graphs[1].label

@@ -225,3 +225,26 @@ def test_asynchronous_fused_calls_are_reported_and_survive_a_failed_move(mesh, m
         report = compass_fx.explain(demo(mesh, False, 1), TOKENS, **options)
     assert all(p.status == "rewritten" for p in report.pairs if p.kind == "matmul_all_reduce" and "bias" not in p.reason)
     assert "left where it was" in caplog.text and "injected failure" in caplog.text
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_the_cost_model_knows_which_fused_calls_fused_async_defers(mesh, monkeypatch, sequence_parallel):
+    """``fuse.would_defer``, read off each reduction before any rewrite (the cost model prices a
+    deferred call's host as issued command by command), says what the rewrite then does: deferred
+    exactly where the report has the call asynchronous (the backward's, with weight gradients to
+    overlap), plain where its result is read at once (the forward's)."""
+    import compass_fx.lowering.fuse as fuse
+
+    predicted = []
+    would_defer = fuse.would_defer
+
+    def recorded(pair):
+        predicted.append((pair.graph_name, would_defer(pair)))
+        return predicted[-1][1]
+
+    monkeypatch.setattr(fuse, "would_defer", recorded)
+    report = compass_fx.explain(demo(mesh, sequence_parallel, 2), TOKENS, strategy="fuse", schedule="direct",
+                                fused_async=True)
+    done = [(p.graph, p.asynchronous) for p in report.pairs if p.kind != "all_gather_matmul" and p.status == "rewritten"]
+    assert len(done) == len(predicted) > 0 and predicted == done, (predicted, done)
+    assert {d for _, d in predicted} == {True, False}

@@ -299,9 +299,10 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: boo
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
     them for this transport), replayed from a captured graph per plan (``replayed``, default
     ``FUSED_CALLS_REPLAYED``: one call's work, each graph beyond the first its launch, each graph's
-    slow nodes) or issued one by one and priced by kind, plus the per-call work for each plan."""
+    slow nodes) or issued one by one and priced by kind, plus the per-call work for each plan (a
+    deferred call, ``Workload.deferred``, is never replayed)."""
     plans, host = _fused_plans(w, topo, schedule)
-    if FUSED_CALLS_REPLAYED if replayed is None else replayed:
+    if (FUSED_CALLS_REPLAYED and not w.deferred) if replayed is None else replayed:
         costs = fused_replay_costs()  # the graphs of one call are launched from C in one call
         return (costs.call_s + costs.graph_s * (len(plans) - 1)
                 + costs.node_s * sum(replay_slow_nodes(plan, host) for plan in plans))

@@ -27,7 +27,10 @@ class Workload:
     device, and a fused call has no host floor.  ``parts_replayed`` says that an eager step gathers
     a decomposed gather's parts from one CUDA graph (``lowering.parts_replay``, the default on
     NCCL): an extra part then costs the host its GEMM and an event wait, not a collective's issue
-    (``cuda_graphs`` takes precedence: a replayed step issues nothing).
+    (``cuda_graphs`` takes precedence: a replayed step issues nothing).  ``deferred`` says that a
+    fused call of this pair would run deferred (``fused_async``, with work to overlap: a
+    ``*_start`` call), which is issued command by command, never replayed from a CUDA graph: its
+    host is priced so.
     """
 
     kind: str
@@ -42,6 +45,7 @@ class Workload:
     gemm_dtype: str | None = None
     cuda_graphs: bool = False
     parts_replayed: bool = False
+    deferred: bool = False
 
     @property
     def matmul_dtype(self) -> str:

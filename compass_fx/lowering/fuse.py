@@ -62,6 +62,40 @@ def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> bool:
     return not _plain_if_idle(graph, _start_of(graph, created), described)
 
 
+def would_defer(pair: ReducePair) -> bool:
+    """Whether ``fused_async`` would leave ``pair``'s fused call deferred, read off the graph before
+    any rewrite, as :func:`spread` and :func:`_plain_if_idle` will find it: something besides views
+    lies between the last input of the pair's own nodes (its matmuls and what leads from them to the
+    collective's wait) and the first reader of its result.  The cost model prices a deferred call's
+    host as issued command by command (it is never replayed).  Walks the graph from that input only
+    until the first node that runs something."""
+    own = _between(pair.terms, pair.wait)
+    inputs = [i for n in own for i in n.all_input_nodes if i not in own]
+    readers = list(pair.wait.users)
+    if not inputs or not readers:
+        return False
+    first = min(readers)
+    node = max(inputs).next
+    while node is not first and node.op != "root":
+        if node not in own and not _runs_nothing(node):
+            return True
+        node = node.next
+    return False
+
+
+def _between(sources: list[fx.Node], sink: fx.Node) -> set[fx.Node]:
+    """The nodes on a path from one of ``sources`` to ``sink``, both ends included (walking only what
+    lies downstream of the sources, up to the sink's place)."""
+    ahead: set[fx.Node] = set()
+    todo = list(sources)
+    while todo:
+        n = todo.pop()
+        if n not in ahead and not sink < n:
+            ahead.add(n)
+            todo += n.users
+    return _reachable(sink, ahead, lambda n: n.all_input_nodes)
+
+
 def _start_of(graph: fx.Graph, created: list[fx.Node]) -> fx.Node:
     """The ``*_start`` call among the nodes a rewrite ``created``."""
     return next(n for n in created if not n._erased and n.graph is graph and n.target in _plain_forms())

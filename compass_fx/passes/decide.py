@@ -22,7 +22,8 @@ class Infeasible(Exception):
 
 
 def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
-           refused: Mapping[str, str] | None = None, parts_replayed: bool = False) -> Decision:
+           refused: Mapping[str, str] | None = None, parts_replayed: bool = False,
+           deferred: bool = False) -> Decision:
     """The strategy for ``pair``: forced by options, or chosen by ``cost.select`` among the
     strategies its lowering can take.
 
@@ -30,7 +31,9 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
     strategy is never priced, so "auto" takes the best of the others (the report lists it, with why).
     A forced strategy or part count the pair cannot take raises ``Infeasible`` with the reason.
     ``parts_replayed``: an eager step would run the decomposed parts' collectives from one CUDA graph
-    (the pair kind's ``parts_replayed``), so an extra part is priced as replayed.
+    (the pair kind's ``parts_replayed``), so an extra part is priced as replayed.  ``deferred``: its
+    fused call would run deferred (``fused_async``: ``lowering.fuse.would_defer``), its host issue
+    priced command by command.
     """
     refused = refused or {}
     forced = options.forced(pair.group_size)
@@ -67,8 +70,8 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
         workload = dataclasses.replace(workload, cuda_graphs=True)
         if not _fused_calls_captured():
             fused = ()  # each fused call would split the CUDA graphs, and run with its host floor
-    elif parts_replayed:
-        workload = dataclasses.replace(workload, parts_replayed=True)
+    else:
+        workload = dataclasses.replace(workload, parts_replayed=parts_replayed, deferred=deferred)
     return select(workload, topology, fused_schedules=fused)  # "direct" only, host-staged
 
 
