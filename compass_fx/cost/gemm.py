@@ -15,7 +15,6 @@ Assumptions (each one a constant of :class:`~compass_fx.machine.gpus.GpuSpec`):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..machine.calibration import gpu_spec
