@@ -140,7 +140,8 @@ def _plan(pair: Pair, options: CompassOptions, topology: object | None) -> _Plan
     kind = kind_of(pair)
     refused = kind.refusals(pair)
     try:
-        deferred = options.fused_async and isinstance(pair, ReducePair) and fuse.would_defer(pair)
+        deferred = (options.fused_async and isinstance(pair, ReducePair) and "fuse" not in refused
+                    and fuse.would_defer(pair))
         return _Plan(pair, refused, decide(pair, options, topology, refused, kind.parts_replayed(pair), deferred))
     except Infeasible as e:
         return _Plan(pair, refused, e.decision or Decision("sequential", reason=str(e)), infeasible=True)

@@ -121,6 +121,43 @@ def titan_explain(rank: int, world: int, sp: bool) -> dict:
             "left_alone": sorted(s.reason for s in report.skipped)}
 
 
+def titan_deferred(rank: int, world: int, sp: bool) -> dict:
+    """torchtitan's Llama-3 under fused_async: which reductions ``fuse.would_defer`` said would be
+    deferred (read before any rewrite: what the cost model priced) and which the rewrite deferred."""
+    import real_torchtitan as rt
+
+    import compass_fx
+    import compass_fx.lowering.fuse as fuse
+
+    torch._dynamo.reset()
+    x = rt.tokens()
+    model = rt.build_llama3(world, sp, layers=LAYERS)
+    predicted, would_defer = [], fuse.would_defer
+
+    def recorded(pair):
+        predicted.append([pair.graph_name, would_defer(pair)])
+        return predicted[-1][1]
+
+    fuse.would_defer = recorded
+    try:
+        with rt.spmd_context(model, x):
+            report = compass_fx.explain(model, x, strategy="fuse", schedule="direct", fused_async=True)
+    finally:
+        fuse.would_defer = would_defer
+    return {"predicted": predicted, "deferred": [[p.graph, p.asynchronous] for p in report.pairs
+                                                 if p.kind != "all_gather_matmul" and p.status == "rewritten"]}
+
+
+def test_torchtitan_fused_async_defers_what_the_cost_model_priced_deferred(ranks):
+    """The reductions the cost model prices as deferred (``fuse.would_defer``) are exactly those the
+    rewrite leaves deferred in torchtitan's graphs: the backward's; the forward's, read at once, plain.
+    (Without sequence parallelism: with it, its reduce-scatters scatter a permuted tensor, which the
+    fused operators do not take.)"""
+    res = ranks(2).run(titan_deferred, 2, False)[0]
+    assert res["predicted"] == res["deferred"] and res["deferred"], res
+    assert {tuple(d) for d in res["deferred"]} == {("forward", False), ("backward", True)}, res
+
+
 def test_explain_lists_every_pair_of_torchtitan_llama3(ranks):
     res = ranks(2).run(titan_explain, 2, True)[0]
     assert res["counts"] == hand_count(LAYERS, True)
