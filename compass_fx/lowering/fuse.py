@@ -250,6 +250,9 @@ def _reduce_scatter(b: NodeBuilder, pair: ReducePair, schedule: str, asynchronou
     out = b.call(op, a, w, schedule, pair.group_name, pair.group_size)
     if asynchronous:
         out = b.wait(out)
+    if pair.scatter_perm is not None:  # the collective scattered the permuted sum (torchtitan's Shard(1))
+        local = b.view(out, _local_shape(pair) + [pair.layout.shape[-1]])
+        return [(pair.wait, b.call(aten.permute.default, local, list(pair.scatter_perm)))]
     return [(pair.wait, b.view(out, list(shape_of(pair.wait))))]
 
 

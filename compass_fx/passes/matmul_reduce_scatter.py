@@ -51,11 +51,11 @@ def match(rs: fx.Node, graph_kind: str) -> ReducePair:
 def fused_refusals(pair: ReducePair) -> dict[str, str]:
     """What the fused matmul-reduce operators (reduce-scatter and all-reduce) cannot take: one GEMM
     over the concatenated inner dims of plain mm terms, reduced with "sum"."""
-    if not pair.is_plain_dtensor_shape:  # bmm form, casts, float8, shared partial sums: decompose only
-        details = [what for what, present in (
-            ("dtype casts", pair.reduce_casts), ("bmm form", pair.batched_weights),
-            ("extra uses of a partial sum", pair.shared_partial_sums), ("a permuted scatter", pair.scatter_perm),
-            ("row factors", pair.row_factors), ("float8 _scaled_mm", pair._has_scaled_mm())) if present]
+    details = [what for what, present in (  # decompose only (a permuted scatter is the fused call's, permuted)
+        ("dtype casts", pair.reduce_casts), ("bmm form", pair.batched_weights),
+        ("extra uses of a partial sum", pair.shared_partial_sums), ("row factors", pair.row_factors),
+        ("float8 _scaled_mm", pair._has_scaled_mm())) if present]
+    if details:
         return {"fuse": f"the pair has wild-graph details ({', '.join(details)}); "
                         "the fused operators are not offered for it"}
     if pair.reduce_op != "sum":
