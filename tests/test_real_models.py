@@ -81,10 +81,11 @@ def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp, layers
 
 
 @pytest.mark.inductor
-def test_torchtitan_llama3_under_inductor(ranks):
+@pytest.mark.parametrize("options", [{"chunks": 2}, {"strategy": "fuse", "schedule": "direct"}])
+def test_torchtitan_llama3_under_inductor(ranks, options):
     # one layer: Inductor's compile on the CPU is what costs here, and a second layer adds pairs
     # the eager-inner tests above already check, not new graph shapes
-    results = ranks(2).run(titan_compiled_vs_eager, 2, True, {"chunks": 2}, False, 1)
+    results = ranks(2).run(titan_compiled_vs_eager, 2, True, options, False, 1)
     assert results[0]["counts"] == hand_count(1, True)
     assert results[0]["statuses"] == ["rewritten"]
 
