@@ -152,13 +152,13 @@ def titan_deferred(rank: int, world: int, sp: bool) -> dict:
 @pytest.mark.parametrize("sp", [True, False])
 def test_torchtitan_fused_async_defers_what_the_cost_model_priced_deferred(ranks, sp):
     """The reductions the cost model prices as deferred (``fuse.would_defer``) are exactly those the
-    rewrite leaves deferred in torchtitan's graphs.  Without SP the backward's all-reduces are, with
-    work between them and their first use; the forward's, read at once, are plain calls.  With SP
-    every reduce-scatter is plain: AOTAutograd puts each backward weight gradient before the input
-    gradient's reduce-scatter, whose sum is then read at once (moving work into the gap is not done)."""
+    rewrite leaves deferred in torchtitan's graphs: the backward's, with a weight gradient between
+    them and their first use (with SP, AOTAutograd puts that gradient before the reduce-scatter and
+    the weight's transposes just before the matmul: those views move up with the call, so it starts
+    before the gradient); the forward's, read at once, are plain calls."""
     res = ranks(2).run(titan_deferred, 2, sp)[0]
     assert res["predicted"] == res["deferred"] and res["deferred"], res
-    assert {tuple(d) for d in res["deferred"]} == {("forward", False), ("backward", not sp)}, res
+    assert {tuple(d) for d in res["deferred"]} == {("forward", False), ("backward", True)}, res
 
 
 def test_explain_lists_every_pair_of_torchtitan_llama3(ranks):
@@ -169,13 +169,14 @@ def test_explain_lists_every_pair_of_torchtitan_llama3(ranks):
     assert len(res["left_alone"]) == 2 and any("not by a matmul" in r for r in res["left_alone"])
 
 
-@pytest.mark.parametrize("world,sp", [(2, True), (4, True), (2, False)])
-def test_torchtitan_llama3_through_the_fused_operators_matches_eager(ranks, world, sp):
+@pytest.mark.parametrize("world,sp,deferred", [(2, True, False), (4, True, False), (2, False, False), (2, True, True)])
+def test_torchtitan_llama3_through_the_fused_operators_matches_eager(ranks, world, sp, deferred):
     """Every pair of torchtitan's Llama-3 through the fused operators (the CPU reference: the same
     rows, blocks and orders as the CUDA path) equals eager, forward and backward: with SP its
     reduce-scatters scatter the sum permuted (Shard(1): dims 0 and 1 swapped around the collective),
-    which the fused call's output takes as a permute of its rows."""
-    options = {"strategy": "fuse", "schedule": "direct", "inner": "eager"}
+    which the fused call's output takes as a permute of its rows; and with ``fused_async`` (the
+    backward's reduce-scatters started before the weight gradients, the weight's views moved up)."""
+    options = {"strategy": "fuse", "schedule": "direct", "inner": "eager", "fused_async": deferred}
     results = ranks(world).run(titan_compiled_vs_eager, world, sp, options, False, 1)
     assert results[0]["counts"] == hand_count(1, sp)
     assert results[0]["statuses"] == ["rewritten"], results[0]

@@ -70,6 +70,7 @@ def would_defer(pair: ReducePair) -> bool:
     host as issued command by command (it is never replayed).  Walks the graph from that input only
     until the first node that runs something."""
     own = _between(pair.terms, pair.wait)
+    own |= _feeding_views(own)  # they travel up with the call
     inputs = [i for n in own for i in n.all_input_nodes if i not in own]
     readers = list(pair.wait.users)
     if not inputs or not readers:
@@ -77,10 +78,24 @@ def would_defer(pair: ReducePair) -> bool:
     first = min(readers)
     node = max(inputs).next
     while node is not first and node.op != "root":
-        if node not in own and not _runs_nothing(node):
+        if node not in own and node.op == "call_function" and not _runs_nothing(node):
             return True
         node = node.next
     return False
+
+
+def _feeding_views(nodes: set[fx.Node]) -> set[fx.Node]:
+    """The views (nodes that run nothing) outside ``nodes`` that they read, and the views those
+    read, and so on: a weight's transposes, placed by AOTAutograd just before its matmul, would
+    otherwise hold a call's start there."""
+    out: set[fx.Node] = set()
+    todo = [i for n in nodes for i in n.all_input_nodes if i not in nodes]
+    while todo:
+        n = todo.pop()
+        if n not in out and _runs_nothing(n):
+            out.add(n)
+            todo += n.all_input_nodes
+    return out
 
 
 def _between(sources: list[fx.Node], sink: fx.Node) -> set[fx.Node]:
@@ -136,8 +151,9 @@ def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
 
 
 def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
-    """Move the start of an asynchronous call (with the nodes that prepare its operands) up to
-    just after the last of its inputs, and its wait (with the views of the result) down to just
+    """Move the start of an asynchronous call (with the nodes that prepare its operands, and the views
+    of other nodes they read) up to just after the last of its inputs, and its wait (with the views
+    of the result) down to just
     before the first node that reads the result.  Every rank moves the same nodes the same way.
 
     Both places are found before anything moves, by comparing the few nodes involved (FX keeps
@@ -146,10 +162,12 @@ def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
     start = _start_of(graph, created)
     wait = next(iter(start.users))
     feeding = _upstream(start, set(alive))
-    outside = {i for n in feeding for i in n.all_input_nodes if i not in feeding}
+    views = _feeding_views(feeding)  # they run nothing: those below the start's new place move up with it
+    outside = {i for n in feeding | views for i in n.all_input_nodes if i not in feeding | views}
     after = max(outside)
     if after.op == "placeholder":
         after = max(graph.find_nodes(op="placeholder", sort=False))
+    feeding |= {v for v in views if after < v}
     result = _downstream(wait, set(alive))
     readers = [u for n in result for u in n.users if u not in result]
     first = min(readers) if readers else None
