@@ -167,7 +167,8 @@ class _Rewriter:
     touched: set[fx.Node] = field(default_factory=set)  # what the rewrites so far changed
     disorder: Disorder = field(default_factory=Disorder)  # where they left the graph out of order
     sorted_whole: bool = False  # the graph was sorted whole once (so only the rewrites disorder it)
-    asynchronous: list[tuple[list[fx.Node], str, PairRecord]] = field(default_factory=list)  # created, described
+    # the asynchronous calls' (created nodes, description, record), given their overlap once the graph is sorted
+    asynchronous: list[tuple[list[fx.Node], str, PairRecord]] = field(default_factory=list)
     rewritten: int = 0
     _fake_mode: object = None
 

@@ -153,8 +153,8 @@ def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
 def _spread(graph: fx.Graph, created: list[fx.Node]) -> None:
     """Move the start of an asynchronous call (with the nodes that prepare its operands, and the views
     of other nodes they read) up to just after the last of its inputs, and its wait (with the views
-    of the result) down to just
-    before the first node that reads the result.  Every rank moves the same nodes the same way.
+    of the result) down to just before the first node that reads the result.  Every rank moves the
+    same nodes the same way.
 
     Both places are found before anything moves, by comparing the few nodes involved (FX keeps
     every node's place as a sort key), so a failure leaves the graph as it was."""
