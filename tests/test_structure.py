@@ -248,3 +248,27 @@ def test_the_cost_model_knows_which_fused_calls_fused_async_defers(mesh, monkeyp
     done = [(p.graph, p.asynchronous) for p in report.pairs if p.kind != "all_gather_matmul" and p.status == "rewritten"]
     assert len(done) == len(predicted) > 0 and predicted == done, (predicted, done)
     assert {d for _, d in predicted} == {True, False}
+
+
+def test_fused_calls_inside_a_deferred_calls_window_are_counted():
+    """A fused call between a deferred call's start and its wait is issued command by command (no
+    eager fused call replays while a deferred one is outstanding): the rewriter names how many lie
+    there, views and other ops not counted, nor the deferred call itself."""
+    import torch.fx as fx
+
+    import compass_fx.kernels  # noqa: F401 - registers torch.ops.compass
+    from compass_fx.lowering import fuse
+
+    compass = torch.ops.compass
+    graph = fx.Graph()
+    a, w = graph.placeholder("a"), graph.placeholder("w")
+    start = graph.call_function(compass.matmul_reduce_scatter_start.default, (a, w, "direct", "0", 2))
+    view = graph.call_function(torch.ops.aten.t.default, (w,))
+    gather = graph.call_function(compass.all_gather_matmul.graph, (a, [view], "direct", "0", 2))
+    mm = graph.call_function(torch.ops.aten.mm.default, (a, w))
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (start,))
+    graph.output((wait, gather, mm))
+    assert fuse.fused_calls_while_deferred(graph, [start, wait]) == 1
+    gather.replace_all_uses_with(view)
+    graph.erase_node(gather)
+    assert fuse.fused_calls_while_deferred(graph, [start, wait]) == 0

@@ -62,6 +62,22 @@ def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> bool:
     return not _plain_if_idle(graph, _start_of(graph, created), described)
 
 
+def fused_calls_while_deferred(graph: fx.Graph, created: list[fx.Node]) -> int:
+    """How many calls of the fused operators lie between an asynchronous call's start and its wait
+    (the call's ``created`` nodes, spread): each is issued command by command, not replayed, since
+    no eager fused call replays while a deferred one is outstanding (``kernels/cuda/impl.Join``)."""
+    compass = torch.ops.compass
+    fused = {compass.all_gather_matmul, compass.matmul_reduce_scatter, compass.matmul_all_reduce,
+             compass.matmul_reduce_scatter_start, compass.matmul_all_reduce_start}
+    start = _start_of(graph, created)
+    wait = next(iter(start.users))
+    count, node = 0, start.next
+    while node is not wait:
+        count += node.op == "call_function" and getattr(node.target, "overloadpacket", None) in fused
+        node = node.next
+    return count
+
+
 def would_defer(pair: ReducePair) -> bool:
     """Whether ``fused_async`` would leave ``pair``'s fused call deferred, read off the graph before
     any rewrite, as :func:`spread` and :func:`_plain_if_idle` will find it: something besides views
