@@ -5,7 +5,8 @@ The demo transformer (``compass_fx.demo``, sequence parallelism over a fake proc
 off (``strategy="off"``: the pairs are still found and reported), ``auto`` (the cost model decides;
 on CPU it keeps most pairs sequential), forced decomposition into two parts (``decompose``:
 ``chunks=2``, every pair rewritten), into one part per rank (``parts``: what grows with the group)
-and the fused operators (``fuse``). Each rank's share of the sequence has as many tokens as ranks (a
+and the fused operators (``fuse``; ``fuse_async`` with ``fused_async``: the reductions started early,
+spread and priced as deferred). Each rank's share of the sequence has as many tokens as ranks (a
 sequence of at least 16) so that every pair can split into one part per rank, and the model has as
 many heads as ranks (at least four). Each configuration runs in a fresh process, with one intra-op
 thread (the shared CPU machine's cores are contended: more threads only add noise).
@@ -45,7 +46,8 @@ from harness import output  # noqa: E402
 NAME = "compile_time"
 LAYERS = (2, 4, 8, 16, 32, 64)
 MODES = {"off": {"strategy": "off"}, "auto": {"strategy": "auto"}, "decompose": {"chunks": 2},
-         "parts": {"strategy": "decompose"}, "fuse": {"strategy": "fuse"}}
+         "parts": {"strategy": "decompose"}, "fuse": {"strategy": "fuse"},
+         "fuse_async": {"strategy": "fuse", "fused_async": True}}
 DEFAULT_MODES = ("off", "auto", "decompose")
 WORLDS, BATCH = (4,), 2
 
