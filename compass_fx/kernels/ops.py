@@ -344,14 +344,9 @@ def _plain_cuda(a: Tensor, b: Tensor) -> bool:
 
 def _plain_cuda_list(a: Tensor, bs: list) -> bool:
     """:func:`_plain_cuda` for a left operand and a list of weights."""
-    if not (type(a) is _plain and a.is_cuda and not _dispatch_modes() and not _function_modes()
-            and not _transforms()):
-        return False
-    grad = _grad_on() and a.requires_grad
-    for b in bs:
-        if type(b) is not _plain or b.requires_grad and _grad_on():
-            return False
-    return not grad
+    return (type(a) is _plain and all(type(b) is _plain for b in bs) and a.is_cuda and not _dispatch_modes()
+            and not _function_modes() and not _transforms()
+            and not ((a.requires_grad or any(b.requires_grad for b in bs)) and _grad_on()))
 
 
 def _direct_possible() -> bool:

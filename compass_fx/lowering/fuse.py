@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from typing import Iterator
 
 import torch
 import torch.fx as fx
@@ -69,13 +70,17 @@ def fused_calls_while_deferred(graph: fx.Graph, created: list[fx.Node]) -> int:
     compass = torch.ops.compass
     fused = {compass.all_gather_matmul, compass.matmul_reduce_scatter, compass.matmul_all_reduce,
              compass.matmul_reduce_scatter_start, compass.matmul_all_reduce_start}
-    start = _start_of(graph, created)
+    return sum(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in fused
+               for n in _while_deferred(_start_of(graph, created)))
+
+
+def _while_deferred(start: fx.Node) -> Iterator[fx.Node]:
+    """The nodes between an asynchronous call's ``start`` and its wait, in graph order."""
     wait = next(iter(start.users))
-    count, node = 0, start.next
+    node = start.next
     while node is not wait:
-        count += node.op == "call_function" and getattr(node.target, "overloadpacket", None) in fused
+        yield node
         node = node.next
-    return count
 
 
 def would_defer(pair: ReducePair) -> bool:
@@ -124,7 +129,7 @@ def _between(sources: list[fx.Node], sink: fx.Node) -> set[fx.Node]:
         if n not in ahead and not sink < n:
             ahead.add(n)
             todo += n.users
-    return _reachable(sink, ahead, lambda n: n.all_input_nodes)
+    return _upstream(sink, ahead)
 
 
 def _start_of(graph: fx.Graph, created: list[fx.Node]) -> fx.Node:
@@ -151,12 +156,9 @@ def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
     wait: nothing would run while it travels, and a deferred call costs more than a plain one (it is
     issued command by command on the host, never replayed from its CUDA graph, and holds every other
     eager fused call to the same while it is outstanding: ``kernels/cuda/impl.Join``).  Whether it did."""
+    if not all(_runs_nothing(node) for node in _while_deferred(start)):
+        return False
     wait = next(iter(start.users))
-    node = start.next
-    while node is not wait:
-        if not _runs_nothing(node):
-            return False
-        node = node.next
     start.target = _plain_forms()[start.target]
     wait.replace_all_uses_with(start)
     graph.erase_node(wait)
