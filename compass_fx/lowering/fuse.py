@@ -18,6 +18,7 @@ import torch.fx as fx
 from ..graph.pairs import GatherPair, Pair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
 from .graph_edit import NodeBuilder, RewriteFailed, stable_toposort
+from .rows import ranks_side_by_side, ranks_stacked
 
 aten = torch.ops.aten
 log = logging.getLogger("compass_fx")
@@ -225,21 +226,16 @@ def _local_shape(pair: Pair) -> list[int]:
 
 def _rank_major_to_logical(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
     """Rows ``(rank, lead, local, mid)`` -> ``(lead, rank, local, mid)`` for a gather on dim g > 0."""
-    g, cols = pair.layout.dim, shape_of(t2d)[-1]
-    local = _local_shape(pair)
-    v = b.view(t2d, [pair.layout.world] + local + [cols])
-    order = list(range(1, g + 1)) + [0] + list(range(g + 1, len(local) + 2))
-    return b.view(b.contiguous(b.call(aten.permute.default, v, order)), [pair.layout.rows, cols])
+    cols, local, world = shape_of(t2d)[-1], _local_shape(pair), pair.layout.world
+    stacked = b.view(t2d, [world * local[0], *local[1:], cols])
+    return b.view(ranks_side_by_side(b, stacked, world, pair.layout.dim), [pair.layout.rows, cols])
 
 
 def _logical_to_rank_major(b: NodeBuilder, t2d: fx.Node, pair: Pair) -> fx.Node:
     """Inverse of ``_rank_major_to_logical``."""
-    g, cols = pair.layout.dim, shape_of(t2d)[-1]
-    local = _local_shape(pair)
-    split = local[:g] + [pair.layout.world] + local[g:] + [cols]
-    order = [g] + list(range(g)) + list(range(g + 1, len(split)))
-    return b.view(b.contiguous(b.call(aten.permute.default, b.view(t2d, split), order)),
-                  [pair.layout.rows, cols])
+    cols = shape_of(t2d)[-1]
+    logical = b.view(t2d, [*pair.layout.shape[:-1], cols])
+    return b.view(ranks_stacked(b, logical, pair.layout.world, pair.layout.dim), [pair.layout.rows, cols])
 
 
 Replacements = list[tuple[fx.Node, fx.Node]]
