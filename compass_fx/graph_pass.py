@@ -91,15 +91,15 @@ def _compass_pass(gm: fx.GraphModule, graph_kind: str, options: CompassOptions,
 
 
 def rewrite_pairs(gm: fx.GraphModule, graph_kind: str, pairs: list[Pair], choose: Callable[[Pair], Decision],
-                  group: str | None = None) -> tuple[list[PairRecord], list[SkipRecord]]:
+                  group: str | None = None, *, fused_async: bool = False) -> tuple[list[PairRecord], list[SkipRecord]]:
     """Rewrite ``pairs`` (found in ``gm`` by ``passes.find_pairs``) as ``choose(pair)`` says, as the
     pass does but without options, costs or ranks to agree with (tools and tests): the records,
-    and the pairs that a rewrite before them turned into no pair."""
+    and the pairs that a rewrite before them turned into no pair.  ``fused_async``: as the option."""
     def plan(pair: Pair) -> _Plan:
         return _Plan(pair, kind_of(pair).refusals(pair), choose(pair))
 
     skipped: list[SkipRecord] = []
-    records = _Rewriter(gm, graph_kind, group, False, plan, skipped).run([plan(p) for p in pairs])
+    records = _Rewriter(gm, graph_kind, group, fused_async, plan, skipped).run([plan(p) for p in pairs])
     return records, skipped
 
 

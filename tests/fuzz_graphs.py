@@ -4,7 +4,9 @@ A ``spec`` (plain dict, printable for reproduction) describes rounds of "gather 
 "matmuls -> reduce-scatter / all-reduce" blocks, each with a random form taken from the shapes
 seen in real graphs.  ``trace(spec)`` gives the aten graph (fake process group, fake tensors);
 ``check(spec, parts)`` rewrites every pair it can with ``parts`` and replays the original and
-the rewritten graph on every rank with LocalTensorMode: outputs must agree.
+the rewritten graph on every rank with LocalTensorMode: outputs must agree.  ``check_fused``
+does the same with every pair the fused operators take rewritten to a call of one, the calls
+replayed as what they compute (``wild_check.fused_calls_as_collectives``).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import torch
 import torch.fx as fx
 import wild_check
 from hypothesis import strategies as st
+from compass_fx.cost.decision import Decision
+from compass_fx.passes.find import kind_of
 from torch.fx.experimental.proxy_tensor import make_fx
 
 c10d = torch.ops._c10d_functional
@@ -195,13 +199,40 @@ def check(spec: dict, group: str, parts_choice: int) -> dict:
         return options[parts_choice % len(options)]
 
     done, skips = wild_check.rewrite_all(gm, parts)
+    _compare(spec, ref, gm)
+    return {"rewritten": len(done), "skipped": [s.reason for s in skips],
+            "blocks": 2 * len(spec["rounds"]), "hostile": _hostile(spec)}
+
+
+def check_fused(spec: dict, group: str, schedule: str, fused_async: bool) -> dict:
+    """Rewrite every pair of ``spec``'s graph that the fused operators take to a call of one (the
+    rest stay as they are), replay it with the calls written as what they compute, and compare."""
+    ref, gm = trace(spec, group), trace(spec, group)
+    refused: list[str] = []
+
+    def choose(pair) -> Decision:
+        why = kind_of(pair).refusals(pair).get("fuse")
+        if why is None:
+            return Decision("fuse", schedule=schedule)
+        refused.append(why)
+        return Decision("sequential")
+
+    done, skips = wild_check.rewrite_chosen(gm, choose, fused_async=fused_async)
+    calls = wild_check.fused_calls_as_collectives(gm)
+    _compare(spec, ref, gm)
+    return {"rewritten": len(done), "kinds": [p.kind for p in done], "calls": calls, "refused": refused,
+            "skipped": [s.reason for s in skips], "blocks": 2 * len(spec["rounds"]), "hostile": _hostile(spec)}
+
+
+def _compare(spec: dict, ref: fx.GraphModule, gm: fx.GraphModule) -> None:
     inputs = wild_check.local_inputs(ref, spec["world"], seed=1)
     wild_check.assert_same_outputs(wild_check.replay(ref, inputs, spec["world"]),
                                    wild_check.replay(gm, inputs, spec["world"]), rtol=2e-2, atol=2e-2)
-    hostile = sum((rd["gather"]["hostile"] is not None) + (rd["reduce"]["hostile"] is not None)
-                  for rd in spec["rounds"])
-    return {"rewritten": len(done), "skipped": [s.reason for s in skips],
-            "blocks": 2 * len(spec["rounds"]), "hostile": hostile}
+
+
+def _hostile(spec: dict) -> int:
+    """The blocks made hostile on purpose (no pair: left alone)."""
+    return sum((rd["gather"]["hostile"] is not None) + (rd["reduce"]["hostile"] is not None) for rd in spec["rounds"])
 
 
 def differentiable(spec: dict) -> bool:
@@ -225,11 +256,14 @@ class SpecModule(torch.nn.Module):
         return sum((o.float() ** 2).sum() for o in outs)
 
 
-def check_module(spec: dict, group: str) -> dict:
-    """Forward and backward graphs of ``SpecModule(spec)``: rewritten (chunks=2) vs not, replayed."""
+def check_module(spec: dict, group: str, options: dict | None = None) -> dict:
+    """Forward and backward graphs of ``SpecModule(spec)``: rewritten (``options``, default chunks=2)
+    vs not, replayed (fused calls as what they compute: ``wild_check.fused_calls_as_collectives``)."""
     model = SpecModule(spec, group)
     ref = wild_check.capture(model, (), {"strategy": "off"})
-    got = wild_check.capture(model, (), {"chunks": 2})
+    got = wild_check.capture(model, (), options or {"chunks": 2})
+    for gm in got.graphs.values():
+        wild_check.fused_calls_as_collectives(gm)
     wild_check.compare_captures(ref, got, spec["world"], seed=3)
     pairs = [p for r in got.reports for p in r.pairs]
     return {"graphs": len(got.graphs), "pairs": len(pairs),

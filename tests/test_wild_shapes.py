@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+import fuzz_graphs
 import wild_check
 import wild_models
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -78,6 +79,57 @@ def test_replay_check_catches_a_wrong_rewrite(fake_group, monkeypatch):
     got = wild_check.capture(model, (x,), {"chunks": 2})
     with pytest.raises(AssertionError):
         wild_check.compare_captures(ref, got, WORLD)
+
+
+FUSED = {"einsum_bmm": 0, "reshape_chain": 3, "dtype_casts": 0, "shared_uses": 1, "checkpointed": 4, "unmatched": 0}
+
+
+@pytest.mark.parametrize("fused_async", [False, True])
+@pytest.mark.parametrize("name", list(wild_models.WILD))
+def test_wild_shape_through_the_fused_operators(fake_group, name, fused_async):
+    """strategy=fuse: each pair becomes a call of a fused operator or keeps its form with the
+    reason the operators refuse it; the graphs, their calls replayed as what they compute, match."""
+    model, x = wild_models.build(name, fake_group), wild_models.shard_input(name, 0)
+    ref = wild_check.capture(model, (x,), {"strategy": "off"})
+    got = wild_check.capture(model, (x,), {"strategy": "fuse", "fused_async": fused_async})
+    pairs = [p for r in got.reports for p in r.pairs]
+    assert sum(p.status == "rewritten" for p in pairs) == FUSED[name]
+    assert all(p.status == "rewritten" or "fused operators" in p.reason or "fused GEMM" in p.reason for p in pairs)
+    assert sum(wild_check.fused_calls_as_collectives(gm) for gm in got.graphs.values()) == FUSED[name]
+    wild_check.compare_captures(ref, got, WORLD)
+
+
+def _round(gather: dict, reduce: dict) -> dict:
+    """One round of ``fuzz_graphs.specs``: a gather into a matmul, a matmul into a reduction."""
+    return {"gather": {"dim": 0, "style": "fc", "cast": None, "form": "view2d", "consumers": [False],
+                       "extra_use": False, "contraction": False, "hidden": 8, "hostile": None, **gather},
+            "reduce": {"kind": "rs", "dim": 0, "terms": 1, "bias": False, "cast": None, "escape": False,
+                       "style": "fc", "form": "mm", "hostile": None, **reduce},
+            "noise": False}
+
+
+@pytest.mark.parametrize("kind", ["rs", "ar"])
+def test_a_bias_added_to_a_reduced_3d_matmul_keeps_the_pair_off_the_fused_operators(fake_group, kind):
+    """``matmul(h, w) + b`` reduced: each rank's b is summed with the products, which one fused GEMM
+    without a bias cannot give.  (The fused rewrite dropped the bias, found by the fuzzer.)"""
+    spec = {"world": WORLD, "batch": 1, "local": 2, "dim": 8,
+            "rounds": [_round({"form": "matmul3d"}, {"kind": kind, "bias": True, "form": "matmul3d"})]}
+    res = fuzz_graphs.check_fused(spec, fake_group.group_name, "ring", False)  # the replays agree
+    assert res["kinds"] == ["all_gather_matmul"]
+    assert res["refused"] == ["a bias added inside the reduction differs per rank; the fused GEMM has no bias"]
+    assert fuzz_graphs.check(spec, fake_group.group_name, 0)["rewritten"] == 2  # decomposed, the bias in each part
+
+
+def test_replay_of_fused_calls_catches_a_wrong_lowering(fake_group, monkeypatch):
+    """The check above can fail: a gather on dim 1 whose rows the lowering leaves rank-major is caught."""
+    import compass_fx.lowering.fuse as fuse
+
+    spec = {"world": WORLD, "batch": 2, "local": 2, "dim": 8, "rounds": [_round({"dim": 1}, {"kind": "ar"})]}
+    assert fuzz_graphs.check_fused(spec, fake_group.group_name, "direct", False)["kinds"] == [
+        "all_gather_matmul", "matmul_all_reduce"]
+    monkeypatch.setattr(fuse, "_rank_major_to_logical", lambda b, t2d, pair: t2d)
+    with pytest.raises(AssertionError, match="not close"):
+        fuzz_graphs.check_fused(spec, fake_group.group_name, "direct", False)
 
 
 # ------------------------------------------------------------------------------- real gloo ranks

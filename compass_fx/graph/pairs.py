@@ -228,6 +228,8 @@ class ReducePair(Pair):
     scatter_perm: tuple[int, ...] | None = None  # the collective sees permute(reduced, perm), its
     #                                              output is permute(scatter of reduced on dim, perm)
     row_factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul(term, f) -> f (f scales rows/cols)
+    added_biases: list[fx.Node] = field(default_factory=list)  # x + bias[N] on the way to the terms: each
+    #                                                          rank's bias is summed with the products
 
     @property
     def kind(self) -> str:
@@ -248,7 +250,8 @@ class ReducePair(Pair):
     @property
     def is_plain_dtensor_shape(self) -> bool:
         return (not self.reduce_casts and not self.batched_weights and not self.shared_partial_sums
-                and self.scatter_perm is None and not self.row_factors and not self._has_scaled_mm())
+                and self.scatter_perm is None and not self.row_factors and not self.added_biases
+                and not self._has_scaled_mm())
 
     def mnk(self) -> tuple[int, int, int]:
         """A reduced sum of several GEMMs sums their inner dims into k (same N)."""

@@ -135,6 +135,7 @@ class ReducedSum:
     shared_partial_sums: list[fx.Node] = field(default_factory=list)
     casts: tuple[torch.dtype, ...] = ()
     factors: dict[fx.Node, fx.Node] = field(default_factory=dict)  # mul node -> its row factor
+    biases: list[fx.Node] = field(default_factory=list)  # column biases added to the sum (x + bias[N])
     seen: set[fx.Node] = field(default_factory=set)
 
 
@@ -171,6 +172,7 @@ def reduced_sum(root: fx.Node, shape: tuple[int, ...], collective_side: fx.Node)
             bias = [a for a in node.args if a not in full]
             if len(full) == 1 and len(bias) == 1 and _row_bias_of(bias[0], shape[-1]):
                 found.seen.add(bias[0])
+                found.biases.append(bias[0])
                 walk(full[0], node)  # x + bias[N]: a bias added after a bmm-form matmul
                 return None
         factored = _factored_term(node)

@@ -42,7 +42,8 @@ def match(ar: fx.Node, graph_kind: str) -> ReducePair:
                       group_name=str(ar.args[2]), group_size=world, dtype=dtype_of(inp), all_reduce=True,
                       reduce_op=op, terms=found.terms, reduced=inp, reduce_casts=found.casts,
                       batched_weights=found.batched_weights, shared_partial_sums=found.shared_partial_sums,
-                      row_factors=found.factors, footprint=frozenset(found.seen | {ar, wait}))
+                      row_factors=found.factors, added_biases=found.biases,
+                      footprint=frozenset(found.seen | {ar, wait}))
 
 
 def lower(b: NodeBuilder, pair: ReducePair, decision: Decision, asynchronous: bool = False) -> bool:

@@ -45,7 +45,8 @@ def match(rs: fx.Node, graph_kind: str) -> ReducePair:
                       group_name=str(rs.args[3]), group_size=world, dtype=dtype_of(logical), all_reduce=False,
                       reduce_op=op, terms=found.terms, reduced=logical, reduce_casts=found.casts,
                       batched_weights=found.batched_weights, shared_partial_sums=found.shared_partial_sums,
-                      scatter_perm=scatter.perm, row_factors=found.factors, footprint=frozenset(footprint))
+                      scatter_perm=scatter.perm, row_factors=found.factors, added_biases=found.biases,
+                      footprint=frozenset(footprint))
 
 
 def fused_refusals(pair: ReducePair) -> dict[str, str]:
@@ -60,7 +61,7 @@ def fused_refusals(pair: ReducePair) -> dict[str, str]:
                         "the fused operators are not offered for it"}
     if pair.reduce_op != "sum":
         return {"fuse": f"the fused operators reduce with 'sum', this pair with {pair.reduce_op!r}"}
-    if any(t.target is aten.addmm.default for t in pair.terms):
+    if pair.added_biases or any(t.target is aten.addmm.default for t in pair.terms):
         return {"fuse": "a bias added inside the reduction differs per rank; the fused GEMM has no bias"}
     if len({mm_operands(t)[0].meta["val"].dtype for t in pair.terms}) != 1:
         return {"fuse": "the reduced matmuls differ in dtype"}
