@@ -27,6 +27,7 @@ Recorded long runs (2-core CPU, torch 2.13.0+cpu), zero wrong rewrites in each:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 import fuzz_graphs
@@ -42,16 +43,30 @@ EXAMPLES = int(os.environ.get("COMPASS_FUZZ_EXAMPLES", "40"))
 SEED = int(os.environ.get("COMPASS_FUZZ_SEED", "20261129"))
 
 
+@contextlib.contextmanager
+def fake_world(world: int):
+    """The fake process group of ``world`` ranks while the block runs: its name."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+def examples(n: int):
+    """Hypothesis settings of a fuzz test: ``n`` examples, no deadline, no example database."""
+    return settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_fuzzed_graphs_rewrite_correctly(world):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     stats: collections.Counter = collections.Counter()
-    try:
+    with fake_world(world) as group:
         @seed(SEED + world)  # fixed, but a different sample for each world size
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @examples(EXAMPLES)
         @given(spec=fuzz_graphs.specs(world=world), choice=st.integers(0, 3))
         def run(spec, choice):
-            res = fuzz_graphs.check(spec, dist.group.WORLD.group_name, choice)
+            res = fuzz_graphs.check(spec, group, choice)
             assert res["rewritten"] == res["blocks"] - res["hostile"], (res, spec)
             stats["graphs"] += 1
             stats["blocks"] += res["blocks"]
@@ -59,8 +74,6 @@ def test_fuzzed_graphs_rewrite_correctly(world):
             stats["left alone"] += len(res["skipped"])
 
         run()
-    finally:
-        dist.destroy_process_group()
     print(f"\nfuzz world={world}: {dict(stats)}")
     assert stats["graphs"] == EXAMPLES and stats["rewritten"] > 0
 
@@ -71,17 +84,16 @@ SCHEDULES = ("ring", "double_ring", "direct")
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fuzzed_graphs_through_the_fused_operators(world):
-    """The same graphs, every pair the fused operators take rewritten to a call of one (half of
-    the graphs with fused_async): the lowering around the calls (views, permutes of dim > 0,
-    several weights, biases, waits) against the original graph on every rank."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    """The same graphs, every pair the fused operators take rewritten to a call of one (fused_async
+    drawn for each graph): the lowering around the calls (views, permutes of dim > 0, several
+    weights, biases, waits) against the original graph on every rank."""
     stats: collections.Counter = collections.Counter()
-    try:
+    with fake_world(world) as group:
         @seed(SEED + 10 + world)
-        @settings(max_examples=FUSED_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @examples(FUSED_EXAMPLES)
         @given(spec=fuzz_graphs.specs(world=world), schedule=st.sampled_from(SCHEDULES), fused_async=st.booleans())
         def run(spec, schedule, fused_async):
-            res = fuzz_graphs.check_fused(spec, dist.group.WORLD.group_name, schedule, fused_async)
+            res = fuzz_graphs.check_fused(spec, group, schedule, fused_async)
             assert res["rewritten"] == res["blocks"] - res["hostile"] - len(res["refused"]), (res, spec)
             assert res["calls"] == res["rewritten"], (res, spec)
             stats["graphs"] += 1
@@ -92,8 +104,6 @@ def test_fuzzed_graphs_through_the_fused_operators(world):
             stats["fused_async graphs"] += fused_async
 
         run()
-    finally:
-        dist.destroy_process_group()
     print(f"\nfuzz fused world={world}: {dict(stats)}")
     assert stats["graphs"] == FUSED_EXAMPLES
     assert all(stats[kind] > 0 for kind in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")), stats
@@ -106,21 +116,17 @@ def test_fuzzed_modules_forward_and_backward():
     """The same generator as modules compiled by the backend: forward and backward graphs.
 
     Pairs that chunks=2 cannot divide (a batch of 1 per rank) are skipped by the backend."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     stats: collections.Counter = collections.Counter()
-    try:
+    with fake_world(2) as group:
         @seed(SEED)
-        @settings(max_examples=MODULE_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @examples(MODULE_EXAMPLES)
         @given(spec=fuzz_graphs.specs(world=2).filter(fuzz_graphs.differentiable))
         def run(spec):
-            res = fuzz_graphs.check_module(spec, dist.group.WORLD.group_name)
+            res = fuzz_graphs.check_module(spec, group)
             assert res["graphs"] == 2, spec
             stats.update({k: v for k, v in res.items() if k != "not_rewritten"})
 
         run()
-    finally:
-        dist.destroy_process_group()
     print(f"\nfuzzed modules: {dict(stats)}")
     assert stats["backward_rewritten"] > 0
 
@@ -131,24 +137,19 @@ FUSED_MODULE_EXAMPLES = int(os.environ.get("COMPASS_FUZZ_FUSED_MODULE_EXAMPLES",
 def test_fuzzed_modules_through_the_fused_operators():
     """The same modules with strategy=fuse (schedules and fused_async drawn): forward and backward
     graphs, every fused call replayed as what it computes, against the graphs left as they were."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     stats: collections.Counter = collections.Counter()
-    try:
+    with fake_world(2) as group:
         @seed(SEED + 1)
-        @settings(max_examples=FUSED_MODULE_EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @examples(FUSED_MODULE_EXAMPLES)
         @given(spec=fuzz_graphs.specs(world=2).filter(fuzz_graphs.differentiable),
                schedule=st.sampled_from(SCHEDULES), fused_async=st.booleans())
         def run(spec, schedule, fused_async):
             options = {"strategy": "fuse", "schedule": schedule, "fused_async": fused_async}
-            res = fuzz_graphs.check_module(spec, dist.group.WORLD.group_name, options)
+            res = fuzz_graphs.check_module(spec, group, options)
             assert res["graphs"] == 2, spec
             assert all("fused" in why for *_, why in res["not_rewritten"]), res["not_rewritten"]
             stats.update({k: v for k, v in res.items() if k != "not_rewritten"})
 
         run()
-    finally:
-        dist.destroy_process_group()
     print(f"\nfuzzed modules through the fused operators: {dict(stats)}")
     assert stats["backward_rewritten"] > 0
-
