@@ -224,6 +224,31 @@ def check_fused(spec: dict, group: str, schedule: str, fused_async: bool) -> dic
             "skipped": [s.reason for s in skips], "blocks": 2 * len(spec["rounds"]), "hostile": _hostile(spec)}
 
 
+def check_mixed(spec: dict, group: str, picks: list[int], schedule: str, fused_async: bool) -> dict:
+    """Each pair of ``spec``'s graph takes the strategy ``picks`` names for it in turn (0: the fused
+    operators where they take it, 1: InterDecom with the first feasible count > 1, 2: as it is), so
+    rewrites of both kinds meet in one graph; replayed (fused calls as what they compute) and compared."""
+    ref, gm = trace(spec, group), trace(spec, group)
+    chosen: list[str] = []
+
+    def choose(pair) -> Decision:
+        pick = picks[len(chosen) % len(picks)]
+        parts = [p for p in pair.feasible_parts() if p > 1]
+        if pick == 0 and "fuse" not in kind_of(pair).refusals(pair):
+            decision = Decision("fuse", schedule=schedule)
+        elif pick < 2 and parts:
+            decision = Decision("decompose", parts[0])
+        else:
+            decision = Decision("sequential")
+        chosen.append(decision.strategy)
+        return decision
+
+    done, _ = wild_check.rewrite_chosen(gm, choose, fused_async=fused_async)
+    calls = wild_check.fused_calls_as_collectives(gm)
+    _compare(spec, ref, gm)
+    return {"rewritten": len(done), "chosen": chosen, "calls": calls}
+
+
 def _compare(spec: dict, ref: fx.GraphModule, gm: fx.GraphModule) -> None:
     inputs = wild_check.local_inputs(ref, spec["world"], seed=1)
     wild_check.assert_same_outputs(wild_check.replay(ref, inputs, spec["world"]),
