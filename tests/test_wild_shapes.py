@@ -162,6 +162,14 @@ def test_wild_shape_on_gloo_matches_eager(ranks, name):
     assert all(s == "rewritten" for *_, s in results[0])
 
 
+@pytest.mark.parametrize("name", [n for n, fused in FUSED.items() if fused])
+def test_wild_shape_through_the_fused_operators_on_gloo(ranks, name):
+    """The fused calls run for real (their CPU path: the schedule's point-to-point messages)."""
+    results = ranks(WORLD).run(compiled_vs_eager, name, {"strategy": "fuse", "inner": "eager"})
+    assert results[0] == results[1], "ranks rewrote different pairs"
+    assert sum(s == "rewritten" for *_, s in results[0]) == FUSED[name]
+
+
 @pytest.mark.inductor
 def test_wild_shapes_under_inductor(ranks):
     for name in ("einsum_bmm", "dtype_casts", "shared_uses"):
