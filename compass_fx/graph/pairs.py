@@ -119,16 +119,6 @@ class Pair(ABC):
     def split_extent(self) -> int:
         """The extent a decomposition divides into parts (every part count must divide it)."""
 
-    @property
-    @abstractmethod
-    def is_plain_dtensor_shape(self) -> bool:
-        """True when the site is as DTensor traces it: plain mm/addmm (no float8 ``_scaled_mm``,
-        no bmm form) fed or feeding without dtype casts, extra uses or permutes.
-
-        Lowerings that only know these shapes (the fused operators) must check this and leave the
-        pair alone when it is False; the decomposition handles every matched site.
-        """
-
     @abstractmethod
     def mnk(self) -> tuple[int, int, int]:
         """m = full rows; n, k such that 2*m*n*k is the FLOP count of all matmuls sharing the collective."""
@@ -194,12 +184,6 @@ class GatherPair(Pair):
     def split_extent(self) -> int:
         return self.layout.local_extent
 
-    @property
-    def is_plain_dtensor_shape(self) -> bool:
-        consumers = list(self.row_consumers) + list(self.contraction_consumers)
-        return (all(not c.casts and not c.region for c in consumers)
-                and all(c.weight is None for c in self.row_consumers) and not self._has_scaled_mm())
-
     def mnk(self) -> tuple[int, int, int]:
         """A gather feeding several GEMMs sums their output columns into n (same K)."""
         m, k = self.layout.rows, self.layout.shape[-1]
@@ -246,12 +230,6 @@ class ReducePair(Pair):
     @property
     def split_extent(self) -> int:
         return self.layout.rows if self.all_reduce else self.layout.local_extent
-
-    @property
-    def is_plain_dtensor_shape(self) -> bool:
-        return (not self.reduce_casts and not self.batched_weights and not self.shared_partial_sums
-                and self.scatter_perm is None and not self.row_factors and not self.added_biases
-                and not self._has_scaled_mm())
 
     def mnk(self) -> tuple[int, int, int]:
         """A reduced sum of several GEMMs sums their inner dims into k (same N)."""
