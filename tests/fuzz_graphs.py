@@ -4,7 +4,8 @@ A ``spec`` (plain dict, printable for reproduction) describes rounds of "gather 
 "matmuls -> reduce-scatter / all-reduce" blocks, each with a random form taken from the shapes
 seen in real graphs.  ``trace(spec)`` gives the aten graph (fake process group, fake tensors);
 ``check(spec, parts)`` rewrites every pair it can with ``parts`` and replays the original and
-the rewritten graph on every rank with LocalTensorMode: outputs must agree.  ``check_fused``
+the rewritten graph on every rank with LocalTensorMode: outputs must agree.  ``specs(float8=True)``
+draws the blocks' matmuls in float8 too (``_scaled_mm`` with the scalings torchao uses).  ``check_fused``
 does the same with every pair the fused operators take rewritten to a call of one, the calls
 replayed as what they compute (``wild_check.fused_calls_as_collectives``).
 """
@@ -19,12 +20,23 @@ from compass_fx.passes.find import kind_of
 from torch.fx.experimental.proxy_tensor import make_fx
 
 c10d = torch.ops._c10d_functional
+F8 = torch.float8_e4m3fn
 GATHER_FORMS = ("view2d", "reshape", "unsqueeze_flatten", "bmm_expand", "einsum", "matmul3d")
 REDUCE_FORMS = ("mm", "bmm_expand", "matmul3d")
+# How a block's matmuls run in float8 (``specs(float8=True)``): None (as drawn without float8);
+# "tensorwise" (one scale of A, an input); "rowwise" (a scale per row of A, from each row's amax, as
+# torchao's row-wise recipe); "rowwise_expanded" (the same through an expand to its own shape, as code
+# that broadcasts its scales leaves it); "rowwise_repeated" (one input scale expanded to every row); a gather's
+# "bytes" (the shard cast to float8 before the gather: the gather moves float8 rows); and the one
+# that no part can take, "tensorwise_of_gathered" (one amax over all the gathered rows: hostile).
+GATHER_FLOAT8 = (None, "tensorwise", "rowwise", "rowwise_expanded", "rowwise_repeated", "bytes", "tensorwise_of_gathered")
+REDUCE_FLOAT8 = (None, "tensorwise", "rowwise", "rowwise_expanded", "rowwise_repeated")
 
 
 @st.composite
-def specs(draw, world: int | None = None) -> dict:
+def specs(draw, world: int | None = None, float8: bool = False) -> dict:
+    """A random spec; ``float8`` adds a float8 form to each block (drawn after the rest, so the
+    specs drawn without it stay what they were for a seed)."""
     world = world or draw(st.sampled_from([2, 4]))
     three_d = draw(st.booleans())
     spec = {"world": world, "batch": draw(st.sampled_from([1, 2])) if three_d else 0,
@@ -47,6 +59,11 @@ def specs(draw, world: int | None = None) -> dict:
                   "form": draw(st.sampled_from(REDUCE_FORMS if three_d else ("mm",))),
                   "hostile": draw(st.sampled_from([None, None, None, "scale", "max"]))}
         spec["rounds"].append({"gather": gather, "reduce": reduce, "noise": draw(st.booleans())})
+        if float8:
+            gather["f8"] = draw(st.sampled_from(GATHER_FLOAT8))
+            reduce["f8"] = draw(st.sampled_from(REDUCE_FLOAT8))
+            gather["f8_out"] = draw(st.sampled_from(["bf16", "float32"]))
+            reduce["f8_out"] = draw(st.sampled_from(["bf16", "float32"]))
     return spec
 
 
@@ -98,6 +115,49 @@ def _apply_linear(f: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form
     return out + b if b is not None else out
 
 
+def _scaled_linear(f: torch.Tensor, w8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+                   b: torch.Tensor | None, f8: str, out: str) -> torch.Tensor:
+    """``f @ w8.t()`` (+ b) as ``_scaled_mm`` on f's rows, A scaled as ``f8`` says; f's leading dims kept."""
+    f2 = f.reshape(-1, f.shape[-1])
+    rows = f2.shape[0]
+    if f8 in ("rowwise", "rowwise_expanded", "tensorwise_of_gathered"):  # scales from the rows themselves
+        x = f2.float().abs()
+        amax = x.amax().reshape(1, 1) if f8 == "tensorwise_of_gathered" else x.amax(dim=-1, keepdim=True)
+        sa = amax.clamp_min(1e-6) / 448.0
+        a8 = (f2.float() / sa).to(F8)
+        sa = sa if f8 == "rowwise" else sa.expand(rows, 1).contiguous()  # a no-op, or one scale to every row
+    else:
+        a8 = f2 if f2.dtype == F8 else f2.to(F8)
+        sa = sa.expand(rows, 1).contiguous() if f8 == "rowwise_repeated" else sa
+    y = torch._scaled_mm(a8, w8.t(), sa, sb, out_dtype=torch.bfloat16 if out == "bf16" else torch.float32)
+    y = y.reshape(*f.shape[:-1], y.shape[-1])
+    return y + b if b is not None else y
+
+
+def _linear(f: torch.Tensor, w: list[torch.Tensor], b: torch.Tensor | None, form: str, block: dict) -> torch.Tensor:
+    """A block's matmul: in float8 when the block draws a float8 form, else in the drawn form."""
+    if block.get("f8") is None:
+        return _apply_linear(f, w[0], b, form)
+    return _scaled_linear(f, *w, b, block["f8"], block["f8_out"])
+
+
+def _hostile_rows(f: torch.Tensor, hostile: str | None) -> torch.Tensor:
+    if hostile == "relu":  # a nonlinearity between gather and matmul: no pair (a float8 consumer, which
+        return torch.relu(f)  # replays the row-local ops before it per part, takes it all the same)
+    if hostile == "narrow":  # rows dropped before the matmul: no pair
+        return torch.cat([f.narrow(-2, 0, 1), f.narrow(-2, 1, f.shape[-2] - 1) * 1.5], dim=-2)
+    return f
+
+
+def _on_float8_rows(f: torch.Tensor, g: dict) -> torch.Tensor:
+    """A gather's cast and hostile op on its float8 rows (CPU float8 has no arithmetic)."""
+    if g["cast"] == "clone":
+        f = f.clone()
+    elif g["cast"] is not None or g["hostile"] is not None:
+        f = _hostile_rows(f.float(), g["hostile"]).to(F8)
+    return f
+
+
 def _reduce(y: torch.Tensor, r: dict, world: int, group: str) -> torch.Tensor:
     import torch.distributed._functional_collectives as fc
 
@@ -120,35 +180,44 @@ def program(spec: dict, group: str):
     gen = torch.Generator().manual_seed(0)
 
     def new(*shape: int, dtype=torch.float32) -> int:
-        inputs.append((torch.randn(*shape, generator=gen) / max(shape[-1], 1) ** 0.5).to(dtype))
+        inputs.append((torch.randn(shape, generator=gen) / max(shape[-1] if shape else 1, 1) ** 0.5).to(dtype))
         return len(inputs) - 1
+
+    def weight(k: int, n: int, f8: str | None, dtype=torch.float32) -> tuple:
+        """A matmul's B ([k, n]), or in float8 B's transpose ([n, k], as torchao keeps it) and the scales."""
+        if f8 is None:
+            return (new(k, n, dtype=dtype),)
+        return new(n, k, dtype=F8), new(), new() if f8 in ("tensorwise", "bytes") else new(1, n)
 
     plan = []
     for rd in spec["rounds"]:
         g, r = rd["gather"], rd["reduce"]
         wdtype = torch.float64 if g["cast"] == "double" else torch.float32
         x = new(*_shard_shape(spec, g["dim"], dim))
-        ws = [(new(dim, g["hidden"], dtype=wdtype), new(g["hidden"], dtype=wdtype) if bias else None)
+        ws = [(weight(dim, g["hidden"], g.get("f8"), wdtype), new(g["hidden"], dtype=wdtype) if bias else None)
               for bias in g["consumers"]]
-        terms = [(new(g["hidden"], dim), new(dim) if r["bias"] and t == 0 else None) for t in range(r["terms"])]
+        terms = [(weight(g["hidden"], dim, r.get("f8")), new(dim) if r["bias"] and t == 0 else None)
+                 for t in range(r["terms"])]
         plan.append((x, ws, terms))
 
     def fn(*args: torch.Tensor):
         outs = []
         for rd, (xi, ws, terms) in zip(spec["rounds"], plan):
             g, r = rd["gather"], rd["reduce"]
-            f = _gather(args[xi], g, world, group)
-            if g["cast"] == "bf16_roundtrip":
+            shard = args[xi].to(F8) if g.get("f8") == "bytes" else args[xi]
+            f = _gather(shard, g, world, group)
+            if f.dtype == F8:  # what follows a gather of float8 rows runs on them in float32, cast back
+                f = _on_float8_rows(f, g)
+            elif g["cast"] == "bf16_roundtrip":
                 f = f.to(torch.bfloat16).float()
             elif g["cast"] == "double":
                 f = f.double()
             elif g["cast"] == "clone":  # a copy between gather and matmul (keeps the rows)
                 f = f.clone()
-            if g["hostile"] == "relu":      # a nonlinearity between gather and matmul: no pair
-                f = torch.relu(f)
-            elif g["hostile"] == "narrow":  # rows dropped before the matmul: no pair
-                f = torch.cat([f.narrow(-2, 0, 1), f.narrow(-2, 1, f.shape[-2] - 1) * 1.5], dim=-2)
-            hs = [_apply_linear(f, args[w], args[b] if b is not None else None, g["form"]) for w, b in ws]
+            if f.dtype != F8:
+                f = _hostile_rows(f, g["hostile"])
+            hs = [_linear(f, [args[i] for i in w], args[b] if b is not None else None, g["form"], g)
+                  for w, b in ws]
             h = hs[0]
             for other in hs[1:]:
                 h = torch.relu(h) * other
@@ -163,7 +232,7 @@ def program(spec: dict, group: str):
             y = None
             for t, (w, b) in enumerate(terms):
                 src = h if t == 0 else torch.relu(h)
-                term = _apply_linear(src, args[w], args[b] if b is not None else None, r["form"])
+                term = _linear(src, [args[i] for i in w], args[b] if b is not None else None, r["form"], r)
                 if r["cast"] == "term_double":  # each term converted before the sum
                     term = term.double()
                 y = term if y is None else y + term

@@ -22,7 +22,8 @@ class GatherScaled(torch.nn.Module):
     ``scaling`` of A: "tensorwise" (one scale, from before the gather), "rowwise" (one scale per
     gathered row, repeated from a buffer), "rowwise_of_gathered" (torchao's row-wise recipe: each
     gathered row's amax gives its scale) or "tensorwise_of_gathered" (one amax over all the
-    gathered rows: no part can be cast before every part has arrived)."""
+    gathered rows: no part can be cast before every part has arrived); "rowwise_expanded_of_gathered"
+    is the row-wise recipe with its scales passed through an expand to their own shape."""
 
     def __init__(self, k: int, n: int, world: int, group: str, scaling: str = "tensorwise") -> None:
         super().__init__()
@@ -37,12 +38,12 @@ class GatherScaled(torch.nn.Module):
         x = c10d.wait_tensor(c10d.all_gather_into_tensor(shard, self.world, self.group))
         rowwise = self.scaling != "tensorwise"
         sb = self.sb.expand(1, self.w.shape[0]).contiguous() if rowwise else self.sb.reshape(())
-        if self.scaling.endswith("_of_gathered"):
+        if self.scaling.endswith("of_gathered"):
             dim = -1 if self.scaling.startswith("rowwise") else None
             amax = x.abs().amax(dim=dim, keepdim=True) if dim else x.abs().amax().reshape(1, 1)
             sa = amax.float().clamp_min(1e-6) / 448.0
             x8 = (x.float() / sa).to(F8)
-            sa = sa.expand(x.shape[0], 1) if not dim else sa
+            sa = sa.expand(x.shape[0], 1) if not dim or self.scaling.endswith("_expanded_of_gathered") else sa
             return torch._scaled_mm(x8, self.w.t(), sa.contiguous(), sb, out_dtype=torch.bfloat16)
         sa = self.sa.expand(x.shape[0], 1).contiguous() if rowwise else self.sa.reshape(())
         return torch._scaled_mm(x.to(F8), self.w.t(), sa, sb, out_dtype=torch.bfloat16)
@@ -146,10 +147,11 @@ def test_rowwise_float8_scales_of_a_local_operand_split_with_its_rows(ranks):
     assert res["pairs"] == [("matmul_reduce_scatter", "rewritten", "decompose", 2)], res
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_of_gathered"])
+@pytest.mark.parametrize("scaling", ["rowwise", "rowwise_of_gathered", "rowwise_expanded_of_gathered"])
 def test_rowwise_float8_scales_of_gathered_rows_split_with_their_rows(ranks, scaling):
     """Gather side: one scale per gathered row, repeated from elsewhere or computed from each row
-    (torchao's row-wise recipe): each part takes (or computes) its own rows' scales."""
+    (torchao's row-wise recipe, also through an expand that keeps the rows: the float8 fuzzer's
+    find, once left alone): each part takes (or computes) its own rows' scales."""
     res = ranks(2).run(_run, 2, "all_gather", scaling)[0]
     assert res["pairs"] == [("all_gather_matmul", "rewritten", "decompose", 2)], res
 

@@ -36,7 +36,7 @@ EXPECTED = {
 # Collectives left alone, by (graph, reason fragment).
 LEFT_ALONE = {
     "shared_uses": [("backward", "produced by tangents")],
-    "unmatched": [("forward", "reduce op 'max'"), ("forward", "gather on the last dim"),
+    "unmatched": [("forward", "reduce op 'max'"), ("forward", "gathers the last dim"),
                   ("forward", "not a row broadcast"), ("backward", "feeds no matmul")],
 }
 

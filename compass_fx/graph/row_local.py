@@ -143,6 +143,8 @@ def _row_local(node: fx.Node, region: RowRegion) -> bool:
         return src in region.nodes and _keeps_rows_as_bytes(src, node)
     if is_reshape(node):
         return src in region.nodes and shape_of(src)[-1] == shape[-1]
+    if node.target is aten.expand.default:  # a row's values broadcast along the row ([r, 1] -> [r, c])
+        return src in region.nodes and tuple(shape_of(src)[:-1]) == tuple(shape[:-1])
     if node.target in _CASTS or torch.Tag.pointwise in getattr(node.target, "tags", ()):
         tensors = [a for a in tree_flatten((node.args, node.kwargs))[0] if isinstance(a, fx.Node)]
         return all(a in region.nodes or _broadcasts_over_rows(a, shape, region) for a in tensors)

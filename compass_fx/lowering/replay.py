@@ -49,6 +49,8 @@ class RowReplay:
             return self.value(src, region)
         if node.target is aten.amax.default:  # the row's amax (the matcher checked dim and keepdim)
             return self.b.call(aten.amax.default, self.value(src, region), [-1], True)
+        if node.target is aten.expand.default:  # along the rows only (the matcher checked): the part's rows
+            return self.b.call(aten.expand.default, self.value(src, region), [-1, shape_of(node)[-1]])
 
         def operand(x: object) -> object:
             if not isinstance(x, fx.Node):

@@ -56,7 +56,7 @@ def match(ag: fx.Node, graph_kind: str) -> GatherPair:
     if len(shape) < 2:
         raise NoMatch("gathered tensor is 1-D")
     if dim == len(shape) - 1:
-        raise NoMatch("gather on the last dim (the matmul's inner dim) is not a row gather")
+        raise NoMatch("gathers the last dim (columns), not rows: only row gathers are overlapped with a matmul")
     found, whole_uses = _row_views(logical, shape, seen)
     views = {v for v, _ in found}
     region = row_region(logical, math.prod(shape[:-1]))
