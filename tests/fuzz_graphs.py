@@ -299,11 +299,15 @@ def check_mixed(spec: dict, group: str, picks: list[int], schedule: str, fused_a
     rewrites of both kinds meet in one graph; replayed (fused calls as what they compute) and compared."""
     ref, gm = trace(spec, group), trace(spec, group)
     chosen: list[str] = []
+    refused: list[str] = []  # why the fused operators refused a pair drawn for them
 
     def choose(pair) -> Decision:
         pick = picks[len(chosen) % len(picks)]
         parts = [p for p in pair.feasible_parts() if p > 1]
-        if pick == 0 and "fuse" not in kind_of(pair).refusals(pair):
+        why = kind_of(pair).refusals(pair).get("fuse")
+        if pick == 0 and why is not None:
+            refused.append(why)
+        if pick == 0 and why is None:
             decision = Decision("fuse", schedule=schedule)
         elif pick < 2 and parts:
             decision = Decision("decompose", parts[0])
@@ -315,7 +319,7 @@ def check_mixed(spec: dict, group: str, picks: list[int], schedule: str, fused_a
     done, _ = wild_check.rewrite_chosen(gm, choose, fused_async=fused_async)
     calls = wild_check.fused_calls_as_collectives(gm)
     _compare(spec, ref, gm)
-    return {"rewritten": len(done), "chosen": chosen, "calls": calls}
+    return {"rewritten": len(done), "chosen": chosen, "calls": calls, "refused": refused}
 
 
 def _compare(spec: dict, ref: fx.GraphModule, gm: fx.GraphModule) -> None:
