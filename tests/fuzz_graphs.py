@@ -11,6 +11,8 @@ replayed as what they compute (``wild_check.fused_calls_as_collectives``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import wild_check
@@ -198,11 +200,15 @@ def program(spec: dict, group: str):
               for bias in g["consumers"]]
         terms = [(weight(g["hidden"], dim, r.get("f8")), new(dim) if r["bias"] and t == 0 else None)
                  for t in range(r["terms"])]
-        plan.append((x, ws, terms))
+        # a float8 block's contraction is torchao's weight gradient: _scaled_mm(clone(t(rows)), B),
+        # tensorwise, B ([rows, hidden], column-major) an input of its own (the output's gradient)
+        rows = math.prod(_logical_shape(spec, g["dim"], dim)[:-1])
+        grad = (new(g["hidden"], rows, dtype=F8), new(), new()) if g.get("f8") and g["contraction"] else None
+        plan.append((x, ws, terms, grad))
 
     def fn(*args: torch.Tensor):
         outs = []
-        for rd, (xi, ws, terms) in zip(spec["rounds"], plan):
+        for rd, (xi, ws, terms, grad) in zip(spec["rounds"], plan):
             g, r = rd["gather"], rd["reduce"]
             shard = args[xi].to(F8) if g.get("f8") == "bytes" else args[xi]
             f = _gather(shard, g, world, group)
@@ -224,9 +230,15 @@ def program(spec: dict, group: str):
             h = h.float()
             if g["extra_use"]:
                 outs.append(f.float().sum(dim=-1))
-            if g["contraction"]:
+            if grad is not None:
+                f2 = f.reshape(-1, f.shape[-1])
+                v8 = f2 if f2.dtype == F8 else f2.to(F8)
+                b8, s1, s2 = (args[i] for i in grad)
+                outs.append(torch._scaled_mm(v8.permute(1, 0).contiguous(), b8.permute(1, 0), s1, s2,
+                                             out_dtype=torch.float32))
+            elif g["contraction"]:  # transposed as the backend's graphs have it (Inductor decomposes t to permute)
                 f2 = f.reshape(-1, f.shape[-1]).float()
-                outs.append(torch.mm(f2.t(), h.reshape(-1, h.shape[-1])))
+                outs.append(torch.mm(f2.permute(1, 0), h.reshape(-1, h.shape[-1])))
             if rd["noise"]:
                 h = torch.tanh(h) * 2
             y = None
