@@ -53,7 +53,9 @@ WORLDS, BATCH = (4,), 2
 
 
 MODEL_TEXT = {"demo": "The demo transformer", "torchtitan": "torchtitan's Llama-3 (debug model, its TP plan)",
-              "torchtitan-checkpointed": "torchtitan's Llama-3 (debug model, its TP plan, every layer checkpointed)"}
+              "torchtitan-checkpointed": "torchtitan's Llama-3 (debug model, its TP plan, every layer checkpointed)",
+              "torchao-float8-tensorwise": "A stack of float8 blocks (torchao's tensorwise recipe and float8 TP styles)",
+              "torchao-float8-rowwise": "A stack of float8 blocks (torchao's row-wise recipe, plain TP styles)"}
 MODELS = tuple(MODEL_TEXT)
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 
@@ -69,7 +71,9 @@ def build(model: str, layers: int, world: int):
     transformer (as many heads as ranks, at least four).  ``torchtitan``: torchtitan 0.3.0's
     Llama-3 debug model and TP plan with sequence parallelism, built as the tests build it
     (``tests/real_torchtitan.py``: its 6 layers repeated to ``layers``); ``-checkpointed``: every
-    layer under activation checkpointing, whose backward graph has pairs matched again."""
+    layer under activation checkpointing, whose backward graph has pairs matched again.
+    ``torchao-float8-*``: ``tests/torchao_stack.py``'s float8 layers (torchao's recipe), each rank
+    holding as many rows as the demo's tokens give it."""
     import contextlib
 
     import torch
@@ -85,6 +89,13 @@ def build(model: str, layers: int, world: int):
         tokens = torch.randint(0, 256, tokens_shape(world), generator=torch.Generator().manual_seed(0))
         return module, tokens, contextlib.nullcontext()
     sys.path.insert(0, str(TESTS))
+    if model.startswith("torchao-float8-"):
+        import torchao_stack
+
+        mesh = init_device_mesh("cpu", (world,))
+        module = torchao_stack.build(model.removeprefix("torchao-float8-"), layers, mesh)
+        batch, seq = tokens_shape(world)
+        return module, torchao_stack.tokens(batch * seq // world), contextlib.nullcontext()  # a rank's rows
     import real_torchtitan as rt
 
     module = rt.build_llama3(world, True, layers=layers, checkpoint=model.endswith("-checkpointed"))
@@ -226,6 +237,14 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def _input_text(payload: dict) -> str:
+    """What one call takes: the demo's and torchtitan's tokens, or the float8 stack's rows per rank."""
+    shapes = {w: tokens_shape(w) for w in payload["worlds"]}
+    if payload.get("model", "demo").startswith("torchao"):
+        return "rows per rank " + str([b * s // w for w, (b, s) in shapes.items()])
+    return f"tokens {[list(x) for x in shapes.values()]}"
+
+
 def markdown(payload: dict) -> str:
     env = payload["environment"]
     rows = [dict(r, nodes=f"{r.get('nodes_forward')} / {r.get('nodes_backward')}") for r in payload["rows"]]
@@ -233,8 +252,7 @@ def markdown(payload: dict) -> str:
     worlds = ", ".join(map(str, payload["worlds"]))
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"{MODEL_TEXT[payload.get('model', 'demo')]} with sequence parallelism on a fake process group of "
-             f"{worlds} ranks, tokens "
-             f"{[list(tokens_shape(w)) for w in payload['worlds']]}, compiled forward and backward (inner compiler: "
+             f"{worlds} ranks, {_input_text(payload)}, compiled forward and backward (inner compiler: "
              f"{payload['inner']}), one fresh process per row, one intra-op thread; torch {env['torch']}, "
              f"{env.get('cpus')} CPUs (shared), commit {env['commit']}.  Seconds, wall clock.  `pass`: inside the "
              "compass pass; `compile`: the backend's compile (AOTAutograd, the pass, the inner compiler); `first "
@@ -282,9 +300,11 @@ def main(argv=None) -> int:
     if args.one:
         print(json.dumps(measure(*json.loads(args.one))), flush=True)
         return 0
-    if args.model != "demo" and importlib.util.find_spec("torchtitan") is None:
+    if args.model.startswith("torchtitan") and importlib.util.find_spec("torchtitan") is None:
         p.error(f"--model {args.model} needs torchtitan 0.3.0: pip install --no-deps torchtitan==0.3.0 "
                 "(and the test extra, the two of its dependencies its model imports)")
+    if args.model.startswith("torchao") and importlib.util.find_spec("torchao") is None:
+        p.error(f"--model {args.model} needs torchao: the test extra (pip install -e '.[test]')")
     layers = [1] if args.dry_run else [int(x) for x in args.layers.split(",")]
     worlds = [int(x) for x in args.worlds.split(",")]
     if any(w < 2 for w in worlds):

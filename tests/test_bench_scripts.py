@@ -485,6 +485,24 @@ def test_compile_time_compiles_torchtitan_with_checkpointed_layers(tmp_path):
     assert "every layer checkpointed" in (tmp_path / "compile_time-cpu.md").read_text()
 
 
+@pytest.mark.slow
+def test_compile_time_compiles_a_torchao_float8_stack(tmp_path):
+    """The benchmark's float8 model (``tests/torchao_stack.py``, torchao's row-wise recipe): compiled
+    forward and backward on four fake ranks, its pairs in both graphs found and decomposed, the rows
+    per rank named in the results."""
+    pytest.importorskip("torchao.float8")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "decompose",
+                           "--model", "torchao-float8-rowwise", "--out-dir", str(tmp_path)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
+    [row] = data["rows"]
+    assert data["model"] == row["model"] == "torchao-float8-rowwise"
+    assert "error" not in row and row["rewritten"] == row["pairs"] == 4, row  # 2 forward, 2 backward
+    assert "rows per rank [8]" in (tmp_path / "compile_time-cpu.md").read_text()
+
+
 def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
     """Without torchtitan installed, ``--model torchtitan`` is refused before anything runs, saying
     how to install it (not a failed row per configuration)."""
