@@ -580,6 +580,12 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-peer-w2-poll", 2, f"{MACHINE}-poll-peer-w2-pin-mps", 80,
                    extra=("--transport", "peer", "--sync", "poll")),
     ),
+    # Float8: every float8 rewrite had run on CPU ranks only; a training step of the hand-built block and of
+    # torchao's stacks with every pair decomposed, eager and Inductor inner, on NCCL ranks sharing the GPU
+    "h200-float8": (
+        Step("float8_ranks", "float8_ranks.py", ("--worlds", "2,4", "--tag", f"{MACHINE}-mps", "--out-dir", RESULTS),
+             300),
+    ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait
     "h200-step-sync": (

@@ -1,0 +1,207 @@
+"""Float8 training steps with their pairs decomposed, on real NCCL ranks sharing ONE GPU, against eager.
+
+Why: float8 pairs are decomposed (the fused operators are not offered for float8), and every float8
+rewrite had been checked on CPU ranks only (gloo; ``_scaled_mm``'s CPU kernel).  CUDA's float8 GEMM
+asks more of its operands (B column-major, row scales of A with a last stride of 1, dims multiples
+of 16): a part the rewrite cuts must still be one it takes.  Here each rank runs a training step of
+a float8 block, eager and compiled with every pair decomposed in two parts (inner compilers eager
+and Inductor), on CUDA, and compares the output, the input gradient and every weight gradient.
+
+Ranks share the GPU as in ``parts_replay_ranks.py``: each its own ``NCCL_HOSTID``, so NCCL connects
+them over loopback sockets (run under MPS).  Models: ``tests/float8_block.py``'s hand-built block
+(tensorwise, constant scales; bf16 rows gathered then cast, or float8 bytes gathered), and where
+torchao imports, ``tests/torchao_stack.py``'s torchao layers (tensorwise with its float8 TP styles,
+row-wise with the plain ones: each part replays the row-wise quantization of its rows).
+
+Tolerance as the CPU tests': 1e-2 relative, 1e-2 of the tensor's largest magnitude absolute (bf16
+results; a weight gradient's parts are float32 sums rounded once).
+
+    python benchmarks/float8_ranks.py --worlds 2,4   # one GPU, under MPS
+    python benchmarks/float8_ranks.py --dry-run      # CPU, gloo, world 2: the script end to end
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+NAME = "float8_ranks"
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+TOL = 1e-2
+MODELS = ("block", "block_bytes", "torchao_tensorwise", "torchao_rowwise")
+STRATEGIES = {"decompose-eager": {"chunks": 2, "inner": "eager"},
+              "decompose-inductor": {"chunks": 2, "inner": "inductor"}}
+LAYERS, ROWS = 2, 32  # torchao layers; a rank's rows of tokens
+
+
+def build(name: str, world: int, device: str):
+    """The model ``name`` on ``device`` and one rank's input rows (the same on every rank but shifted by rank)."""
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    if name.startswith("block"):
+        import float8_block
+
+        model = float8_block.Float8Block(world, dist.group.WORLD.group_name, name == "block_bytes").to(device)
+        x = torch.randn(float8_block.TOKENS, float8_block.DIM, generator=torch.Generator().manual_seed(8))
+        return model, x.to(torch.bfloat16).chunk(world)[dist.get_rank()].contiguous().to(device)
+    import torchao_stack
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with torch.device(device):
+        model = torchao_stack.build(name.removeprefix("torchao_"), LAYERS, init_device_mesh(device, (world,)))
+    x = torch.randn(ROWS, torchao_stack.DIM, generator=torch.Generator().manual_seed(9 + dist.get_rank()))
+    return model, x.to(torch.bfloat16).to(device)
+
+
+def step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.Tensor]:
+    """One forward and backward: the output, the input gradient and every local weight gradient."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    for p in model.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out = local((model if run is None else run)(x))
+    (out.float() ** 2).sum().backward()
+    return {"out": out.detach(), "x.grad": x.grad, **{n: local(p.grad) for n, p in model.named_parameters()}}
+
+
+def check(name: str, strategy: str, world: int, device: str) -> dict:
+    """Eager against compiled with ``strategy``, on the same weights and rows: the worst error and the pairs."""
+    import compass_fx.backend
+
+    torch._dynamo.reset()
+    model, x = build(name, world, device)
+    expected = step(model, x)
+    before = len(compass_fx.backend.history)
+    compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
+    got = step(model, x, compiled)
+    worst, wrong = 0.0, []
+    for key, ref in expected.items():
+        scale = max(ref.float().abs().max().item(), 1e-30)
+        err = (got[key].float() - ref.float()).abs().max().item() / scale
+        worst = max(worst, err)
+        if not torch.allclose(got[key].float(), ref.float(), rtol=TOL, atol=TOL * scale):
+            wrong.append(key)
+    pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
+    return {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
+            "worst_error": worst, "pairs": len(pairs),
+            "decomposed": sum(p.status == "rewritten" and p.strategy == "decompose" for p in pairs),
+            "backward_decomposed": sum(p.status == "rewritten" and p.graph == "backward" for p in pairs),
+            "not_rewritten": sorted({f"{p.graph} {p.kind}: {p.reason}" for p in pairs if p.status != "rewritten"})}
+
+
+def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, init: str,
+           out_path: str) -> None:
+    """One rank: NCCL over loopback sockets with a host id of its own (gloo on CPU for a dry run)."""
+    import contextlib
+
+    res: dict = {"rank": rank, "cases": []}
+    try:
+        if dry_run:
+            device, backend = "cpu", "gloo"
+            sys.path.insert(0, TESTS)
+            from float8_gloo import float8_gathers_on_gloo
+            gathers = float8_gathers_on_gloo()  # gloo has no float8 collectives: move the bytes
+        else:
+            os.environ.update(NCCL_HOSTID=f"compass-float8-rank{rank}", NCCL_IB_DISABLE="1",
+                              NCCL_SOCKET_IFNAME="lo", NCCL_DEBUG=os.environ.get("NCCL_DEBUG", "WARN"))
+            torch.cuda.set_device(0)
+            device, backend, gathers = "cuda", "nccl", contextlib.nullcontext()
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+        with gathers:
+            for name in models:
+                for strategy in strategies:
+                    try:
+                        res["cases"].append(check(name, strategy, world, device))
+                    except Exception as e:  # noqa: BLE001 - this case's outcome
+                        res["cases"].append({"model": name, "strategy": strategy, "status": "error",
+                                             "error": f"{type(e).__name__}: {e}"[:600],
+                                             "traceback": traceback.format_exc()[-1500:]})
+                    dist.barrier()
+                    case = res["cases"][-1]
+                    print(f"[rank {rank}/{world}] {name} {strategy}: {case['status']}", file=sys.stderr, flush=True)
+        res["status"] = "pass" if all(c["status"] == "pass" for c in res["cases"]) else "FAIL"
+    except Exception as e:  # noqa: BLE001 - the world's outcome
+        res.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-1500:])
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(res, f)
+    os._exit(0)  # NCCL's threads would keep the process
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# {NAME} ({payload['tag']})", "",
+             "A float8 training step (forward and backward) on ranks sharing one GPU (each its own NCCL_HOSTID: "
+             "NCCL's socket transport over loopback), eager against compiled with every pair decomposed in two "
+             "parts; worst error: the largest difference over the tensor's largest magnitude, over the output, "
+             "the input gradient and the weight gradients (rank 0; pass within 1e-2).", ""]
+    rows = [dict(world=w["world"], **c) for w in payload["worlds"] for c in w.get("cases", [])]
+    lines.append(output.markdown_table(rows, ["world", "model", "strategy", "status", ("worst_error", "worst error"),
+                                              "pairs", "decomposed", ("backward_decomposed", "in backward"),
+                                              "error"]))
+    left = sorted({why for r in rows for why in r.get("not_rewritten", [])})
+    if left:
+        lines += ["", "Pairs not rewritten:", ""] + [f"* {why}" for why in left]
+    errors = [f"* world {w['world']}: {w['error']}" for w in payload["worlds"] if w.get("error")]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def main(argv=None) -> int:
+    import argparse
+    import importlib.util
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {list(STRATEGIES)}")
+    p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
+    p.add_argument("--dry-run", action="store_true", help="CPU ranks over gloo, world 2, eager inner only")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--out-dir", default=str(output.RESULTS))
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("float8_ranks needs a CUDA GPU (or --dry-run)")
+    models = [m for m in args.models.split(",") if m]
+    strategies = [s for s in args.strategies.split(",") if s]
+    if unknown := [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES]:
+        p.error(f"unknown models or strategies: {unknown}")
+    if importlib.util.find_spec("torchao") is None:
+        skipped = [m for m in models if m.startswith("torchao")]
+        models = [m for m in models if not m.startswith("torchao")]
+        print(f"torchao is not installed: {skipped} left out", flush=True)
+    worlds_run = [2] if args.dry_run else [int(w) for w in args.worlds.split(",")]
+    if args.dry_run:
+        strategies = [s for s in strategies if s.endswith("eager")]
+    tag = args.tag or ("cpu" if args.dry_run else output.device_tag(False, 1).split("x")[0])
+    worlds, t0 = [], time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, world in enumerate(worlds_run):
+            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run), tmp, i, args.deadline)
+            first = ranks[0]
+            passed = all(r.get("status") == "pass" for r in ranks) and not killed
+            row = {"world": world, "status": "pass" if passed else "FAIL", "cases": first.get("cases", []),
+                   "ranks": [{k: v for k, v in r.items() if k != "cases"} for r in ranks]}
+            errors = [r["error"] for r in ranks if r.get("error")]
+            if killed:
+                errors.insert(0, f"ranks {killed} still running after {args.deadline} s")
+            if errors:
+                row["error"] = errors[0]
+            worlds.append(row)
+            print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if errors else ""), flush=True)
+    payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "worlds": worlds,
+               "seconds": round(time.time() - t0, 1), "environment": output.environment(args.dry_run)}
+    output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)
+    print(markdown(payload))
+    return 0 if all(w["status"] == "pass" for w in worlds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
