@@ -38,7 +38,9 @@ NAME = "float8_ranks"
 TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 TOL = 1e-2
 MODELS = ("block", "block_bytes", "torchao_tensorwise", "torchao_rowwise")
-STRATEGIES = {"decompose-eager": {"chunks": 2, "inner": "eager"},
+STRATEGIES = {"off-eager": {"strategy": "off", "inner": "eager"},  # baselines: compiled, nothing rewritten
+              "off-inductor": {"strategy": "off", "inner": "inductor"},
+              "decompose-eager": {"chunks": 2, "inner": "eager"},
               "decompose-inductor": {"chunks": 2, "inner": "inductor"}}
 LAYERS, ROWS = 2, 32  # torchao layers; a rank's rows of tokens
 
@@ -84,26 +86,31 @@ def check(name: str, strategy: str, world: int, device: str) -> dict:
     before = len(compass_fx.backend.history)
     compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
     got = step(model, x, compiled)
-    worst, wrong = 0.0, []
+    worst, wrong, wrong_rows = 0.0, [], {}
     for key, ref in expected.items():
         scale = max(ref.float().abs().max().item(), 1e-30)
-        err = (got[key].float() - ref.float()).abs().max().item() / scale
-        worst = max(worst, err)
+        diff = (got[key].float() - ref.float()).abs()
+        worst = max(worst, diff.max().item() / scale)
         if not torch.allclose(got[key].float(), ref.float(), rtol=TOL, atol=TOL * scale):
             wrong.append(key)
+            if diff.dim() == 2:  # which rows: a part's or a rank's rows point at the rewrite's cut
+                bad = diff > TOL * scale + TOL * ref.float().abs()
+                wrong_rows[key] = bad.any(dim=1).nonzero().flatten().tolist()
     pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
     return {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
+            "wrong_rows": wrong_rows,
             "worst_error": worst, "pairs": len(pairs),
             "decomposed": sum(p.status == "rewritten" and p.strategy == "decompose" for p in pairs),
             "backward_decomposed": sum(p.status == "rewritten" and p.graph == "backward" for p in pairs),
             "not_rewritten": sorted({f"{p.graph} {p.kind}: {p.reason}" for p in pairs if p.status != "rewritten"})}
 
 
-def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, init: str,
-           out_path: str) -> None:
+def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, env: dict[str, str],
+           init: str, out_path: str) -> None:
     """One rank: NCCL over loopback sockets with a host id of its own (gloo on CPU for a dry run)."""
     import contextlib
 
+    os.environ.update(env)
     res: dict = {"rank": rank, "cases": []}
     try:
         if dry_run:
@@ -162,6 +169,8 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {list(STRATEGIES)}")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every rank before its group starts (e.g. CUDA_LAUNCH_BLOCKING=1), recorded")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
     p.add_argument("--dry-run", action="store_true", help="CPU ranks over gloo, world 2, eager inner only")
     p.add_argument("--tag", default=None)
@@ -177,6 +186,7 @@ def main(argv=None) -> int:
         skipped = [m for m in models if m.startswith("torchao")]
         models = [m for m in models if not m.startswith("torchao")]
         print(f"torchao is not installed: {skipped} left out", flush=True)
+    env = dict(item.split("=", 1) for item in args.env)
     worlds_run = [2] if args.dry_run else [int(w) for w in args.worlds.split(",")]
     if args.dry_run:
         strategies = [s for s in strategies if s.endswith("eager")]
@@ -184,7 +194,8 @@ def main(argv=None) -> int:
     worlds, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for i, world in enumerate(worlds_run):
-            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run), tmp, i, args.deadline)
+            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env), tmp, i,
+                                               args.deadline)
             first = ranks[0]
             passed = all(r.get("status") == "pass" for r in ranks) and not killed
             row = {"world": world, "status": "pass" if passed else "FAIL", "cases": first.get("cases", []),
@@ -196,7 +207,7 @@ def main(argv=None) -> int:
                 row["error"] = errors[0]
             worlds.append(row)
             print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if errors else ""), flush=True)
-    payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "worlds": worlds,
+    payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "env": env, "worlds": worlds,
                "seconds": round(time.time() - t0, 1), "environment": output.environment(args.dry_run)}
     output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)
     print(markdown(payload))

@@ -122,7 +122,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, options: dict | None) -> dict
     return {"out": out.detach(), "x.grad": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
 
 
-def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bool) -> list:
+def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bool, inner: str = "eager") -> list:
     """One training step of the block compiled with ``strategy`` (``decompose``: 2 parts) against
     eager, output and every gradient compared; returns the graph reports of the compile.
 
@@ -139,7 +139,7 @@ def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bo
     group = dist.group.WORLD.group_name
     x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     x = x.chunk(world)[rank].contiguous()
-    options = {"inner": "eager", **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
+    options = {"inner": inner, **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
     before = len(compass_fx.backend.history)
     expected = _step(Float8Block(world, group, gather_bytes), x, None)
     got = _step(Float8Block(world, group, gather_bytes), x, options)

@@ -47,3 +47,21 @@ def test_float8_block_forward_and_backward_equal_eager(ranks, world, strategy):
     if strategy != "auto":
         expected = ("kept", 1) if strategy == "off" else ("rewritten", 2)
         assert {p[3:] for p in res["pairs"]} == {expected}, res
+
+
+def _run_inductor(rank: int, world: int) -> dict:
+    from float8_block import compiled_equals_eager
+    from float8_gloo import float8_gathers_on_gloo, float8_gemms_as_cuda_takes_them
+
+    with float8_gathers_on_gloo(), float8_gemms_as_cuda_takes_them():
+        reports = compiled_equals_eager(rank, world, "decompose", gather_bytes=False, inner="inductor")
+    return {"pairs": sorted((p.graph, p.kind, p.matmuls, p.status) for r in reports for p in r.pairs)}
+
+
+@pytest.mark.slow  # Inductor's CPU compile of both graphs
+def test_float8_block_decomposed_under_inductor_keeps_the_layouts_cuda_takes(ranks):
+    """Every float8 GEMM of the decomposed block, as Inductor lays its operands out, takes A
+    row-major and B column-major, as CUDA's does (an H100 refused a weight gradient's part whose A
+    Inductor had laid out column-major); and the step equals eager."""
+    res = ranks(2).run(_run_inductor, 2)[0]
+    assert [p[:3] for p in res["pairs"]] == FOUND and all(p[3] == "rewritten" for p in res["pairs"]), res

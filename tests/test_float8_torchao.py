@@ -112,7 +112,7 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from float8_gloo import float8_gathers_on_gloo
+    from float8_gloo import float8_gathers_on_gloo, float8_gemms_as_cuda_takes_them
     from shared_trace import Variants
 
     torch._dynamo.reset()
@@ -121,7 +121,10 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     x = torch.randn(TOKENS, DIM, generator=g).to(torch.bfloat16).chunk(world)[rank].contiguous()
     variants = Variants([_options(s, inner) for s in strategies])
     results = {}
-    with float8_gathers_on_gloo():
+    import contextlib
+
+    layouts = float8_gemms_as_cuda_takes_them() if inner == "inductor" else contextlib.nullcontext()
+    with float8_gathers_on_gloo(), layouts:
         expected = _step(build(config, mesh), x)
         model = build(config, mesh)
         compiled = torch.compile(model, backend=variants, fullgraph=True)

@@ -100,9 +100,16 @@ def _scaled_row_part(b: NodeBuilder, replay: RowReplay, rc, mat2: fx.Node) -> fx
 
 def _scaled_contraction_part(b: NodeBuilder, cc, rows: fx.Node, other_rows: fx.Node) -> fx.Node:
     """Part of a float8 weight gradient ``_scaled_mm(clone(t(V)), B)``: the part's rows of V and of B
-    (B column-major, as the original), multiplied into float32 so that the parts add up exactly."""
+    (B column-major, as the original), multiplied into float32 so that the parts add up exactly.
+
+    Both are marked to be realized with their traced strides: CUDA's float8 GEMM takes only a
+    row-major A and a column-major B, and Inductor, free to lay out a copy of a transpose, laid the
+    part's A out column-major (the GEMM refused it on an H100: "Only multiplication of row-major and
+    column-major matrices is supported by cuBLASLt"); the CPU kernel takes either."""
     a = b.contiguous(b.call(aten.permute.default, rows, [1, 0]))
+    b.mark(a, "inductor_realize_to_strides")
     mat2 = b.call(aten.permute.default, b.contiguous(b.call(aten.permute.default, other_rows, [1, 0])), [1, 0])
+    shared_float8_b(b, mat2)
     return scaled_mm_like(b, cc.mm, a, mat2, out_dtype=torch.float32)
 
 
