@@ -76,8 +76,26 @@ def step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.T
     return {"out": out.detach(), "x.grad": x.grad, **{n: local(p.grad) for n, p in model.named_parameters()}}
 
 
-def check(name: str, strategy: str, world: int, device: str) -> dict:
-    """Eager against compiled with ``strategy``, on the same weights and rows: the worst error and the pairs."""
+def compare(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, list[str], dict]:
+    """The worst difference over each tensor's largest magnitude, the tensors off by more than the
+    tolerance, and which of their rows (a part's or a rank's rows point at the rewrite's cut)."""
+    worst, wrong, wrong_rows = 0.0, [], {}
+    for key, ref in expected.items():
+        scale = max(ref.float().abs().max().item(), 1e-30)
+        diff = (got[key].float() - ref.float()).abs()
+        worst = max(worst, diff.max().item() / scale)
+        if not torch.allclose(got[key].float(), ref.float(), rtol=TOL, atol=TOL * scale):
+            wrong.append(key)
+            if diff.dim() == 2:
+                bad = diff > TOL * scale + TOL * ref.float().abs()
+                wrong_rows[key] = bad.any(dim=1).nonzero().flatten().tolist()
+    return worst, wrong, wrong_rows
+
+
+def check(name: str, strategy: str, world: int, device: str, baseline: dict | None) -> tuple[dict, dict]:
+    """Eager against compiled with ``strategy``, on the same weights and rows (and the compiled step
+    against ``baseline``, the same model compiled with nothing rewritten): the worst errors and the
+    pairs; and the compiled step's tensors."""
     import compass_fx.backend
 
     torch._dynamo.reset()
@@ -86,23 +104,17 @@ def check(name: str, strategy: str, world: int, device: str) -> dict:
     before = len(compass_fx.backend.history)
     compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
     got = step(model, x, compiled)
-    worst, wrong, wrong_rows = 0.0, [], {}
-    for key, ref in expected.items():
-        scale = max(ref.float().abs().max().item(), 1e-30)
-        diff = (got[key].float() - ref.float()).abs()
-        worst = max(worst, diff.max().item() / scale)
-        if not torch.allclose(got[key].float(), ref.float(), rtol=TOL, atol=TOL * scale):
-            wrong.append(key)
-            if diff.dim() == 2:  # which rows: a part's or a rank's rows point at the rewrite's cut
-                bad = diff > TOL * scale + TOL * ref.float().abs()
-                wrong_rows[key] = bad.any(dim=1).nonzero().flatten().tolist()
+    worst, wrong, wrong_rows = compare(got, expected)
+    row = {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
+           "wrong_rows": wrong_rows, "worst_error": worst}
+    if baseline is not None:
+        worst_off, wrong_off, _ = compare(got, baseline)
+        row.update(status_vs_off="FAIL" if wrong_off else "pass", worst_vs_off=worst_off, wrong_vs_off=wrong_off)
     pairs = [p for r in list(compass_fx.backend.history)[before:] for p in r.pairs]
-    return {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
-            "wrong_rows": wrong_rows,
-            "worst_error": worst, "pairs": len(pairs),
-            "decomposed": sum(p.status == "rewritten" and p.strategy == "decompose" for p in pairs),
-            "backward_decomposed": sum(p.status == "rewritten" and p.graph == "backward" for p in pairs),
-            "not_rewritten": sorted({f"{p.graph} {p.kind}: {p.reason}" for p in pairs if p.status != "rewritten"})}
+    row.update(pairs=len(pairs), decomposed=sum(p.status == "rewritten" and p.strategy == "decompose" for p in pairs),
+               backward_decomposed=sum(p.status == "rewritten" and p.graph == "backward" for p in pairs),
+               not_rewritten=sorted({f"{p.graph} {p.kind}: {p.reason}" for p in pairs if p.status != "rewritten"}))
+    return row, got
 
 
 def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, env: dict[str, str],
@@ -126,9 +138,13 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         with gathers:
             for name in models:
+                baseline = None  # the first strategy's compiled step (off-eager: nothing rewritten)
                 for strategy in strategies:
                     try:
-                        res["cases"].append(check(name, strategy, world, device))
+                        row, got = check(name, strategy, world, device, baseline)
+                        res["cases"].append(row)
+                        if baseline is None and strategy.startswith("off"):
+                            baseline = got
                     except Exception as e:  # noqa: BLE001 - this case's outcome
                         res["cases"].append({"model": name, "strategy": strategy, "status": "error",
                                              "error": f"{type(e).__name__}: {e}"[:600],
@@ -149,9 +165,12 @@ def markdown(payload: dict) -> str:
              "A float8 training step (forward and backward) on ranks sharing one GPU (each its own NCCL_HOSTID: "
              "NCCL's socket transport over loopback), eager against compiled with every pair decomposed in two "
              "parts; worst error: the largest difference over the tensor's largest magnitude, over the output, "
-             "the input gradient and the weight gradients (rank 0; pass within 1e-2).", ""]
+             "the input gradient and the weight gradients (rank 0; pass within 1e-2); vs off: the same against "
+             "the step compiled with nothing rewritten (off-eager), which tells the rewrite's differences from "
+             "those between eager and any compiled form.", ""]
     rows = [dict(world=w["world"], **c) for w in payload["worlds"] for c in w.get("cases", [])]
     lines.append(output.markdown_table(rows, ["world", "model", "strategy", "status", ("worst_error", "worst error"),
+                                              ("status_vs_off", "vs off"), ("worst_vs_off", "worst vs off"),
                                               "pairs", "decomposed", ("backward_decomposed", "in backward"),
                                               "error"]))
     left = sorted({why for r in rows for why in r.get("not_rewritten", [])})

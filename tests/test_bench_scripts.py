@@ -521,6 +521,7 @@ def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
         rewritten = c["strategy"].startswith("decompose")
         assert c["pairs"] > 0 and c["decomposed"] == (c["pairs"] if rewritten else 0), c
         assert (c["backward_decomposed"] > 0) == rewritten, c
+        assert c.get("status_vs_off") == ("pass" if rewritten else None), c
 
 
 def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
