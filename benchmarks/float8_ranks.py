@@ -46,7 +46,7 @@ LAYERS, ROWS = 2, 32  # torchao layers; a rank's rows of tokens
 
 
 def build(name: str, world: int, device: str):
-    """The model ``name`` on ``device`` and one rank's input rows (the same on every rank but shifted by rank)."""
+    """The model ``name`` on ``device`` (the same weights on every rank) and this rank's input rows."""
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
     if name.startswith("block"):
@@ -163,8 +163,8 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
 def markdown(payload: dict) -> str:
     lines = [f"# {NAME} ({payload['tag']})", "",
              "A float8 training step (forward and backward) on ranks sharing one GPU (each its own NCCL_HOSTID: "
-             "NCCL's socket transport over loopback), eager against compiled with every pair decomposed in two "
-             "parts; worst error: the largest difference over the tensor's largest magnitude, over the output, "
+             "NCCL's socket transport over loopback), eager against compiled with nothing rewritten (off) and "
+             "with every pair decomposed in two parts; worst error: the largest difference over the tensor's largest magnitude, over the output, "
              "the input gradient and the weight gradients (rank 0; pass within 1e-2); vs off: the same against "
              "the step compiled with nothing rewritten (off-eager), which tells the rewrite's differences from "
              "those between eager and any compiled form.", ""]

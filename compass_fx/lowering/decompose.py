@@ -107,9 +107,9 @@ def _scaled_contraction_part(b: NodeBuilder, cc, rows: fx.Node, other_rows: fx.N
     part's A out column-major (the GEMM refused it on an H100: "Only multiplication of row-major and
     column-major matrices is supported by cuBLASLt"); the CPU kernel takes either."""
     a = b.contiguous(b.call(aten.permute.default, rows, [1, 0]))
-    b.mark(a, "inductor_realize_to_strides")
     mat2 = b.call(aten.permute.default, b.contiguous(b.call(aten.permute.default, other_rows, [1, 0])), [1, 0])
-    shared_float8_b(b, mat2)
+    for operand in (a, mat2):
+        b.mark(operand, "inductor_realize_to_strides")
     return scaled_mm_like(b, cc.mm, a, mat2, out_dtype=torch.float32)
 
 
