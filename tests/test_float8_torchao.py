@@ -107,6 +107,7 @@ def _options(strategy: str, inner: str) -> dict:
 def _run(rank: int, world: int, config: str, strategies: list[str], inner: str = "eager") -> dict:
     """Eager once, then the block compiled with each strategy (one shared trace, :mod:`shared_trace`),
     each compared with eager: per strategy its pairs, skips and GEMM dtypes."""
+    import contextlib
     import traceback
 
     import torch.distributed as dist
@@ -121,8 +122,6 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     x = torch.randn(TOKENS, DIM, generator=g).to(torch.bfloat16).chunk(world)[rank].contiguous()
     variants = Variants([_options(s, inner) for s in strategies])
     results = {}
-    import contextlib
-
     layouts = float8_gemms_as_cuda_takes_them() if inner == "inductor" else contextlib.nullcontext()
     with float8_gathers_on_gloo(), layouts:
         expected = _step(build(config, mesh), x)
