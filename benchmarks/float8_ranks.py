@@ -215,17 +215,12 @@ def main(argv=None) -> int:
         for i, world in enumerate(worlds_run):
             ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env), tmp, i,
                                                args.deadline)
-            first = ranks[0]
-            passed = all(r.get("status") == "pass" for r in ranks) and not killed
-            row = {"world": world, "status": "pass" if passed else "FAIL", "cases": first.get("cases", []),
-                   "ranks": [{k: v for k, v in r.items() if k != "cases"} for r in ranks]}
-            errors = [r["error"] for r in ranks if r.get("error")]
-            if killed:
-                errors.insert(0, f"ranks {killed} still running after {args.deadline} s")
-            if errors:
-                row["error"] = errors[0]
+            row = launch.world_outcome(world, ranks, killed, args.deadline)
+            row.update(cases=ranks[0].get("cases", []), ranks=[{k: v for k, v in r.items() if k != "cases"}
+                                                               for r in ranks])
             worlds.append(row)
-            print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if errors else ""), flush=True)
+            print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if "error" in row else ""),
+                  flush=True)
     payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "env": env, "worlds": worlds,
                "seconds": round(time.time() - t0, 1), "environment": output.environment(args.dry_run)}
     output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)

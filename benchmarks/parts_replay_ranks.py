@@ -263,17 +263,11 @@ def main(argv=None) -> int:
         for i, world in enumerate(int(w) for w in args.worlds.split(",")):
             ranks, killed = launch.fresh_ranks(worker, world, (calls, rounds, args.dry_run, args.deadline, args.end), tmp, i,
                                               args.deadline)
-            first = ranks[0]
-            passed = all(r["status"] == "pass" for r in ranks) and not killed
-            row = {"world": world, "status": "pass" if passed else "FAIL",
-                   "cases": first.get("cases", []), "host": first.get("host"), "ranks": ranks}
-            errors = [r["error"] for r in ranks if r.get("error")]
-            if killed:
-                errors.insert(0, f"ranks {killed} still running after {args.deadline} s")
-            if errors:
-                row["error"] = errors[0]
+            row = launch.world_outcome(world, ranks, killed, args.deadline)
+            row.update(cases=ranks[0].get("cases", []), host=ranks[0].get("host"), ranks=ranks)
             worlds.append(row)
-            print(f"world {world}: {row['status']}" + (f" ({row['error'][:200]})" if errors else ""), flush=True)
+            print(f"world {world}: {row['status']}" + (f" ({row['error'][:200]})" if "error" in row else ""),
+                  flush=True)
     payload = {"benchmark": NAME, "tag": tag, "calls": calls, "end": args.end, "worlds": worlds, "seconds": round(time.time() - t0, 1),
                "environment": output.environment(args.dry_run)}
     output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)

@@ -218,6 +218,19 @@ def fresh_ranks(worker: Callable, world: int, args: tuple, tmp: str, index: int,
     return ranks, killed
 
 
+def world_outcome(world: int, ranks: list[dict], killed: list[int], deadline_s: float) -> dict:
+    """A world's row from its ranks' results (``fresh_ranks``): "pass" only if every rank passed and
+    none was killed, with the first error (ranks still running at the deadline first)."""
+    passed = all(r.get("status") == "pass" for r in ranks) and not killed
+    row = {"world": world, "status": "pass" if passed else "FAIL"}
+    errors = [r["error"] for r in ranks if r.get("error")]
+    if killed:
+        errors.insert(0, f"ranks {killed} still running after {deadline_s} s")
+    if errors:
+        row["error"] = errors[0]
+    return row
+
+
 def soak_outcome(ranks: list[dict], killed: list[int], progress: str, calls: int, deadline_s: float
                  ) -> tuple[str, int]:
     """How a soak run in fresh processes (``fresh_ranks``) ended, and the last call rank 0 reported
