@@ -506,17 +506,18 @@ def test_compile_time_compiles_a_torchao_float8_stack(tmp_path):
 @pytest.mark.slow
 def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
     """The float8 GPU check's dry run (two gloo ranks, float8 gathers moved as bytes): the hand-built
-    block and torchao's stacks, a training step compiled (nothing rewritten, then every pair of both
-    graphs decomposed) against eager, results written."""
+    block gathering float8 bytes and torchao's row-wise stack (two of its four models: CI's time), a
+    training step compiled (nothing rewritten, then every pair of both graphs decomposed) against
+    eager, results written."""
     pytest.importorskip("torchao.float8")
-    proc = subprocess.run([sys.executable, str(BENCH / "float8_ranks.py"), "--dry-run", "--out-dir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(BENCH / "float8_ranks.py"), "--dry-run", "--models",
+                           "block_bytes,torchao_rowwise", "--out-dir", str(tmp_path)],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "float8_ranks-cpu.json").read_text())
     [world] = data["worlds"]
     assert [(c["model"], c["strategy"], c["status"]) for c in world["cases"]] == [
-        (m, s, "pass") for m in ("block", "block_bytes", "torchao_tensorwise", "torchao_rowwise")
-        for s in ("off-eager", "decompose-eager")], world
+        (m, s, "pass") for m in ("block_bytes", "torchao_rowwise") for s in ("off-eager", "decompose-eager")], world
     for c in world["cases"]:
         rewritten = c["strategy"].startswith("decompose")
         assert c["pairs"] > 0 and c["decomposed"] == (c["pairs"] if rewritten else 0), c

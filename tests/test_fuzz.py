@@ -94,7 +94,7 @@ def test_fuzzed_graphs_rewrite_correctly(world):
     assert stats["graphs"] == EXAMPLES and stats["rewritten"] > 0
 
 
-FLOAT8_EXAMPLES = int(os.environ.get("COMPASS_FUZZ_FLOAT8_EXAMPLES", "40"))
+FLOAT8_EXAMPLES = int(os.environ.get("COMPASS_FUZZ_FLOAT8_EXAMPLES", "30"))
 
 
 @pytest.mark.parametrize("world", [2, 4])
