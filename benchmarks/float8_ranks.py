@@ -42,6 +42,8 @@ STRATEGIES = {"off-eager": {"strategy": "off", "inner": "eager"},  # baselines: 
               "off-inductor": {"strategy": "off", "inner": "inductor"},
               "decompose-eager": {"chunks": 2, "inner": "eager"},
               "decompose-inductor": {"chunks": 2, "inner": "inductor"}}
+# torch's own backends, without compass: where compiled and eager differ, is it the compile or compass?
+TORCH_BACKENDS = {"torch-aot_eager": "aot_eager", "torch-inductor": "inductor"}
 LAYERS, ROWS = 2, 32  # torchao layers; a rank's rows of tokens
 
 
@@ -102,7 +104,10 @@ def check(name: str, strategy: str, world: int, device: str, baseline: dict | No
     model, x = build(name, world, device)
     expected = step(model, x)
     before = len(compass_fx.backend.history)
-    compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
+    if strategy in TORCH_BACKENDS:
+        compiled = torch.compile(model, backend=TORCH_BACKENDS[strategy], fullgraph=True)
+    else:
+        compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
     got = step(model, x, compiled)
     worst, wrong, wrong_rows = compare(got, expected)
     row = {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
@@ -187,7 +192,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {list(STRATEGIES)}")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated, of {list(STRATEGIES) + list(TORCH_BACKENDS)} (torch-*: torch's backends)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every rank before its group starts (e.g. CUDA_LAUNCH_BLOCKING=1), recorded")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
@@ -199,7 +205,8 @@ def main(argv=None) -> int:
         p.error("float8_ranks needs a CUDA GPU (or --dry-run)")
     models = [m for m in args.models.split(",") if m]
     strategies = [s for s in args.strategies.split(",") if s]
-    if unknown := [m for m in models if m not in MODELS] + [s for s in strategies if s not in STRATEGIES]:
+    known = {**STRATEGIES, **TORCH_BACKENDS}
+    if unknown := [m for m in models if m not in MODELS] + [s for s in strategies if s not in known]:
         p.error(f"unknown models or strategies: {unknown}")
     if importlib.util.find_spec("torchao") is None:
         skipped = [m for m in models if m.startswith("torchao")]
@@ -208,7 +215,7 @@ def main(argv=None) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     worlds_run = [2] if args.dry_run else [int(w) for w in args.worlds.split(",")]
     if args.dry_run:
-        strategies = [s for s in strategies if s.endswith("eager")]
+        strategies = [s for s in strategies if s.endswith("eager")] if args.strategies == p.get_default("strategies") else strategies
     tag = args.tag or ("cpu" if args.dry_run else output.device_tag(False, 1).split("x")[0])
     worlds, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
