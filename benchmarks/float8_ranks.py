@@ -66,18 +66,6 @@ def build(name: str, world: int, device: str):
     return model, x.to(torch.bfloat16).to(device)
 
 
-def step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.Tensor]:
-    """One forward and backward: the output, the input gradient and every local weight gradient."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-    for p in model.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_(True)
-    out = local((model if run is None else run)(x))
-    (out.float() ** 2).sum().backward()
-    return {"out": out.detach(), "x.grad": x.grad, **{n: local(p.grad) for n, p in model.named_parameters()}}
-
-
 def compare(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, list[str], dict]:
     """The worst difference over each tensor's largest magnitude, the tensors off by more than the
     tolerance, and which of their rows (a part's or a rank's rows point at the rewrite's cut)."""
@@ -101,14 +89,16 @@ def check(name: str, strategy: str, world: int, device: str, baseline: dict | No
     import compass_fx.backend
 
     torch._dynamo.reset()
-    model, x = build(name, world, device)
-    expected = step(model, x)
+    model, x = build(name, world, device)  # puts the tests on the path
+    from float8_block import training_step
+
+    expected = training_step(model, x)
     before = len(compass_fx.backend.history)
     if strategy in TORCH_BACKENDS:
         compiled = torch.compile(model, backend=TORCH_BACKENDS[strategy], fullgraph=True)
     else:
         compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
-    got = step(model, x, compiled)
+    got = training_step(model, x, compiled)
     worst, wrong, wrong_rows = compare(got, expected)
     row = {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
            "wrong_rows": wrong_rows, "worst_error": worst}

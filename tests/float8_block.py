@@ -114,12 +114,19 @@ class Float8Block(torch.nn.Module):
         return RowwiseF8.apply(torch.relu(h), self.w2, self.sh, self.sw, self.sg, *how)
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor, options: dict | None) -> dict[str, torch.Tensor]:
-    run = model if options is None else torch.compile(model, backend="compass", options=options, fullgraph=True)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def training_step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.Tensor]:
+    """One forward and backward of ``model`` (through ``run``, its compiled form, when given): the
+    output, the input gradient and the local weight gradients (this block's, or a DTensor model's)."""
+    for p in model.parameters():
+        p.grad = None
     x = x.clone().requires_grad_(True)
-    out = run(x)
+    out = _local((model if run is None else run)(x))
     (out.float() ** 2).sum().backward()
-    return {"out": out.detach(), "x.grad": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+    return {"out": out.detach(), "x.grad": x.grad, **{n: _local(p.grad) for n, p in model.named_parameters()}}
 
 
 def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bool, inner: str = "eager") -> list:
@@ -141,8 +148,9 @@ def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bo
     x = x.chunk(world)[rank].contiguous()
     options = {"inner": inner, **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
     before = len(compass_fx.backend.history)
-    expected = _step(Float8Block(world, group, gather_bytes), x, None)
-    got = _step(Float8Block(world, group, gather_bytes), x, options)
+    expected = training_step(Float8Block(world, group, gather_bytes), x)
+    model = Float8Block(world, group, gather_bytes)
+    got = training_step(model, x, torch.compile(model, backend="compass", options=options, fullgraph=True))
     for name, ref in expected.items():
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,

@@ -84,22 +84,6 @@ def build(config: str, mesh) -> torch.nn.Module:
                                             "w2": rowwise(output_layouts=Shard(0))})
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _step(model: torch.nn.Module, x: torch.Tensor, run=None) -> dict[str, torch.Tensor]:
-    """One forward and backward of ``model`` (through ``run``, its compiled form, when given): the
-    output, the input gradient and the local weight gradients."""
-    for p in model.parameters():
-        p.grad = None
-    x = x.clone().requires_grad_(True)
-    out = _local((model if run is None else run)(x))
-    (out.float() ** 2).sum().backward()
-    grads = {name: _local(p.grad) for name, p in model.named_parameters()}
-    return {"out": out.detach(), "x.grad": x.grad, **grads}
-
-
 def _options(strategy: str, inner: str) -> dict:
     return {"inner": inner, **({"chunks": 2} if strategy == "decompose" else {"strategy": strategy})}
 
@@ -113,6 +97,7 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from float8_block import training_step
     from float8_gloo import float8_gathers_on_gloo, float8_gemms_as_cuda_takes_them
     from shared_trace import Variants
 
@@ -124,13 +109,13 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     results = {}
     layouts = float8_gemms_as_cuda_takes_them() if inner == "inductor" else contextlib.nullcontext()
     with float8_gathers_on_gloo(), layouts:
-        expected = _step(build(config, mesh), x)
+        expected = training_step(build(config, mesh), x)
         model = build(config, mesh)
         compiled = torch.compile(model, backend=variants, fullgraph=True)
         for i, strategy in enumerate(strategies):
             variants.select(i)
             try:
-                got = _step(model, x, compiled)
+                got = training_step(model, x, compiled)
                 for name, ref in expected.items():
                     scale = ref.float().abs().max().item()
                     torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,
