@@ -523,6 +523,9 @@ def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
         assert c["pairs"] > 0 and c["decomposed"] == (c["pairs"] if rewritten else 0), c
         assert (c["backward_decomposed"] > 0) == rewritten, c
         assert c.get("status_vs_off") == ("pass" if rewritten else None), c
+        # judged against the same compiler with nothing rewritten; the SQNR beside the tolerance
+        assert c.get("vs_off") == ("off-eager" if rewritten else None), c
+        assert c["sqnr_db"] == "equal" or c["sqnr_db"] > 30, c
 
 
 def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
