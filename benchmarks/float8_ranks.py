@@ -28,7 +28,7 @@ torchao is not installed on the lent GPU machine: its float8 training is Python,
 travel with the checkout (the device tool's ``carry``) and go on ``PYTHONPATH`` there::
 
     mkdir -p scratch/carry && cp -r "$(python -c 'import torchao, os; print(os.path.dirname(torchao.__file__))')" scratch/carry/
-    find scratch/carry/torchao \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+    rm -rf scratch/carry/torchao/*.so scratch/carry/torchao/csrc   # compiled kernels the float8 path does not need
     PYTHONPATH=$PWD/scratch/carry python3 benchmarks/float8_ranks.py --models torchao_tensorwise,torchao_rowwise
 """
 from __future__ import annotations
@@ -56,7 +56,9 @@ STRATEGIES = {"off-eager": {"strategy": "off", "inner": "eager"},  # baselines: 
               "decompose-eager": {"chunks": 2, "inner": "eager"},
               "decompose-inductor": {"chunks": 2, "inner": "inductor"}}
 # torch's own backends, without compass: where compiled and eager differ, is it the compile or compass?
-TORCH_BACKENDS = {"torch-aot_eager": "aot_eager", "torch-inductor": "inductor"}
+# (aot_eager_decomp_partition: AOTAutograd with Inductor's decompositions and partitioner, run eagerly)
+TORCH_BACKENDS = {"torch-aot_eager": "aot_eager", "torch-aot_eager_decomp_partition": "aot_eager_decomp_partition",
+                  "torch-inductor": "inductor"}
 LAYERS, ROWS = 2, 32  # torchao layers; a rank's rows of tokens
 
 
@@ -114,10 +116,13 @@ def inner_of(strategy: str) -> str:
     return STRATEGIES[strategy]["inner"]
 
 
-def check(name: str, strategy: str, world: int, device: str, baseline: dict | None) -> tuple[dict, dict]:
+def check(name: str, strategy: str, world: int, device: str, baseline: dict | None,
+          inductor_config: dict | None = None) -> tuple[dict, dict]:
     """Eager against compiled with ``strategy``, on the same weights and rows (and the compiled step
     against ``baseline``, the same model compiled with nothing rewritten by the same compiler): the
-    worst errors and the pairs; and the compiled step's tensors."""
+    worst errors and the pairs; and the compiled step's tensors.  ``inductor_config``: Inductor settings
+    patched while the step compiles and runs (AOTAutograd's joint-graph passes run in every compass
+    compile, an eager inner compiler's too)."""
     import compass_fx.backend
 
     torch._dynamo.reset()
@@ -130,7 +135,8 @@ def check(name: str, strategy: str, world: int, device: str, baseline: dict | No
         compiled = torch.compile(model, backend=TORCH_BACKENDS[strategy], fullgraph=True)
     else:
         compiled = torch.compile(model, backend="compass", options=STRATEGIES[strategy], fullgraph=True)
-    got = training_step(model, x, compiled)
+    with torch._inductor.config.patch(inductor_config or {}):
+        got = training_step(model, x, compiled)
     worst, wrong, wrong_rows, sqnr = compare(got, expected)
     row = {"model": name, "strategy": strategy, "status": "FAIL" if wrong else "pass", "wrong": wrong,
            "wrong_rows": wrong_rows, "worst_error": worst, "sqnr_db": _decibels(sqnr)}
@@ -146,7 +152,7 @@ def check(name: str, strategy: str, world: int, device: str, baseline: dict | No
 
 
 def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, env: dict[str, str],
-           init: str, out_path: str) -> None:
+           inductor_config: dict, init: str, out_path: str) -> None:
     """One rank: NCCL over loopback sockets with a host id of its own (gloo on CPU for a dry run)."""
     import contextlib
 
@@ -171,7 +177,7 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
                     try:
                         own = strategy.startswith("off-")
                         row, got = check(name, strategy, world, device,
-                                         None if own else baselines.get(inner_of(strategy)))
+                                         None if own else baselines.get(inner_of(strategy)), inductor_config)
                         res["cases"].append(row)
                         if own:
                             baselines[inner_of(strategy)] = got
@@ -200,6 +206,11 @@ def markdown(payload: dict) -> str:
              "same against the step compiled with nothing rewritten by the same compiler (off-eager for eager "
              "inner compilers and aot_eager, off-inductor for Inductor), which tells the rewrite's differences "
              "from those between eager and a compiled form.", ""]
+    settings = [f"`{k}={v}` (environment)" for k, v in payload.get("env", {}).items()]
+    settings += [f"`{k}={v!r}` (Inductor, while each step compiles and runs)"
+                 for k, v in payload.get("inductor_config", {}).items()]
+    if settings:
+        lines += ["Settings: " + ", ".join(settings) + ".", ""]
     rows = [dict(world=w["world"], **c) for w in payload["worlds"] for c in w.get("cases", [])]
     lines.append(output.markdown_table(rows, ["world", "model", "strategy", "status", ("worst_error", "worst error"),
                                               ("sqnr_db", "SQNR dB"), ("status_vs_off", "vs off"),
@@ -213,6 +224,25 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines + ([""] + errors if errors else []))
 
 
+def _inductor_settings(p, items: list[str]) -> dict:
+    """``NAME=VALUE`` items as Inductor settings (values read as Python literals), refused by the
+    parser where Inductor has no such setting or a value is not a literal."""
+    import ast
+
+    import torch._inductor.config as inductor_config
+
+    settings = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not hasattr(inductor_config, name):
+            p.error(f"--inductor-config: Inductor has no setting {name!r}")
+        try:
+            settings[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            p.error(f"--inductor-config {item!r}: the value must be a Python literal (True, 0, 'x')")
+    return settings
+
+
 def main(argv=None) -> int:
     import argparse
     import importlib.util
@@ -224,6 +254,9 @@ def main(argv=None) -> int:
                    help=f"comma-separated, of {list(STRATEGIES) + list(TORCH_BACKENDS)} (torch-*: torch's backends)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every rank before its group starts (e.g. CUDA_LAUNCH_BLOCKING=1), recorded")
+    p.add_argument("--inductor-config", action="append", default=[], metavar="NAME=VALUE",
+                   help="an Inductor setting patched while each step compiles and runs (e.g. pattern_matcher=False: "
+                        "its joint-graph rewrites), recorded")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
     p.add_argument("--dry-run", action="store_true", help="CPU ranks over gloo, world 2, eager inner only")
     p.add_argument("--tag", default=None)
@@ -241,6 +274,7 @@ def main(argv=None) -> int:
         models = [m for m in models if not m.startswith("torchao")]
         print(f"torchao is not installed: {skipped} left out", flush=True)
     env = dict(item.split("=", 1) for item in args.env)
+    inductor_config = _inductor_settings(p, args.inductor_config)
     worlds_run = [2] if args.dry_run else [int(w) for w in args.worlds.split(",")]
     if args.dry_run:
         strategies = [s for s in strategies if s.endswith("eager")] if args.strategies == p.get_default("strategies") else strategies
@@ -248,15 +282,16 @@ def main(argv=None) -> int:
     worlds, t0 = [], time.time()
     with tempfile.TemporaryDirectory() as tmp:
         for i, world in enumerate(worlds_run):
-            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env), tmp, i,
-                                               args.deadline)
+            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env, inductor_config),
+                                               tmp, i, args.deadline)
             row = launch.world_outcome(world, ranks, killed, args.deadline)
             row.update(cases=ranks[0].get("cases", []), ranks=[{k: v for k, v in r.items() if k != "cases"}
                                                                for r in ranks])
             worlds.append(row)
             print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if "error" in row else ""),
                   flush=True)
-    payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "env": env, "worlds": worlds,
+    payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "env": env,
+               "inductor_config": inductor_config, "worlds": worlds,
                "seconds": round(time.time() - t0, 1), "environment": output.environment(args.dry_run)}
     output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)
     print(markdown(payload))

@@ -528,6 +528,15 @@ def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
         assert c["sqnr_db"] == "equal" or c["sqnr_db"] > 30, c
 
 
+@pytest.mark.parametrize("item, says", [("no_such_setting=1", "Inductor has no setting 'no_such_setting'"),
+                                         ("pattern_matcher=Flase", "must be a Python literal")])
+def test_float8_ranks_refuses_an_inductor_setting_it_cannot_patch(item, says, capsys):
+    """``--inductor-config`` names a setting Inductor has, with a literal value, or nothing runs."""
+    with pytest.raises(SystemExit) as stop:
+        _bench("float8_ranks").main(["--dry-run", "--inductor-config", item])
+    assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
     """Without torchtitan installed, ``--model torchtitan`` is refused before anything runs, saying
     how to install it (not a failed row per configuration)."""
