@@ -33,6 +33,7 @@ travel with the checkout (the device tool's ``carry``) and go on ``PYTHONPATH`` 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -224,7 +225,7 @@ def markdown(payload: dict) -> str:
     return "\n".join(lines + ([""] + errors if errors else []))
 
 
-def _inductor_settings(p, items: list[str]) -> dict:
+def _inductor_settings(p: argparse.ArgumentParser, items: list[str]) -> dict:
     """``NAME=VALUE`` items as Inductor settings (values read as Python literals), refused by the
     parser where Inductor has no such setting or a value is not a literal."""
     import ast
@@ -244,7 +245,6 @@ def _inductor_settings(p, items: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    import argparse
     import importlib.util
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
