@@ -59,7 +59,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         report = compass_fx.explain(model, tokens, **options)
     finally:
         dist.destroy_process_group()
-    print(report.to_json() if args.json else report)
+    print(report.to_json() if args.json else report.format(every_pair=args.every_pair))
     return 0
 
 
@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--mode", default=None,
                     help="Inductor mode the model would compile under (reduce-overhead: priced as CUDA graph replays)")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.add_argument("--every-pair", action="store_true",
+                    help="a table row per pair (by default pairs alike, a layer's repeated, share a row with their count)")
     ex.set_defaults(func=cmd_explain)
     from .tools.commands import add_subcommands
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .cost.decision import strategy_label
 from .cost.layer import format_seconds
@@ -89,50 +89,134 @@ class Report:
         return json.dumps({"options": self.options, "graphs": [asdict(g) for g in self.graphs]},
                           indent=indent, default=str)
 
+    def format(self, every_pair: bool = False) -> str:
+        """The report as text (:func:`format_report`): pairs alike share a row, or a row per pair."""
+        return format_report(self, every_pair)
+
     def __str__(self) -> str:
         return format_report(self)
 
 
-def format_report(report: Report) -> str:
-    """A readable table: one row per pair, then the collectives left alone and why."""
-    header = ("graph", "collective", "kind", "dim", "m x n x k", "group", "decision", "status", "why")
-    rows = []
-    for p in report.pairs:
-        rows.append((p.graph, p.collective, p.kind, str(p.dim), f"{p.m}x{p.n}x{p.k}",
-                     f"{p.group}/{p.group_size}", _decision_label(p), p.status, p.reason))
+def format_report(report: Report, every_pair: bool = False) -> str:
+    """A readable table, then the collectives left alone and why, the candidates' times and what each
+    pair's lowering refused.  Pairs alike in everything the table shows (graph, kind, dim, shape,
+    group, decision, status and reason: the same layer repeated) share a row with their count, so
+    the table grows with the model's distinct pairs, not its depth; ``every_pair``: a row per pair."""
+    pairs = report.pairs
+    rows = _rows(pairs, _row_key, every_pair)
     lines = []
+    if rows and not every_pair:
+        lines.append(f"{len(pairs)} pairs in {len(rows)} rows (pairs alike share a row; one row per pair: "
+                     "report.format(every_pair=True), compass-fx explain --every-pair)")
     if rows:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header[:-1])]
+        header = ("graph", "pairs", "collective", "kind", "dim", "m x n x k", "group", "decision", "status", "why")
+        cells = [r.cells() for r in rows]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header[:-1])]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
         lines.append(fmt.format(*header))
         lines.append(fmt.format(*("-" * w for w in widths), "---"))
-        lines += [fmt.format(*r) for r in rows]
+        lines += [fmt.format(*c) for c in cells]
     else:
         lines.append("no matmul<->collective pairs found")
     for g in report.graphs:
-        for s in g.skipped:
-            lines.append(f"left alone: {s.graph} {s.kind} {s.collective}: {s.reason}")
+        skips = _rows(g.skipped, _skip_key, every_pair)
+        lines += [f"left alone: {r.first.graph} {r.first.kind} {r.named()}: {r.first.reason}" for r in skips]
         lines += [f"note ({g.graph}): {note}" for note in g.notes]
     summary = ", ".join(f"{g.graph}: {sum(p.status == 'rewritten' for p in g.pairs)}/{len(g.pairs)} pairs "
                         f"rewritten, collectives {g.collectives_before}->{g.collectives_after}"
                         for g in report.graphs)
     if summary:
         lines.append(summary)
-    topologies = sorted({p.topology for p in report.pairs if p.topology})
+    topologies = sorted({p.topology for p in pairs if p.topology})
     if topologies:
         lines.append(f"cost model topology: {', '.join(topologies)}")
-    calibrations = sorted({p.calibration for p in report.pairs if p.calibration})
+    calibrations = sorted({p.calibration for p in pairs if p.calibration})
     if calibrations:
         lines.append(f"cost model constants: {', '.join(calibrations)}")
-    for p in report.pairs:
-        if len(p.candidates) > 1 and any(c.get("seconds") is not None for c in p.candidates):
-            cands = ", ".join(f"{c['label']}={format_seconds(c.get('seconds'))}" for c in p.candidates)
-            d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
-            lines.append(f"candidates {p.graph}/{p.collective}{d_star}: {cands}")
-    for p in report.pairs:
-        for r in p.refused:
-            lines.append(f"refused {p.graph}/{p.collective}: {r['strategy']}: {r['reason']}")
+    priced = [p for p in pairs if len(p.candidates) > 1 and any(c.get("seconds") is not None for c in p.candidates)]
+    for r in _rows(priced, _candidates_key, every_pair):
+        p = r.first
+        cands = ", ".join(f"{c['label']}={format_seconds(c.get('seconds'))}" for c in p.candidates)
+        d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
+        lines.append(f"candidates {p.graph}/{r.named()}{d_star}: {cands}")
+    refusals = [_Refusal(p, r) for p in pairs for r in p.refused]
+    for r in _rows(refusals, _refusal_key, every_pair):
+        lines.append(f"refused {r.first.graph}/{r.named()}: {r.first.strategy}: {r.first.reason}")
     return "\n".join(lines + _legend(report))
+
+
+@dataclass
+class _Refusal:
+    """One strategy a pair's lowering refused, as the report lists it."""
+
+    pair: PairRecord
+    refused: dict[str, str]
+
+    @property
+    def graph(self) -> str:
+        return self.pair.graph
+
+    @property
+    def collective(self) -> str:
+        return self.pair.collective
+
+    @property
+    def strategy(self) -> str:
+        return self.refused["strategy"]
+
+    @property
+    def reason(self) -> str:
+        return self.refused["reason"]
+
+
+class _Row:
+    """Records alike (pairs, collectives left alone, refusals) as one line: the first and how many."""
+
+    def __init__(self, first: Any) -> None:
+        self.first, self.count = first, 1
+
+    def named(self) -> str:
+        """The first record's collective, and how many more share its line."""
+        more = f" (+{self.count - 1} like it)" if self.count > 1 else ""
+        return f"{self.first.collective}{more}"
+
+    def cells(self) -> tuple[str, ...]:
+        p = self.first
+        return (p.graph, str(self.count), p.collective, p.kind, str(p.dim), f"{p.m}x{p.n}x{p.k}",
+                f"{p.group}/{p.group_size}", _decision_label(p), p.status, p.reason)
+
+
+def _rows(records: list, key: Callable[[Any], tuple], every: bool) -> list[_Row]:
+    """``records`` with equal ``key`` merged into one row each, in the order of their first (a row
+    each where ``every``)."""
+    if every:
+        return [_Row(record) for record in records]
+    rows: dict[tuple, _Row] = {}
+    for record in records:
+        k = key(record)
+        if k in rows:
+            rows[k].count += 1
+        else:
+            rows[k] = _Row(record)
+    return list(rows.values())
+
+
+def _row_key(p: PairRecord) -> tuple:
+    return (p.graph, p.kind, p.dim, p.m, p.n, p.k, p.group, p.group_size, _decision_label(p), p.status, p.reason)
+
+
+def _skip_key(s: SkipRecord) -> tuple:
+    return (s.graph, s.kind, s.reason)
+
+
+def _candidates_key(p: PairRecord) -> tuple:
+    """Pairs of one table row whose candidates were priced alike (a row's pairs may differ in shapes
+    the table does not show, so their times are compared too)."""
+    return (*_row_key(p), p.d_star, tuple((c["label"], c.get("seconds")) for c in p.candidates))
+
+
+def _refusal_key(r: _Refusal) -> tuple:
+    return (r.graph, r.strategy, r.reason)
 
 
 def _legend(report: Report) -> list[str]:

@@ -41,6 +41,19 @@ def test_explain_json_and_topology(capsys):
 
 
 @pytest.mark.slow  # traces the demo model (in this process)
+def test_explain_every_pair_gives_a_row_per_pair(capsys):
+    """Two layers: by default their pairs alike share a row (with the count); ``--every-pair`` lists
+    each pair on a row of its own, every collective named once."""
+    status, stdout, stderr = run_main(capsys, "explain", "--world", "2", "--layers", "2", "--dim", "64", "--seq",
+                                      "16", "--every-pair")
+    assert status == 0, stderr[-3000:]
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in (["forward"], ["backward"])]
+    assert len(rows) == 18 and all(r[1] == "1" for r in rows), stdout  # 2 layers: 8+1 forward, 1+8 backward
+    assert len({(r[0], r[2]) for r in rows}) == 18 and "like it" not in stdout
+    assert not stdout.startswith("18 pairs in")
+
+
+@pytest.mark.slow  # traces the demo model (in this process)
 def test_explain_under_a_cuda_graph_mode_says_how_it_priced(capsys):
     """``--mode reduce-overhead``: the report notes, per graph, that the pairs were priced as CUDA
     graph replays, and every decomposition is priced as one (``Workload.cuda_graphs``: no host

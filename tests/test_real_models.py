@@ -119,6 +119,7 @@ def titan_explain(rank: int, world: int, sp: bool) -> dict:
     kinds = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
     counts = {(g, k): report.count(k, g) for g in ("forward", "backward") for k in kinds}
     return {"counts": {key: n for key, n in counts.items() if n}, "text": str(report),
+            "every_pair": report.format(every_pair=True), "pairs": len(report.pairs),
             "left_alone": sorted(s.reason for s in report.skipped)}
 
 
@@ -164,7 +165,11 @@ def test_torchtitan_fused_async_defers_what_the_cost_model_priced_deferred(ranks
 def test_explain_lists_every_pair_of_torchtitan_llama3(ranks):
     res = ranks(2).run(titan_explain, 2, True)[0]
     assert res["counts"] == hand_count(LAYERS, True)
-    assert res["text"].count("all_gather_matmul") >= 4 * LAYERS + 1
+    assert res["every_pair"].count("all_gather_matmul") >= 4 * LAYERS + 1
+    # by default the layers' pairs alike share a row, whose counts add up to every pair
+    rows = [line.split() for line in res["text"].splitlines() if line.split()[:1] in (["forward"], ["backward"])]
+    assert sum(int(r[1]) for r in rows) == res["pairs"] and len(rows) < res["pairs"], res["text"]
+    assert res["text"].startswith(f"{res['pairs']} pairs in {len(rows)} rows")
     # The embedding's reduce-scatter (masked lookup) and its gradient's gather are the only others.
     assert len(res["left_alone"]) == 2 and any("not by a matmul" in r for r in res["left_alone"])
 

@@ -24,3 +24,51 @@ def test_legend_only_explains_what_is_shown():
     text = format_report(Report(graphs=[GraphReport("forward", pairs=[pair(None)])]))
     assert "legend: group = " in text and "d*" not in text
     assert "legend" not in format_report(Report(graphs=[GraphReport("forward")]))
+
+
+def test_pairs_alike_share_a_row_with_their_count():
+    """A model's repeated layers give pairs alike in everything the table shows: one row each, with
+    how many, so the table grows with the distinct pairs, not the depth; the candidates, the
+    refusals and the collectives left alone likewise; ``every_pair`` gives a row per pair."""
+    from dataclasses import replace
+
+    from compass_fx.report import SkipRecord
+
+    refused = [{"strategy": "fuse", "reason": "the pair has wild-graph details (dtype casts)"}]
+    layers = [replace(pair(0.04), collective=f"all_gather_into_tensor_{i}", refused=refused) for i in range(3)]
+    other = replace(pair(0.04), collective="all_gather_into_tensor_9", m=64)  # another shape: its own row
+    skips = [SkipRecord("forward", f"all_gather_into_tensor_{i}", "all_gather_matmul", "feeds no matmul")
+             for i in (10, 11)]
+    report = Report(graphs=[GraphReport("forward", pairs=[*layers, other], skipped=skips)])
+
+    text = format_report(report)
+    rows = [line.split() for line in text.splitlines() if line.startswith("forward ")]
+    assert [(r[1], r[2], r[5]) for r in rows] == [("3", "all_gather_into_tensor_0", "32x64x64"),
+                                                  ("1", "all_gather_into_tensor_9", "64x64x64")], text
+    assert text.startswith("4 pairs in 2 rows")
+    assert "candidates forward/all_gather_into_tensor_0 (+2 like it) (d*=0.04)" in text
+    assert "refused forward/all_gather_into_tensor_0 (+2 like it): fuse: the pair has wild-graph details" in text
+    assert "left alone: forward all_gather_matmul all_gather_into_tensor_10 (+1 like it): feeds no matmul" in text
+
+    every = report.format(every_pair=True)
+    assert [line.split()[2] for line in every.splitlines() if line.startswith("forward ")] == [
+        "all_gather_into_tensor_0", "all_gather_into_tensor_1", "all_gather_into_tensor_2", "all_gather_into_tensor_9"]
+    assert "like it" not in every and every.count("refused forward/") == 3 and every.count("left alone:") == 2
+
+
+def test_the_table_does_not_grow_with_the_layers():
+    """Scale: a report of 2 and of 64 identical layers (four pairs each, forward and backward) has
+    the same lines but for the counts; with ``every_pair`` the table grows with the pairs."""
+    from dataclasses import replace
+
+    def report(layers: int) -> Report:
+        shapes = [(128, 192, 256), (128, 256, 64), (128, 256, 256), (128, 256, 128)]
+        graphs = [GraphReport(g, pairs=[replace(pair(0.04), graph=g, collective=f"c{i}_{j}", m=m, n=n, k=k)
+                                        for i in range(layers) for j, (m, n, k) in enumerate(shapes)])
+                  for g in ("forward", "backward")]
+        return Report(graphs=graphs)
+
+    small, large = format_report(report(2)).splitlines(), format_report(report(64)).splitlines()
+    # the count line, the table's header and rule, 8 rows, the summary, the topology, 8 candidates, the legend
+    assert len(small) == len(large) == 1 + 2 + 8 + 1 + 1 + 8 + 4, "\n".join(large)
+    assert format_report(report(64), every_pair=True).count("\nforward ") == 256
