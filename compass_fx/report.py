@@ -118,13 +118,14 @@ def format_report(report: Report, every_pair: bool = False) -> str:
         lines += [fmt.format(*c) for c in cells]
     else:
         lines.append("no matmul<->collective pairs found")
-    for g in report.graphs:
-        skips = _rows(g.skipped, _skip_key, every_pair)
-        lines += [f"left alone: {r.first.graph} {r.first.kind} {r.named()}: {r.first.reason}" for r in skips]
-        lines += [f"note ({g.graph}): {note}" for note in g.notes]
-    summary = ", ".join(f"{g.graph}: {sum(p.status == 'rewritten' for p in g.pairs)}/{len(g.pairs)} pairs "
-                        f"rewritten, collectives {g.collectives_before}->{g.collectives_after}"
-                        for g in report.graphs)
+    skips = _rows(report.skipped, _skip_key, every_pair)
+    lines += [f"left alone: {r.first.graph} {r.first.kind} {r.named()}: {r.first.reason}" for r in skips]
+    notes = _rows([_Note(g.graph, note) for g in report.graphs for note in g.notes], _note_key, every_pair)
+    lines += [f"note ({r.first.graph}{_times(r.count, 'graphs')}): {r.first.text}" for r in notes]
+    summary = ", ".join(f"{name}{_times(len(gs), 'graphs')}: {sum(p.status == 'rewritten' for g in gs for p in g.pairs)}/"
+                        f"{sum(len(g.pairs) for g in gs)} pairs rewritten, collectives "
+                        f"{sum(g.collectives_before for g in gs)}->{sum(g.collectives_after for g in gs)}"
+                        for name, gs in _by_name(report.graphs, every_pair))
     if summary:
         lines.append(summary)
     topologies = sorted({p.topology for p in pairs if p.topology})
@@ -199,6 +200,33 @@ def _rows(records: list, key: Callable[[Any], tuple], every: bool) -> list[_Row]
         else:
             rows[k] = _Row(record)
     return list(rows.values())
+
+
+@dataclass
+class _Note:
+    """A note of one graph, as the report lists it."""
+
+    graph: str
+    text: str
+
+
+def _times(count: int, what: str) -> str:
+    return f", {count} {what}" if count > 1 else ""
+
+
+def _by_name(graphs: list[GraphReport], every: bool) -> list[tuple[str, list[GraphReport]]]:
+    """The graphs by name (forward, backward...), in the order of their first; a graph each where
+    ``every`` (a model compiled block by block has many graphs of each name)."""
+    if every:
+        return [(g.graph, [g]) for g in graphs]
+    named: dict[str, list[GraphReport]] = {}
+    for g in graphs:
+        named.setdefault(g.graph, []).append(g)
+    return list(named.items())
+
+
+def _note_key(n: _Note) -> tuple:
+    return (n.graph, n.text)
 
 
 def _row_key(p: PairRecord) -> tuple:

@@ -72,3 +72,21 @@ def test_the_table_does_not_grow_with_the_layers():
     # the count line, the table's header and rule, 8 rows, the summary, the topology, 8 candidates, the legend
     assert len(small) == len(large) == 1 + 2 + 8 + 1 + 1 + 8 + 4, "\n".join(large)
     assert format_report(report(64), every_pair=True).count("\nforward ") == 256
+
+
+def test_a_model_compiled_block_by_block_reads_as_one():
+    """torchtitan compiles each block on its own: 64 forward graphs of the same four pairs and note
+    read as the four rows, one note and one summary with the graphs counted."""
+    from dataclasses import replace
+
+    def block(i: int) -> GraphReport:
+        return GraphReport("forward", pairs=[replace(pair(0.04), collective=f"c{i}_{j}", n=64 * (j + 1))
+                                             for j in range(4)],
+                           collectives_before=5, collectives_after=5, notes=["priced as CUDA graph replays"])
+
+    text = format_report(Report(graphs=[block(i) for i in range(64)]))
+    assert text.startswith("256 pairs in 4 rows")
+    assert "\nnote (forward, 64 graphs): priced as CUDA graph replays\n" in text and text.count("note (") == 1
+    assert "\nforward, 64 graphs: 0/256 pairs rewritten, collectives 320->320\n" in text
+    every = format_report(Report(graphs=[block(i) for i in range(64)]), every_pair=True)
+    assert every.count("note (forward): ") == 64 and every.count("forward: 0/4 pairs rewritten") == 64
