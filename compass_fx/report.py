@@ -99,9 +99,9 @@ class Report:
 
 def format_report(report: Report, every_pair: bool = False) -> str:
     """A readable table, then the collectives left alone and why, the candidates' times and what each
-    pair's lowering refused.  Pairs alike in everything the table shows (graph, kind, dim, shape,
-    group, decision, status and reason: the same layer repeated) share a row with their count, so
-    the table grows with the model's distinct pairs, not its depth; ``every_pair``: a row per pair."""
+    pair's lowering refused.  Pairs alike (graph, kind, shapes, dtypes, group, decision, status and
+    reason: the same layer repeated) share a row with their count, so the table grows with the
+    model's distinct pairs, not its depth; ``every_pair``: a row per pair."""
     pairs = report.pairs
     rows = _rows(pairs, _row_key, every_pair)
     lines = []
@@ -230,7 +230,10 @@ def _note_key(n: _Note) -> tuple:
 
 
 def _row_key(p: PairRecord) -> tuple:
-    return (p.graph, p.kind, p.dim, p.m, p.n, p.k, p.group, p.group_size, _decision_label(p), p.status, p.reason)
+    """What makes pairs alike: what the table shows, and what it does not but tells pairs apart (the
+    full shape, the dtypes, how many matmuls share the collective)."""
+    return (p.graph, p.kind, p.dim, p.m, p.n, p.k, p.group, p.group_size, _decision_label(p), p.status, p.reason,
+            tuple(p.shape), p.dtype, p.gemm_dtype, p.matmuls)
 
 
 def _skip_key(s: SkipRecord) -> tuple:
