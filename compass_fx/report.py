@@ -128,6 +128,9 @@ def format_report(report: Report, every_pair: bool = False) -> str:
                         for name, gs in _by_name(report.graphs, every_pair))
     if summary:
         lines.append(summary)
+    predicted = _predicted(report.graphs)
+    if predicted:
+        lines.append(predicted)
     topologies = sorted({p.topology for p in pairs if p.topology})
     if topologies:
         lines.append(f"cost model topology: {', '.join(topologies)}")
@@ -200,6 +203,27 @@ def _rows(records: list, key: Callable[[Any], tuple], every: bool) -> list[_Row]
         else:
             rows[k] = _Row(record)
     return list(rows.values())
+
+
+def _predicted(graphs: list[GraphReport]) -> str | None:
+    """The cost model's bottom line per graph name: the priced pairs' predicted time as decided (a
+    pair not rewritten runs sequentially) against every one of them sequential."""
+    parts = []
+    for name, gs in _by_name(graphs, every=False):
+        decided = sequential = 0.0
+        priced = 0
+        for p in (p for g in gs for p in g.pairs):
+            seq = next((c.get("seconds") for c in p.candidates if c.get("label") == "sequential"), None)
+            if seq is None:
+                continue  # a forced strategy prices nothing
+            priced += 1
+            sequential += seq
+            decided += p.predicted_s if p.status == "rewritten" and p.predicted_s is not None else seq
+        if priced:
+            change = f", {(1 - decided / sequential) * 100:.0f}% less" if decided < sequential else ""
+            parts.append(f"{name}: {format_seconds(decided)} as decided, {format_seconds(sequential)} all "
+                         f"sequential ({priced} pairs{change})")
+    return "predicted time of the pairs (cost model), " + "; ".join(parts) if parts else None
 
 
 @dataclass

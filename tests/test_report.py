@@ -69,8 +69,9 @@ def test_the_table_does_not_grow_with_the_layers():
         return Report(graphs=graphs)
 
     small, large = format_report(report(2)).splitlines(), format_report(report(64)).splitlines()
-    # the count line, the table's header and rule, 8 rows, the summary, the topology, 8 candidates, the legend
-    assert len(small) == len(large) == 1 + 2 + 8 + 1 + 1 + 8 + 4, "\n".join(large)
+    # the count line, the table's header and rule, 8 rows, the summary, the predicted time, the topology,
+    # 8 candidates, the legend
+    assert len(small) == len(large) == 1 + 2 + 8 + 1 + 1 + 1 + 8 + 4, "\n".join(large)
     assert format_report(report(64), every_pair=True).count("\nforward ") == 256
 
 
@@ -90,3 +91,19 @@ def test_a_model_compiled_block_by_block_reads_as_one():
     assert "\nforward, 64 graphs: 0/256 pairs rewritten, collectives 320->320\n" in text
     every = format_report(Report(graphs=[block(i) for i in range(64)]), every_pair=True)
     assert every.count("note (forward): ") == 64 and every.count("forward: 0/4 pairs rewritten") == 64
+
+
+def test_the_bottom_line_is_the_pairs_predicted_time_against_all_sequential():
+    """Per graph name, the priced pairs' predicted time as decided (a pair kept runs sequentially)
+    against all of them sequential; a forced pair (nothing priced) is not counted."""
+    from dataclasses import replace
+
+    priced = [{"label": "sequential", "seconds": 2e-5}, {"label": "decompose(d=2)", "seconds": 1e-5}]
+    rewritten = replace(pair(0.04), strategy="decompose", parts=2, status="rewritten", candidates=priced,
+                        predicted_s=1e-5)
+    kept = replace(pair(0.04), collective="c1", m=64, predicted_s=1e-5)  # sequential 10 us
+    forced = replace(pair(None), collective="c2", m=16, candidates=[], predicted_s=None, status="rewritten")
+    text = format_report(Report(graphs=[GraphReport("forward", pairs=[rewritten, kept, forced])]))
+    assert ("predicted time of the pairs (cost model), forward: 20.0us as decided, 30.0us all sequential "
+            "(2 pairs, 33% less)") in text, text
+    assert "predicted time" not in format_report(Report(graphs=[GraphReport("forward", pairs=[forced])]))
