@@ -265,8 +265,8 @@ def _skip_key(s: SkipRecord) -> tuple:
 
 
 def _candidates_key(p: PairRecord) -> tuple:
-    """Pairs of one table row whose candidates were priced alike (a row's pairs may differ in shapes
-    the table does not show, so their times are compared too)."""
+    """Pairs of one table row whose candidates were priced alike (a row's pairs may still be priced
+    apart, one deferred and one not, say, so their times are compared too)."""
     return (*_row_key(p), p.d_star, tuple((c["label"], c.get("seconds")) for c in p.candidates))
 
 
