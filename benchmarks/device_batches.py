@@ -45,6 +45,9 @@ PER_CALL_LIMIT_S = 600      # the device tool's limit per call
 INSTALL_MARGIN_S = 60       # the editable install and the machine's first CUDA context
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HOST_STAGED = {"NCCL_P2P_DISABLE": "1"}   # NCCL through host memory: the regime of PCIe cards without peer access
+TORCHAO_SOURCE = {"PYTHONPATH": str(ROOT / "scratch" / "carry")}  # torchao's Python, carried (float8_ranks says how)
+TORCHAO_STRATEGIES = "off-eager,off-inductor,decompose-eager,decompose-inductor,torch-aot_eager,torch-inductor"
+EAGER_ROUNDINGS = ("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING")
 RESULTS = "{results}"      # replaced by OUT/results in the arguments
 MACHINE = "{machine}"      # replaced by the GPU's family (h100, h200) in the arguments: results name their machine
 
@@ -585,6 +588,20 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     "h200-float8": (
         Step("float8_ranks", "float8_ranks.py", ("--worlds", "2,4", "--tag", f"{MACHINE}-mps", "--out-dir", RESULTS),
              300),
+    ),
+    # torchao's stacks, which the lent machine cannot import: its Python source goes to scratch/carry first
+    # (float8_ranks' docstring; the device call carries "scratch/carry"); every strategy and torch's backends,
+    # then with Inductor's eager-numerics switches (Inductor reads them at import: each step is its own process);
+    # each took ~190 s on an H100 (float8_ranks-h100-torchao-sqnr-mps, -emulated-casts-mps)
+    "h200-float8-torchao": (
+        Step("float8_ranks-torchao", "float8_ranks.py",
+             ("--worlds", "2,4", "--models", "torchao_tensorwise,torchao_rowwise", "--strategies", TORCHAO_STRATEGIES,
+              "--tag", f"{MACHINE}-torchao-sqnr-mps", "--out-dir", RESULTS), 240, TORCHAO_SOURCE),
+        Step("float8_ranks-torchao-emulated", "float8_ranks.py",
+             ("--worlds", "2,4", "--models", "torchao_tensorwise,torchao_rowwise", "--strategies", TORCHAO_STRATEGIES,
+              *(a for name in EAGER_ROUNDINGS for a in ("--env", f"{name}=1")),
+              "--tag", f"{MACHINE}-torchao-emulated-casts-mps", "--out-dir", RESULTS), 240,
+             {**TORCHAO_SOURCE, **{name: "1" for name in EAGER_ROUNDINGS}}),
     ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait

@@ -273,6 +273,9 @@ def main(argv=None) -> int:
         skipped = [m for m in models if m.startswith("torchao")]
         models = [m for m in models if not m.startswith("torchao")]
         print(f"torchao is not installed: {skipped} left out", flush=True)
+        if not models:
+            p.error("torchao is not installed and only its models were asked for: nothing to run (its Python "
+                    "source can be put on PYTHONPATH, as this script's docstring says)")
     env = dict(item.split("=", 1) for item in args.env)
     inductor_config = _inductor_settings(p, args.inductor_config)
     worlds_run = [2] if args.dry_run else [int(w) for w in args.worlds.split(",")]

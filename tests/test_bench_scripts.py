@@ -537,6 +537,18 @@ def test_float8_ranks_refuses_an_inductor_setting_it_cannot_patch(item, says, ca
     assert stop.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_float8_ranks_without_torchao_refuses_to_run_only_its_models(monkeypatch, capsys):
+    """Where torchao does not import (the lent GPU machine), asking for its models alone is an error
+    that says how to bring its source, not a run of nothing that reads as passed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as stop:
+        _bench("float8_ranks").main(["--dry-run", "--models", "torchao_tensorwise,torchao_rowwise"])
+    assert stop.value.code == 2 and "nothing to run" in capsys.readouterr().err
+
+
 def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch, capsys):
     """Without torchtitan installed, ``--model torchtitan`` is refused before anything runs, saying
     how to install it (not a failed row per configuration)."""
