@@ -43,7 +43,7 @@ Recorded long runs (2-core CPU, torch 2.13.0+cpu), zero wrong rewrites in each:
   rewritten; world 4: 1338, 958), through the fused operators (238 and 360 fused), side by side (148
   fused, 430 decomposed; with float8 blocks 90 fused, 532 decomposed, 290 float8 pairs refused by the
   fused operators), float8 graphs (909 and 883 rewritten of 1282 and 1310 blocks), and modules 100
-  (200 graphs, 313 pairs, 306 rewritten, 84 in backward graphs): every replay equal (15 min).
+  (200 graphs, 313 pairs, 306 rewritten, 84 in backward graphs): every replay equal (14 min).
 """
 from __future__ import annotations
 
