@@ -46,7 +46,8 @@ INSTALL_MARGIN_S = 60       # the editable install and the machine's first CUDA 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HOST_STAGED = {"NCCL_P2P_DISABLE": "1"}   # NCCL through host memory: the regime of PCIe cards without peer access
 TORCHAO_SOURCE = {"PYTHONPATH": str(ROOT / "scratch" / "carry")}  # torchao's Python, carried (float8_ranks says how)
-TORCHAO_STRATEGIES = "off-eager,off-inductor,decompose-eager,decompose-inductor,torch-aot_eager,torch-inductor"
+TORCHAO_RUN = ("--worlds", "2,4", "--models", "torchao_tensorwise,torchao_rowwise", "--strategies",
+               "off-eager,off-inductor,decompose-eager,decompose-inductor,torch-aot_eager,torch-inductor")
 EAGER_ROUNDINGS = ("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING")
 RESULTS = "{results}"      # replaced by OUT/results in the arguments
 MACHINE = "{machine}"      # replaced by the GPU's family (h100, h200) in the arguments: results name their machine
@@ -595,11 +596,9 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # each took ~190 s on an H100 (float8_ranks-h100-torchao-sqnr-mps, -emulated-casts-mps)
     "h200-float8-torchao": (
         Step("float8_ranks-torchao", "float8_ranks.py",
-             ("--worlds", "2,4", "--models", "torchao_tensorwise,torchao_rowwise", "--strategies", TORCHAO_STRATEGIES,
-              "--tag", f"{MACHINE}-torchao-sqnr-mps", "--out-dir", RESULTS), 240, TORCHAO_SOURCE),
+             (*TORCHAO_RUN, "--tag", f"{MACHINE}-torchao-sqnr-mps", "--out-dir", RESULTS), 240, TORCHAO_SOURCE),
         Step("float8_ranks-torchao-emulated", "float8_ranks.py",
-             ("--worlds", "2,4", "--models", "torchao_tensorwise,torchao_rowwise", "--strategies", TORCHAO_STRATEGIES,
-              *(a for name in EAGER_ROUNDINGS for a in ("--env", f"{name}=1")),
+             (*TORCHAO_RUN, *(a for name in EAGER_ROUNDINGS for a in ("--env", f"{name}=1")),
               "--tag", f"{MACHINE}-torchao-emulated-casts-mps", "--out-dir", RESULTS), 240,
              {**TORCHAO_SOURCE, **{name: "1" for name in EAGER_ROUNDINGS}}),
     ),

@@ -90,16 +90,17 @@ def compare(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> 
     step may differ by more than the tolerance while agreeing to 20-30 dB)."""
     worst, wrong, wrong_rows, sqnr = 0.0, [], {}, math.inf
     for key, ref in expected.items():
-        scale = max(ref.float().abs().max().item(), 1e-30)
-        diff = (got[key].float() - ref.float()).abs()
+        ref, out = ref.float(), got[key].float()
+        scale = max(ref.abs().max().item(), 1e-30)
+        diff = (out - ref).abs()
         worst = max(worst, diff.max().item() / scale)
         noise = diff.norm().item()
         if noise > 0:
-            sqnr = min(sqnr, 20 * math.log10(max(ref.float().norm().item(), 1e-30) / noise))
-        if not torch.allclose(got[key].float(), ref.float(), rtol=TOL, atol=TOL * scale):
+            sqnr = min(sqnr, 20 * math.log10(max(ref.norm().item(), 1e-30) / noise))
+        if not torch.allclose(out, ref, rtol=TOL, atol=TOL * scale):
             wrong.append(key)
             if diff.dim() == 2:
-                bad = diff > TOL * scale + TOL * ref.float().abs()
+                bad = diff > TOL * scale + TOL * ref.abs()
                 wrong_rows[key] = bad.any(dim=1).nonzero().flatten().tolist()
     return worst, wrong, wrong_rows, sqnr
 

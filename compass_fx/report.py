@@ -143,7 +143,7 @@ def format_report(report: Report, every_pair: bool = False) -> str:
         cands = ", ".join(f"{c['label']}={format_seconds(c.get('seconds'))}" for c in p.candidates)
         d_star = f" (d*={p.d_star:.2f})" if p.d_star else ""
         lines.append(f"candidates {p.graph}/{r.named()}{d_star}: {cands}")
-    refusals = [_Refusal(p, r) for p in pairs for r in p.refused]
+    refusals = [_Refusal(p.graph, p.collective, r["strategy"], r["reason"]) for p in pairs for r in p.refused]
     for r in _rows(refusals, _refusal_key, every_pair):
         lines.append(f"refused {r.first.graph}/{r.named()}: {r.first.strategy}: {r.first.reason}")
     return "\n".join(lines + _legend(report))
@@ -153,24 +153,10 @@ def format_report(report: Report, every_pair: bool = False) -> str:
 class _Refusal:
     """One strategy a pair's lowering refused, as the report lists it."""
 
-    pair: PairRecord
-    refused: dict[str, str]
-
-    @property
-    def graph(self) -> str:
-        return self.pair.graph
-
-    @property
-    def collective(self) -> str:
-        return self.pair.collective
-
-    @property
-    def strategy(self) -> str:
-        return self.refused["strategy"]
-
-    @property
-    def reason(self) -> str:
-        return self.refused["reason"]
+    graph: str
+    collective: str
+    strategy: str
+    reason: str
 
 
 class _Row:
