@@ -151,8 +151,14 @@ def compiled_equals_eager(rank: int, world: int, strategy: str, gather_bytes: bo
     expected = training_step(Float8Block(world, group, gather_bytes), x)
     model = Float8Block(world, group, gather_bytes)
     got = training_step(model, x, torch.compile(model, backend="compass", options=options, fullgraph=True))
+    assert_step_close(got, expected)
+    return list(compass_fx.backend.history)[before:]
+
+
+def assert_step_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """A float8 training step's output and gradients against eager's, each tensor within 1e-2
+    relative and 1e-2 of its largest magnitude (why: :func:`compiled_equals_eager`)."""
     for name, ref in expected.items():
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,
                                    msg=lambda m: f"{name} (largest magnitude {scale:.3g}): {m}")
-    return list(compass_fx.backend.history)[before:]

@@ -97,7 +97,7 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from float8_block import training_step
+    from float8_block import assert_step_close, training_step
     from float8_gloo import float8_gathers_on_gloo, float8_gemms_as_cuda_takes_them
     from shared_trace import Variants
 
@@ -115,11 +115,7 @@ def _run(rank: int, world: int, config: str, strategies: list[str], inner: str =
         for i, strategy in enumerate(strategies):
             variants.select(i)
             try:
-                got = training_step(model, x, compiled)
-                for name, ref in expected.items():
-                    scale = ref.float().abs().max().item()
-                    torch.testing.assert_close(got[name].float(), ref.float(), rtol=1e-2, atol=1e-2 * scale,
-                                               msg=lambda m: f"{name} (largest magnitude {scale:.3g}): {m}")
+                assert_step_close(training_step(model, x, compiled), expected)
             except Exception:  # noqa: BLE001 - reported by the strategy's own test
                 results[strategy] = {"error": traceback.format_exc()}
                 dist.barrier()
