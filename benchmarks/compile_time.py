@@ -19,7 +19,10 @@ Times (wall clock, seconds):
 * ``compile``: the backend's whole compile of the graph dynamo captured: AOTAutograd (forward,
   backward and the partition), the pass, and the inner compiler (``--inner``: "eager", as
   ``compass_fx.explain`` compiles, or "inductor");
-* ``first call``: the compiled model's first forward call (dynamo's tracing, the compile, one run).
+* ``first call``: the compiled model's first forward call (dynamo's tracing, the compile, one run);
+* ``report``: formatting the explain report of the graphs compiled (``Report.format``: what
+  ``compass-fx explain`` prints), beside its length in lines (pairs alike share a row: it should
+  not grow with the layers).
 
 The machine's other load shows as noise: the modes of one layer count take turns, and the summary
 compares the best of the repeats.
@@ -112,6 +115,7 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
 
     import compass_fx.backend as backend
     from compass_fx.options import parse_options
+    from compass_fx.report import Report
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -146,13 +150,17 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
         backend.compass_pass = real_pass
         dist.destroy_process_group()
     pairs = [p for r in reports for p in r.pairs]
+    started = time.perf_counter()
+    text = Report(graphs=list(reports)).format()
+    report_s = time.perf_counter() - started
     return {"model": model, "world": world, "layers": layers, "mode": mode, "inner": inner,
             "tokens": list(tokens_shape(world)),
             "nodes_forward": nodes.get("forward"), "nodes_backward": nodes.get("backward"),
             "nodes_out": sum(nodes_out.values()),
             "pairs": len(pairs), "rewritten": sum(p.status == "rewritten" for p in pairs),
             "pass_s": round(sum(r.pass_seconds or 0.0 for r in reports), 3),
-            "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3)}
+            "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3),
+            "report_s": round(report_s, 4), "report_lines": len(text.splitlines())}
 
 
 def _failed(layers: int, mode: str, inner: str, world: int, model: str, error: str) -> dict:
@@ -210,7 +218,8 @@ def summary(rows: list[dict]) -> dict:
         key = (r.get("world", 4), r["layers"], r["mode"])
         if "error" not in r and (key not in best or r["compile_s"] < best[key]["compile_s"]):
             best[key] = r
-    out: dict = {"added_compile": {}, "pass_s": {}, "pass_growth_8_to_64": {}, "pass_growth_with_world": {}}
+    out: dict = {"added_compile": {}, "pass_s": {}, "pass_growth_8_to_64": {}, "report_growth_8_to_64": {},
+                 "pass_growth_with_world": {}}
     for (world, layers, mode), r in sorted(best.items()):
         name = f"w{world}/{layers}/{mode}"
         off = best.get((world, layers, "off"))
@@ -224,6 +233,10 @@ def summary(rows: list[dict]) -> dict:
             d8, d64 = best.get((world, 8, mode)), best.get((world, 64, mode))
             if d8 and d64 and (growth := _ratio(d64["pass_s"], d8["pass_s"])):
                 out["pass_growth_8_to_64"][f"w{world}/{mode}"] = growth
+            if d8 and d64 and d8.get("report_s") is not None:
+                out["report_growth_8_to_64"][f"w{world}/{mode}"] = {
+                    "time": _ratio(d64["report_s"], d8["report_s"]),
+                    "lines": [d8["report_lines"], d64["report_lines"]]}
     if len(worlds) > 1:
         small, large = worlds[0], worlds[-1]
         for layers in sorted({n for _, n, _ in best}):
@@ -257,10 +270,12 @@ def markdown(payload: dict) -> str:
              f"{env.get('cpus')} CPUs (shared), commit {env['commit']}.  Seconds, wall clock.  `pass`: inside the "
              "compass pass; `compile`: the backend's compile (AOTAutograd, the pass, the inner compiler); `first "
              "call`: dynamo's tracing, the compile and one forward run; `nodes out`: the graphs the pass leaves, "
-             "forward and backward together.", "",
+             "forward and backward together; `report`: formatting the explain report of those graphs, and its "
+             "length in lines.", "",
              output.markdown_table(rows, ["world", "layers", "mode", ("nodes", "nodes fw / bw"), "pairs", "rewritten",
                                           ("nodes_out", "nodes out"), ("pass_s", "pass"), ("compile_s", "compile"),
-                                          ("first_call_s", "first call"), "error"]), "",
+                                          ("first_call_s", "first call"), ("report_s", "report"),
+                                          ("report_lines", "report lines"), "error"]), "",
              "Compile time added over the pass off (same ranks and layers; best of the repeats):", "",
              output.markdown_table([{"config": k, "added": f"{v:+.1%}"} for k, v in s["added_compile"].items()],
                                    [("config", "ranks / layers / mode"), "added"])]
@@ -268,6 +283,12 @@ def markdown(payload: dict) -> str:
         lines += ["", "Pass time, 64 layers over 8 layers (linear growth: 8x):", "",
                   output.markdown_table([{"config": k, "growth": f"{v}x"} for k, v in s["pass_growth_8_to_64"].items()],
                                         [("config", "ranks / mode"), "growth"])]
+    if s.get("report_growth_8_to_64"):
+        lines += ["", "The explain report, 64 layers over 8 layers (its time; its lines, which pairs alike share):", "",
+                  output.markdown_table([{"config": k, "time": f"{v['time']}x" if v["time"] else None,
+                                          "lines": " -> ".join(map(str, v["lines"]))}
+                                         for k, v in s["report_growth_8_to_64"].items()],
+                                        [("config", "ranks / mode"), "time", ("lines", "lines, 8 -> 64 layers")])]
     if s["pass_growth_with_world"]:
         lines += ["", "Pass time and the nodes it leaves, the largest group over the smallest (same layers and mode):",
                   "", output.markdown_table(

@@ -458,6 +458,7 @@ def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
                                                                     (8, 1, "off"), (8, 1, "parts")]
     assert all("error" not in r and r["compile_s"] > r["pass_s"] > 0 and r["pairs"] > 0 for r in rows), rows
     assert all(r["rewritten"] == (r["pairs"] if r["mode"] == "parts" else 0) for r in rows), rows
+    assert all(r["report_s"] > 0 and r["report_lines"] > 5 for r in rows), rows  # the explain report formatted
     off2, parts2, off8, parts8 = rows
     assert parts8["nodes_out"] - off8["nodes_out"] > 2 * (parts2["nodes_out"] - off2["nodes_out"]) > 0
     summary = data["summary"]
@@ -465,6 +466,18 @@ def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     growth = summary["pass_growth_with_world"]["1/parts"]
     assert growth["nodes_out"] == round(parts8["nodes_out"] / parts2["nodes_out"], 2)
     assert (tmp_path / "compile_time-cpu.md").read_text().startswith("# compile_time (cpu)")
+
+
+def test_compile_time_sums_up_the_explain_reports_growth():
+    """The summary sets the explain report's time and lines at 64 layers beside 8, per group and mode
+    (a report whose rows grew with the layers would show here)."""
+    def row(layers, report_s, lines):
+        return {"world": 4, "layers": layers, "mode": "auto", "pass_s": 0.1 * layers, "compile_s": layers,
+                "report_s": report_s, "report_lines": lines}
+
+    summary = _bench("compile_time").summary([row(8, 0.002, 40), row(64, 0.012, 41)])
+    assert summary["report_growth_8_to_64"] == {"w4/auto": {"time": 6.0, "lines": [40, 41]}}
+    assert summary["pass_growth_8_to_64"] == {"w4/auto": 8.0}
 
 
 @pytest.mark.slow
