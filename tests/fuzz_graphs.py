@@ -325,8 +325,8 @@ def check_mixed(spec: dict, group: str, picks: list[int], schedule: str, fused_a
     def choose(pair) -> Decision:
         pick = picks[len(chosen) % len(picks)]
         parts = [p for p in pair.feasible_parts() if p > 1]
-        why = kind_of(pair).refusals(pair).get("fuse")
-        if pick == 0 and why is not None:
+        why = kind_of(pair).refusals(pair).get("fuse") if pick == 0 else None
+        if why is not None:
             refused.append(why)
         if pick == 0 and why is None:
             decision = Decision("fuse", schedule=schedule)
