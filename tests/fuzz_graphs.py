@@ -118,6 +118,11 @@ def _apply_linear(f: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, form
     return out + b if b is not None else out
 
 
+def _float8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float8 rows (cast unless gathered in float8 already), as torchao hands ``_scaled_mm`` A."""
+    return t if t.dtype == F8 else t.to(F8)
+
+
 def _scaled_linear(f: torch.Tensor, w8: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
                    b: torch.Tensor | None, f8: str, out: str) -> torch.Tensor:
     """``f @ w8.t()`` (+ b) as ``_scaled_mm`` on f's rows, A scaled as ``f8`` says; f's leading dims kept."""
@@ -130,7 +135,7 @@ def _scaled_linear(f: torch.Tensor, w8: torch.Tensor, sa: torch.Tensor, sb: torc
         a8 = (f2.float() / sa).to(F8)
         sa = sa if f8 == "rowwise" else sa.expand(rows, 1).contiguous()  # a no-op, or one scale to every row
     else:
-        a8 = f2 if f2.dtype == F8 else f2.to(F8)
+        a8 = _float8(f2)
         sa = sa.expand(rows, 1).contiguous() if f8 == "rowwise_repeated" else sa
     y = torch._scaled_mm(a8, w8.t(), sa, sb, out_dtype=torch.bfloat16 if out == "bf16" else torch.float32)
     y = y.reshape(*f.shape[:-1], y.shape[-1])
@@ -233,7 +238,7 @@ def program(spec: dict, group: str):
                 outs.append(f.float().sum(dim=-1))
             if grad is not None:
                 f2 = f.reshape(-1, f.shape[-1])
-                v8 = f2 if f2.dtype == F8 else f2.to(F8)
+                v8 = _float8(f2)
                 b8, s1, s2 = (args[i] for i in grad)
                 outs.append(torch._scaled_mm(v8.permute(1, 0).contiguous(), b8.permute(1, 0), s1, s2,
                                              out_dtype=torch.float32))
