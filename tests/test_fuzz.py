@@ -90,6 +90,28 @@ def examples(n: int):
     return settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
+def test_the_reference_graph_is_untouched_by_the_rewrite():
+    """Each check traces its graph once and rewrites a copy (``fuzz_graphs.traced_with_reference``): were
+    the reference to share the rewritten nodes, every comparison would hold whatever the rewrite did."""
+    import wild_check
+
+    rewritten = []
+    with fake_world(2) as group:
+        @seed(SEED)
+        @examples(6)
+        @given(spec=fuzz_graphs.specs(world=2))
+        def run(spec):
+            ref, gm = fuzz_graphs.traced_with_reference(spec, group)
+            traced = ref.code
+            done, _ = wild_check.rewrite_all(gm, lambda pair: 2 if 2 in pair.feasible_parts() else 1)
+            assert ref.code == traced == fuzz_graphs.trace(spec, group).code
+            assert (gm.code != traced) == bool(done)
+            rewritten.append(len(done))
+
+        run()
+    assert sum(rewritten) > 0, rewritten
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_fuzzed_graphs_rewrite_correctly(world):
     stats: collections.Counter = collections.Counter()
