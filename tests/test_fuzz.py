@@ -49,8 +49,8 @@ Recorded long runs (2-core CPU, torch 2.13.0+cpu), zero wrong rewrites in each:
   500 decomposed, 189 float8 pairs refused by the fused operators), float8 graphs (682 and 733
   rewritten), modules 100 (200 graphs, 321 pairs, 291 rewritten, 96 in backward graphs): every replay
   equal (10 min).
-  Seed 20261207, 300 graphs per world each, each graph traced once with its reference copied
-  (``fuzz_graphs.traced_with_reference``): graphs (660 and 603 rewritten of 966 and 986 blocks), fused
+  Seed 20261207, 300 graphs per world each (the graph fuzzers' first long runs with each graph traced
+  once and its reference copied, ``fuzz_graphs.traced_with_reference``): graphs (660 and 603 rewritten of 966 and 986 blocks), fused
   operators (218 and 248 fused), side by side (141 fused, 341 decomposed; with float8 blocks 71 fused,
   427 decomposed, 167 float8 pairs refused by the fused operators), float8 graphs (678 and 597
   rewritten of 942 and 940 blocks), modules 100 (200 graphs, 374 pairs, 353 rewritten, 115 in backward
