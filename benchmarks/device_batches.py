@@ -592,7 +592,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     ),
     # torchao's stacks, which the lent machine cannot import: its Python source goes to scratch/carry first
     # (float8_ranks' docstring; the device call carries "scratch/carry"); every strategy and torch's backends,
-    # then with Inductor's eager-numerics switches (Inductor reads them at import: each step is its own process);
+    # then with Inductor's eager-numerics switches (Inductor reads them at import: each step is its own process;
+    # the step's environment sets them before anything can import Inductor, --env records them in the result);
     # each took ~190 s on an H100 (float8_ranks-h100-torchao-sqnr-mps, -emulated-casts-mps)
     "h200-float8-torchao": (
         Step("float8_ranks-torchao", "float8_ranks.py",
