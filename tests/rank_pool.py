@@ -23,38 +23,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _one_inductor_compile_at_a_time(lock_path: str) -> None:
-    """Let the pool's ranks run Inductor's compile of a graph one after another.
-
-    Every rank compiles the same (rank-free) graphs.  Concurrently, each pays for Inductor's
-    lowering and code generation; one after another, the first compiles and fills Inductor's FX
-    graph cache (on disk, shared by the processes) and the others load its result from there: the
-    same compiled code, for about half the CPU on 2 cores.  Only Inductor's inner compile is held
-    (no collective runs inside it: the compass pass and its rank agreement have finished, the
-    graph runs after), and a rank that dies releases the lock with its file descriptor."""
-    import fcntl
-
-    import torch._inductor.compile_fx as compile_fx
-
-    real = compile_fx.compile_fx_inner
-
-    def compile_fx_inner(*args, **kwargs):
-        with open(lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            return real(*args, **kwargs)
-
-    compile_fx.compile_fx_inner = compile_fx_inner
-
-
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
-    import tempfile
-
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    _one_inductor_compile_at_a_time(os.path.join(tempfile.gettempdir(), f"compass-rank-pool-{port}.lock"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     while True:
