@@ -80,14 +80,58 @@ def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, world, sp, layers
         assert res["matmuls"] == sum(res["linears"].values())
 
 
+def titan_variants_vs_eager(rank: int, world: int, sp: bool, option_sets: list[dict], layers: int) -> list[dict]:
+    """``titan_compiled_vs_eager`` for several option sets compiled from one Dynamo and AOTAutograd
+    trace (:mod:`shared_trace`): per set, what its pass found, or the error of its compile or its
+    comparison with eager."""
+    import collections
+    import traceback
+
+    import real_torchtitan as rt
+    from shared_trace import Variants
+
+    torch._dynamo.reset()
+    x = rt.tokens()
+    eager = rt.build_llama3(world, sp, layers=layers)
+    model = rt.build_llama3(world, sp, layers=layers, dims=eager.compass_dims)
+    with rt.spmd_context(eager, x):
+        out_ref = eager(x)
+        (out_ref.float() ** 2).mean().backward()
+    variants = Variants(option_sets)
+    compiled = torch.compile(model, backend=variants, fullgraph=True)
+    results = []
+    for i in range(len(option_sets)):
+        variants.select(i)
+        model.zero_grad(set_to_none=True)
+        try:
+            with rt.spmd_context(model, x):
+                out = compiled(x)
+                (out.float() ** 2).mean().backward()
+            torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+            for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        except Exception:  # noqa: BLE001 - the set's own assertion reports it
+            results.append({"error": traceback.format_exc()[-3000:]})
+            continue
+        pairs = [p for r in variants.reports[i] for p in r.pairs]
+        results.append({"counts": dict(collections.Counter((p.graph, p.kind) for p in pairs)),
+                        "statuses": sorted({p.status for p in pairs})})
+    assert variants.traces == 1, f"{variants.traces} graphs traced: the model broke its graph"
+    return results
+
+
 @pytest.mark.inductor
-@pytest.mark.parametrize("options", [{"chunks": 2}, {"strategy": "fuse", "schedule": "direct"}])
-def test_torchtitan_llama3_under_inductor(ranks, options):
-    # one layer: Inductor's compile on the CPU is what costs here, and a second layer adds pairs
-    # the eager-inner tests above already check, not new graph shapes
-    results = ranks(2).run(titan_compiled_vs_eager, 2, True, options, False, 1)
-    assert results[0]["counts"] == hand_count(1, True)
-    assert results[0]["statuses"] == ["rewritten"]
+def test_torchtitan_llama3_under_inductor(ranks):
+    """Both rewrites under Inductor (every pair in 2 parts; every pair fused, direct), compiled from
+    one trace.  One layer: Inductor's compile on the CPU is what costs here, and a second layer adds
+    pairs the eager-inner tests above already check, not new graph shapes."""
+    option_sets = [{"chunks": 2}, {"strategy": "fuse", "schedule": "direct"}]
+    results = ranks(2).run(titan_variants_vs_eager, 2, True, option_sets, 1)
+    for options, res in zip(option_sets, results[0]):
+        assert "error" not in res, f"{options}: {res['error']}"
+        assert res["counts"] == hand_count(1, True), options
+        assert res["statuses"] == ["rewritten"], options
+    assert results[1] == results[0], "ranks found different pairs"
 
 
 def test_torchtitan_llama3_with_activation_checkpointing(ranks):
