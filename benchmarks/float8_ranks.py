@@ -153,6 +153,42 @@ def check(name: str, strategy: str, world: int, device: str, baseline: dict | No
     return row, got
 
 
+def run_cases(rank: int, world: int, models: list[str], strategies: list[str], device: str,
+              inductor_config: dict) -> list[dict]:
+    """Every model's step under every strategy on this rank of the current group, one row each (a
+    case that raised is a row with its error); the ranks meet after each case."""
+    cases: list[dict] = []
+    for name in models:
+        baselines: dict[str, dict] = {}  # inner compiler -> its compiled step with nothing rewritten
+        for strategy in strategies:
+            try:
+                own = strategy.startswith("off-")
+                row, got = check(name, strategy, world, device,
+                                 None if own else baselines.get(inner_of(strategy)), inductor_config)
+                cases.append(row)
+                if own:
+                    baselines[inner_of(strategy)] = got
+            except Exception as e:  # noqa: BLE001 - this case's outcome
+                cases.append({"model": name, "strategy": strategy, "status": "error",
+                              "error": f"{type(e).__name__}: {e}"[:600], "traceback": traceback.format_exc()[-1500:]})
+            dist.barrier()
+            print(f"[rank {rank}/{world}] {name} {strategy}: {cases[-1]['status']}", file=sys.stderr, flush=True)
+    return cases
+
+
+def _float8_gathers_on_gloo():
+    """gloo has no float8 collectives: a dry run's gathers move the bytes (``tests/float8_gloo.py``)."""
+    if TESTS not in sys.path:
+        sys.path.insert(0, TESTS)
+    from float8_gloo import float8_gathers_on_gloo
+
+    return float8_gathers_on_gloo()
+
+
+def _outcome(rank: int, cases: list[dict]) -> dict:
+    return {"rank": rank, "cases": cases, "status": "pass" if all(c["status"] == "pass" for c in cases) else "FAIL"}
+
+
 def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_run: bool, env: dict[str, str],
            inductor_config: dict, init: str, out_path: str) -> None:
     """One rank: NCCL over loopback sockets with a host id of its own (gloo on CPU for a dry run)."""
@@ -162,10 +198,7 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
     res: dict = {"rank": rank, "cases": []}
     try:
         if dry_run:
-            device, backend = "cpu", "gloo"
-            sys.path.insert(0, TESTS)
-            from float8_gloo import float8_gathers_on_gloo
-            gathers = float8_gathers_on_gloo()  # gloo has no float8 collectives: move the bytes
+            device, backend, gathers = "cpu", "gloo", _float8_gathers_on_gloo()
         else:
             os.environ.update(NCCL_HOSTID=f"compass-float8-rank{rank}", NCCL_IB_DISABLE="1",
                               NCCL_SOCKET_IFNAME="lo", NCCL_DEBUG=os.environ.get("NCCL_DEBUG", "WARN"))
@@ -173,29 +206,39 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
             device, backend, gathers = "cuda", "nccl", contextlib.nullcontext()
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         with gathers:
-            for name in models:
-                baselines: dict[str, dict] = {}  # inner compiler -> its compiled step with nothing rewritten
-                for strategy in strategies:
-                    try:
-                        own = strategy.startswith("off-")
-                        row, got = check(name, strategy, world, device,
-                                         None if own else baselines.get(inner_of(strategy)), inductor_config)
-                        res["cases"].append(row)
-                        if own:
-                            baselines[inner_of(strategy)] = got
-                    except Exception as e:  # noqa: BLE001 - this case's outcome
-                        res["cases"].append({"model": name, "strategy": strategy, "status": "error",
-                                             "error": f"{type(e).__name__}: {e}"[:600],
-                                             "traceback": traceback.format_exc()[-1500:]})
-                    dist.barrier()
-                    case = res["cases"][-1]
-                    print(f"[rank {rank}/{world}] {name} {strategy}: {case['status']}", file=sys.stderr, flush=True)
-        res["status"] = "pass" if all(c["status"] == "pass" for c in res["cases"]) else "FAIL"
+            res = _outcome(rank, run_cases(rank, world, models, strategies, device, inductor_config))
     except Exception as e:  # noqa: BLE001 - the world's outcome
         res.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-1500:])
     with open(f"{out_path}.{rank}", "w") as f:
         json.dump(res, f)
     os._exit(0)  # NCCL's threads would keep the process
+
+
+def on_existing_group(models: list[str], strategies: list[str], env: dict[str, str],
+                      inductor_config: dict) -> list[dict]:
+    """A dry run on the gloo group this process already belongs to (as the tests' rank pools call
+    ``main``), instead of fresh processes: every rank's outcome, on every rank.  ``env`` is set for
+    the run and put back after it (the process outlives the run)."""
+    if dist.get_backend() != "gloo":
+        raise SystemExit("float8_ranks runs on an existing process group only as a dry run on gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with _float8_gathers_on_gloo():
+            res = _outcome(rank, run_cases(rank, world, models, strategies, "cpu", inductor_config))
+    except Exception as e:  # noqa: BLE001 - the world's outcome
+        res = {"rank": rank, "cases": [], "status": "error", "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()[-1500:]}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    ranks: list = [None] * world
+    dist.all_gather_object(ranks, res)
+    return ranks
 
 
 def markdown(payload: dict) -> str:
@@ -284,22 +327,36 @@ def main(argv=None) -> int:
         strategies = [s for s in strategies if s.endswith("eager")] if args.strategies == p.get_default("strategies") else strategies
     tag = args.tag or ("cpu" if args.dry_run else output.device_tag(False, 1).split("x")[0])
     worlds, t0 = [], time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, world in enumerate(worlds_run):
-            ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env, inductor_config),
-                                               tmp, i, args.deadline)
-            row = launch.world_outcome(world, ranks, killed, args.deadline)
-            row.update(cases=ranks[0].get("cases", []), ranks=[{k: v for k, v in r.items() if k != "cases"}
-                                                               for r in ranks])
-            worlds.append(row)
-            print(f"world {world}: {row['status']}" + (f" ({row['error'][:300]})" if "error" in row else ""),
-                  flush=True)
+    if dist.is_initialized():  # a dry run on ranks that exist (the tests' pools): this group, as it is
+        if not args.dry_run or worlds_run != [dist.get_world_size()]:
+            p.error(f"on an existing group of {dist.get_world_size()} ranks float8_ranks runs only a dry run of that world")
+        ranks = on_existing_group(models, strategies, env, inductor_config)
+        worlds.append(_world_row(worlds_run[0], ranks, [], args.deadline))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for i, world in enumerate(worlds_run):
+                ranks, killed = launch.fresh_ranks(worker, world, (models, strategies, args.dry_run, env,
+                                                                   inductor_config), tmp, i, args.deadline)
+                worlds.append(_world_row(world, ranks, killed, args.deadline))
+    for row in worlds:
+        print(f"world {row['world']}: {row['status']}" + (f" ({row['error'][:300]})" if "error" in row else ""),
+              flush=True)
+    status = 0 if all(w["status"] == "pass" for w in worlds) else 1
+    if not launch.is_writer():
+        return status
     payload = {"benchmark": NAME, "tag": tag, "models": models, "strategies": strategies, "env": env,
                "inductor_config": inductor_config, "worlds": worlds,
                "seconds": round(time.time() - t0, 1), "environment": output.environment(args.dry_run)}
     output.write_results(NAME, tag, payload, markdown(payload), args.out_dir)
     print(markdown(payload))
-    return 0 if all(w["status"] == "pass" for w in worlds) else 1
+    return status
+
+
+def _world_row(world: int, ranks: list[dict], killed: list[int], deadline_s: float) -> dict:
+    """A world's row of the results: its outcome, rank 0's cases, each rank's status."""
+    row = launch.world_outcome(world, ranks, killed, deadline_s)
+    row.update(cases=ranks[0].get("cases", []), ranks=[{k: v for k, v in r.items() if k != "cases"} for r in ranks])
+    return row
 
 
 if __name__ == "__main__":

@@ -517,16 +517,15 @@ def test_compile_time_compiles_a_torchao_float8_stack(tmp_path):
 
 
 @pytest.mark.slow
-def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
-    """The float8 GPU check's dry run (two gloo ranks, float8 gathers moved as bytes): the hand-built
-    block gathering float8 bytes and torchao's row-wise stack (two of its four models: CI's time), a
-    training step compiled (nothing rewritten, then every pair of both graphs decomposed) against
-    eager, results written."""
+def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path, ranks):
+    """The float8 GPU check's dry run on the session's two gloo ranks (float8 gathers moved as
+    bytes): the hand-built block gathering float8 bytes and torchao's row-wise stack (two of its four
+    models: CI's time), a training step compiled (nothing rewritten, then every pair of both graphs
+    decomposed) against eager, results written."""
     pytest.importorskip("torchao.float8")
-    proc = subprocess.run([sys.executable, str(BENCH / "float8_ranks.py"), "--dry-run", "--models",
-                           "block_bytes,torchao_rowwise", "--out-dir", str(tmp_path)],
-                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    codes = ranks(2).run(_main_on_rank, "float8_ranks.py",
+                         ["--dry-run", "--models", "block_bytes,torchao_rowwise", "--out-dir", str(tmp_path)])
+    assert codes == [0, 0], codes
     data = json.loads((tmp_path / "float8_ranks-cpu.json").read_text())
     [world] = data["worlds"]
     assert [(c["model"], c["strategy"], c["status"]) for c in world["cases"]] == [
@@ -539,6 +538,15 @@ def test_float8_ranks_dry_run_checks_float8_steps_against_eager(tmp_path):
         # judged against the same compiler with nothing rewritten; the SQNR beside the tolerance
         assert c.get("vs_off") == ("off-eager" if rewritten else None), c
         assert c["sqnr_db"] == "equal" or c["sqnr_db"] > 30, c
+
+
+def test_float8_ranks_fresh_ranks_meet_and_write_their_outcome(tmp_path):
+    """The path the GPU run takes (fresh processes, each its own group; the dry run above runs the same
+    cases on the pool's group): with no case to run, each rank joins a gloo group over the file store,
+    puts the float8 gathers on gloo and takes them off, and writes a passing outcome with no cases."""
+    worker = _bench("float8_ranks").worker
+    ranks, killed = _bench("harness.launch").fresh_ranks(worker, 2, ([], [], True, {}, {}), str(tmp_path), 0, 120)
+    assert killed == [] and ranks == [{"rank": r, "cases": [], "status": "pass"} for r in (0, 1)], ranks
 
 
 @pytest.mark.parametrize("item, says", [("no_such_setting=1", "Inductor has no setting 'no_such_setting'"),
