@@ -441,18 +441,20 @@ def test_decompose_overhead_dry_run_checks_every_rewrite_and_writes_markdown(tmp
     assert md.read_text() == first and first.count("\n| ") == len(data["rows"]) + 1
 
 
+def _compile_time_dry_run(out: Path, *argv: str) -> dict:
+    """compile_time's dry run in this process, where ``--dry-run`` measures its rows (a real run
+    measures each in a fresh process, ``--one``); the results it wrote."""
+    assert _bench("compile_time").main(["--dry-run", *argv, "--out-dir", str(out)]) == 0
+    return json.loads((out / "compile_time-cpu.json").read_text())
+
+
 def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     """The compile-time benchmark's dry run (1 layer, in one process; a real run starts a fresh one
     per row) at two group sizes, the pass off and every pair split into one part per rank: every
     row timed, every pair rewritten where forced (the input is shaped so that eight parts fit), the
     larger group's rewrite leaving more nodes, the growth with the group summed up, JSON and
     markdown written."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "off,parts",
-                           "--worlds", "2,8", "--out-dir", str(tmp_path)], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
+    data = _compile_time_dry_run(tmp_path, "--modes", "off,parts", "--worlds", "2,8")
     rows = data["rows"]
     assert [(r["world"], r["layers"], r["mode"]) for r in rows] == [(2, 1, "off"), (2, 1, "parts"),
                                                                     (8, 1, "off"), (8, 1, "parts")]
@@ -486,12 +488,7 @@ def test_compile_time_compiles_torchtitan_with_checkpointed_layers(tmp_path):
     checkpointed): compiled forward and backward, every pair decomposed, the model named in the
     results."""
     pytest.importorskip("torchtitan")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "decompose",
-                           "--worlds", "2", "--model", "torchtitan-checkpointed", "--out-dir", str(tmp_path)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
+    data = _compile_time_dry_run(tmp_path, "--modes", "decompose", "--worlds", "2", "--model", "torchtitan-checkpointed")
     [row] = data["rows"]
     assert data["model"] == row["model"] == "torchtitan-checkpointed"
     assert "error" not in row and row["rewritten"] == row["pairs"] > 0, row
@@ -504,12 +501,7 @@ def test_compile_time_compiles_a_torchao_float8_stack(tmp_path):
     forward and backward on four fake ranks, its pairs in both graphs found and decomposed, the rows
     per rank named in the results."""
     pytest.importorskip("torchao.float8")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--modes", "decompose",
-                           "--model", "torchao-float8-rowwise", "--out-dir", str(tmp_path)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "compile_time-cpu.json").read_text())
+    data = _compile_time_dry_run(tmp_path, "--modes", "decompose", "--model", "torchao-float8-rowwise")
     [row] = data["rows"]
     assert data["model"] == row["model"] == "torchao-float8-rowwise"
     assert "error" not in row and row["rewritten"] == row["pairs"] == 4, row  # 2 forward, 2 backward
@@ -584,12 +576,12 @@ def test_compile_time_says_what_its_torchtitan_model_needs(tmp_path, monkeypatch
     assert not list(tmp_path.iterdir())
 
 
-def test_compile_time_refuses_a_group_of_one(tmp_path):
+def test_compile_time_refuses_a_group_of_one(tmp_path, capsys):
     """A group size under two is refused before anything runs."""
-    proc = subprocess.run([sys.executable, str(BENCH / "compile_time.py"), "--dry-run", "--worlds", "1",
-                           "--out-dir", str(tmp_path)], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "at least 2 ranks" in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(SystemExit) as exit_:
+        _bench("compile_time").main(["--dry-run", "--worlds", "1", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "at least 2 ranks" in err, err[-2000:]
     assert not list(tmp_path.iterdir())
 
 
