@@ -191,14 +191,14 @@ def test_profile_pair_dry_run(tmp_path, ranks):
 
 
 def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
-    # one process, a fake group of 2: what harness.pairs reports for a forced d the pair takes and
+    # a fake group of 2 in this process: what harness.pairs reports for a forced d the pair takes and
     # for one it cannot take (the scripts record the latter as the candidate's error, untimed)
-    script = textwrap.dedent("""
-        import json, sys, torch, torch.distributed as dist
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        sys.path.insert(0, sys.argv[1])
-        from harness import pairs
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    pairs = _bench("harness.pairs")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
         group = dist.group.WORLD.group_name
         a, b = pairs.pair_operands("matmul_reduce_scatter", 12, 8, 8, 2, 0, torch.float32, torch.device("cpu"))
         out = {}
@@ -207,13 +207,8 @@ def test_a_forced_decomposition_the_pair_cannot_take_shows_as_such():
             with torch.no_grad():
                 fn(a, b)
             out[label] = [outcomes(), pairs.not_applied(label, outcomes())]
-        print(json.dumps(out))
-    """)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script, str(BENCH)], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        dist.destroy_process_group()
     assert out["sequential"] == [["inference: kept sequential(1): strategy='off'"], None]
     assert out["decompose(d=2)"] == [["inference: rewritten decompose(2)"], None]
     (outcome,), why = out["decompose(d=4)"]
@@ -307,7 +302,7 @@ def test_a_second_replay_graph_is_fitted_against_the_one_graph_calls_of_its_roun
         fit.fit_replay_graph({"a": dict(runs["a"], schedule="direct")}, launch, call_us, node_us)
 
 
-def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path):
+def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path, monkeypatch):
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
     were priced with) gives the values in the code; so do the replayed call's host constants,
@@ -318,11 +313,8 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     from compass_fx.cost import strategies
     from compass_fx.machine.gpus import GPUS
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
-               COMPASS_FX_CALIBRATION=str(BENCH / "results" / "calibration" / "calibration-h200x2.json"))
-    proc = subprocess.run([sys.executable, str(BENCH / "fit_model_constants.py"), "--out-dir", str(tmp_path)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setenv("COMPASS_FX_CALIBRATION", str(BENCH / "results" / "calibration" / "calibration-h200x2.json"))
+    assert _bench("fit_model_constants").main(["--out-dir", str(tmp_path)]) == 0
     fit = json.loads((tmp_path / "model_constants_fit-h200x2.json").read_text())
     assert fit["best_part_overhead_us"] * 1e-6 == pytest.approx(GPUS["H200"].part_overhead_s)
     assert fit["best_fused_call_rest_us"] * 1e-6 == pytest.approx(strategies.FUSED_HOST_CALL_REST_S)
@@ -353,7 +345,7 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert graphs["graph_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_GRAPH_S)
 
 
-def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
+def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit(monkeypatch, capsys):
     """The H200's GEMM constants are derived, not chosen: refitting them to the two committed
     device-time measurement files together (gemm_families-h200's row splits and issue 11's set)
     gives the values in the code; priced with them, issue 11's set (16 TP = 8 Llama-3 projections
@@ -363,13 +355,9 @@ def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit():
 
     families = BENCH / "results" / "gemm_families" / "gemm_families-h200.json"
     tp8 = str(BENCH / "results" / "gemm_model_validation" / "gemm_model_validation-h200-tp8.json")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("COMPASS_FX_CALIBRATION", None)
-    proc = subprocess.run([sys.executable, str(BENCH / "gemm_model_validation.py"), "--fit-jointly",
-                           f"{families},{tp8}", "--held-out", tp8], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fit = json.loads(proc.stdout)
+    monkeypatch.delenv("COMPASS_FX_CALIBRATION", raising=False)
+    assert _bench("gemm_model_validation").main(["--fit-jointly", f"{families},{tp8}", "--held-out", tp8]) == 0
+    fit = json.loads(capsys.readouterr().out)
     spec = GPUS["H200"].to_dict()
     for key in ("efficiency", "kernel_overhead_s", "wave_overhead_s", "max_split_k"):
         assert fit["constants"][key] == pytest.approx(spec[key]), key
@@ -402,17 +390,14 @@ def test_operators_dry_run_priced_as_cuda_graph_replays(tmp_path, ranks):
     assert "replayed from a CUDA graph" in md
 
 
-def test_gemm_validation_reprices_a_committed_file_into_json_and_markdown(tmp_path):
+def test_gemm_validation_reprices_a_committed_file_into_json_and_markdown(tmp_path, monkeypatch):
     """``--reprice`` needs no GPU: the committed measurements priced with the code's constants come
     back with the committed errors, and the markdown beside them says whether the goal holds."""
     committed = BENCH / "results" / "gemm_model_validation" / "gemm_model_validation-h200-tp8.json"
     copy = tmp_path / "gemm_model_validation-h200-tp8.json"
     copy.write_text(committed.read_text())
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("COMPASS_FX_CALIBRATION", None)
-    proc = subprocess.run([sys.executable, str(BENCH / "gemm_model_validation.py"), "--reprice", str(copy)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.delenv("COMPASS_FX_CALIBRATION", raising=False)
+    assert _bench("gemm_model_validation").main(["--reprice", str(copy)]) == 0
     old, new = json.loads(committed.read_text()), json.loads(copy.read_text())
     assert new["builtin"]["median_ratio_error"] == pytest.approx(old["builtin"]["median_ratio_error"])
     md = copy.with_suffix(".md").read_text()
