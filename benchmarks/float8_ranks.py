@@ -217,12 +217,11 @@ def worker(rank: int, world: int, models: list[str], strategies: list[str], dry_
 def on_existing_group(models: list[str], strategies: list[str], env: dict[str, str],
                       inductor_config: dict) -> list[dict]:
     """A dry run on the gloo group this process already belongs to (as the tests' rank pools call
-    ``main``), instead of fresh processes: every rank's outcome, on every rank.  ``env`` is set for
-    the run and put back after it (the process outlives the run)."""
-    if dist.get_backend() != "gloo":
-        raise SystemExit("float8_ranks runs on an existing process group only as a dry run on gloo")
+    ``main``; ``launch.world_of_existing_group`` has checked it), instead of fresh processes: every
+    rank's outcome, on every rank.  ``env`` is set for the run and put back after it (the process
+    outlives the run)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved = {k: os.environ.get(k) for k in env}
+    saved = {k: os.environ.get(k) for k in env}  # only these: what the compiles set in the environment stays
     os.environ.update(env)
     try:
         with _float8_gathers_on_gloo():
@@ -328,10 +327,8 @@ def main(argv=None) -> int:
     tag = args.tag or ("cpu" if args.dry_run else output.device_tag(False, 1).split("x")[0])
     worlds, t0 = [], time.time()
     if dist.is_initialized():  # a dry run on ranks that exist (the tests' pools): this group, as it is
-        if not args.dry_run or worlds_run != [dist.get_world_size()]:
-            p.error(f"on an existing group of {dist.get_world_size()} ranks float8_ranks runs only a dry run of that world")
-        ranks = on_existing_group(models, strategies, env, inductor_config)
-        worlds.append(_world_row(worlds_run[0], ranks, [], args.deadline))
+        world = launch.world_of_existing_group(args, worlds_run)
+        worlds.append(_world_row(world, on_existing_group(models, strategies, env, inductor_config), [], args.deadline))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for i, world in enumerate(worlds_run):

@@ -112,7 +112,7 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     that already belongs to a process group (a dry run called on ranks that exist, as the tests'
     gloo pools do): the worker runs on that group, which is left as it was."""
     if dist.is_initialized():
-        return [(_world_of_existing_group(args, worlds), _run_on_existing_group(fn, args))]
+        return [(world_of_existing_group(args, worlds), _run_on_existing_group(fn, args))]
     if under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         ctx = _init(rank, world, int(os.environ["LOCAL_RANK"]), args.dry_run, None)
@@ -146,7 +146,9 @@ def run_worlds(fn: Callable[[Ctx, Any], Any], args, worlds: Sequence[int]) -> li
     return out
 
 
-def _world_of_existing_group(args, worlds: Sequence[int]) -> int:
+def world_of_existing_group(args, worlds: Sequence[int]) -> int:
+    """The size of the group this process already belongs to, where a script may run on it: a dry
+    run (``args.dry_run``) on gloo asking for that one world; refused otherwise."""
     world = dist.get_world_size()
     if not args.dry_run or dist.get_backend() != "gloo":
         raise SystemExit("a benchmark runs on an existing process group only as a dry run on gloo")
