@@ -36,6 +36,15 @@ def hand_count(layers: int, sp: bool) -> dict[tuple[str, str], int]:
             ("backward", "matmul_all_reduce"): 2 * layers + 1}
 
 
+def assert_step_equal(out: torch.Tensor, out_ref: torch.Tensor, model: torch.nn.Module,
+                      eager: torch.nn.Module) -> None:
+    """The compiled step's output and every weight gradient of ``model`` equal eager's (``eager``
+    ran the same step), each gradient named where it differs."""
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False,
                             layers: int = LAYERS) -> dict:
     import collections
@@ -55,9 +64,7 @@ def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, chec
     with rt.spmd_context(model, x):
         out = torch.compile(model, backend="compass", options=options, fullgraph=True)(x)
         (out.float() ** 2).mean().backward()
-    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
-    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    assert_step_equal(out, out_ref, model, eager)
     reports = list(compass_fx.backend.history)[before:]
     counts = collections.Counter((p.graph, p.kind) for r in reports for p in r.pairs)
     return {"counts": dict(counts), "statuses": sorted({p.status for r in reports for p in r.pairs}),
@@ -107,9 +114,7 @@ def titan_variants_vs_eager(rank: int, world: int, sp: bool, option_sets: list[d
             with rt.spmd_context(model, x):
                 out = compiled(x)
                 (out.float() ** 2).mean().backward()
-            torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
-            for (n, p), q in zip(model.named_parameters(), eager.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+            assert_step_equal(out, out_ref, model, eager)
         except Exception:  # noqa: BLE001 - the set's own assertion reports it
             results.append({"error": traceback.format_exc()[-3000:]})
             continue
