@@ -200,6 +200,7 @@ def _peer_schedules(schedules: tuple[str, ...], label: str) -> tuple[Step, ...]:
 
 REPLAY_ORDER_CASES = "matmul_reduce_scatter:8192:4096:7168,matmul_all_reduce:8192:4096:7168"  # the large reductions
 EVERY_OP = "all_gather_matmul:16384:4096:7168," + REPLAY_ORDER_CASES  # one large case of each operator
+REDUCTIONS = "matmul_reduce_scatter,matmul_all_reduce"  # the operators with an asynchronous form
 # gathers of three and of two weights (Q, K, V; w1, w3), every rank's rows together
 WEIGHT_GATHERS = "all_gather_matmul:4096:2048+512+512:4096,all_gather_matmul:4096:7168+7168:4096"
 def _traces(variants: str, tag: str, deadline_s: int) -> tuple[Step, ...]:
@@ -562,6 +563,33 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     "h200-c-entry-stress": (
         _stress("stress-500-graph", "2,4,8", 500, EVERY_OP, f"{MACHINE}-c-entry-500-graph-mps", 210,
                 extra=("--overload", "graph")),
+    ),
+    # fused_async's deferred calls replayed on a stream of their own (impl._Workspace._replay_apart): 500
+    # starts a case, each with a .graph call of the same operator while it is outstanding, every result
+    # checked, host-staged at 2, 4 and 8 ranks; then their host time (start, a GEMM, wait) against the same
+    # issued command by command (COMPASS_FUSED_REPLAY=0, as before), the reductions at two ranks, both transports
+    "h200-deferred": (
+        _stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-500-mps", 200,
+                extra=("--overload", "start")),
+        _host_time("host_time-async-w2", 2, f"{MACHINE}-async-w2-host-pin-mps", 100, ops=REDUCTIONS),
+        _host_time("host_time-async-peer-w2", 2, f"{MACHINE}-async-peer-w2-pin-mps", 80, ops=REDUCTIONS,
+                   extra=("--transport", "peer")),
+    ),
+    # the same after the start ops' plain calls skip the dispatcher (as the .graph overloads' do), with the
+    # faster operand checks and the stream ordering through raw driver calls
+    "h200-deferred-entry": (
+        _stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-entry-500-mps", 200,
+                extra=("--overload", "start")),
+        _host_time("host_time-async-w2", 2, f"{MACHINE}-async-entry-w2-host-pin-mps", 100, ops=REDUCTIONS),
+        _host_time("host_time-async-peer-w2", 2, f"{MACHINE}-async-entry-peer-w2-pin-mps", 80, ops=REDUCTIONS,
+                   extra=("--transport", "peer")),
+    ),
+    # and the peer transport's starts at 2 and 4 ranks (its ring all-reduce defers a gather of the sums),
+    # and the host time at 4 and 8 ranks host-staged
+    "h200-deferred-more": (
+        _stress("stress-500-start-peer", "2,4", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-500-peer-mps", 150,
+                peer=True, extra=("--overload", "start")),
+        _host_time("host_time-async-w48", "4,8", f"{MACHINE}-async-w48-host-pin-mps", 200, ops=REDUCTIONS),
     ),
     # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
     # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned

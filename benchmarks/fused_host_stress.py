@@ -79,7 +79,9 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
     ``mix``: rank 0 issues one call in five one command at a time (COMPASS_FUSED_REPLAY=0), so
     ranks that replay and ranks that issue meet in the same call; ``overload``: ``op`` calls the custom
     ops (autograd and all), ``graph`` their ``.graph`` overloads, what rewritten graphs call (their
-    eager calls entered from C, :func:`compass_fx.kernels.cuda.lane.enter_from_c`)."""
+    eager calls entered from C, :func:`compass_fx.kernels.cuda.lane.enter_from_c`), ``start`` (a
+    reduction only) the asynchronous form ``fused_async`` calls, with a ``.graph`` call of the same
+    operator (another workspace) while it is outstanding, both results checked."""
     from compass_fx.kernels.cuda import replay
 
     kind, m, n, k, schedule = case["kind"], case["m"], case["n"], case["k"], case["schedule"]
@@ -94,6 +96,13 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
         if kind == "all_gather_matmul":
             def op(a, b):
                 return fused(a, weight_list(b), schedule, group, world)[1]
+        elif overload == "start":
+            start, wait = getattr(torch.ops.compass, f"{kind}_start"), torch.ops._c10d_functional.wait_tensor
+
+            def op(a, b):
+                out = start(a, b, schedule, group, world)
+                inside = packet.graph(a, b, schedule, group, world)  # replayed while the deferred call is out
+                return [wait(out), inside]
         else:
             def op(a, b):
                 return [fused(a, b, schedule, group, world)]
@@ -109,8 +118,9 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
             out = op(*sets[c % 3])
             if issue_one:
                 os.environ["COMPASS_FUSED_REPLAY"] = "1"
+            wants = refs[c % 3] * (len(out) // len(refs[c % 3]))  # a start and the call inside: one reference
             errors[c] = torch.stack([(got.float() - want).abs().max() / want.abs().max()  # no wait for the GPU
-                                     for got, want in zip(out, refs[c % 3])]).max()
+                                     for got, want in zip(out, wants)]).max()
             del out
         torch.cuda.synchronize()
         err = float(errors.max())
@@ -222,7 +232,10 @@ def markdown(payload: dict) -> str:
                 "plans and device-to-device copies, as on an NVLink machine); " if payload.get("transport") == "peer"
                 else "W ranks sharing one GPU meet in pinned host memory (the host-staged fused operators); ") +
              f"{payload['calls']} back-to-back calls per case"
-             + (" of the `.graph` overloads (what rewritten graphs call)" if payload.get("overload") == "graph" else "")
+             + (" of the `.graph` overloads (what rewritten graphs call)" if payload.get("overload") == "graph" else
+                " of the asynchronous `*_start` forms (what `fused_async` calls), each with a `.graph` call of "
+                "the same operator while it is outstanding, both results checked"
+                if payload.get("overload") == "start" else "")
              + ", the last rank late before one call in ten, every "
              f"result against a reference and dropped; the cases of a world one after another in one set of "
              f"processes{' (rank 0 issuing one call in five command by command)' if payload.get('mix') else ''}; "
@@ -249,14 +262,19 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="", help="kind:m:n:k cases, comma-separated, instead of the default ones "
                    "(m: rows of A, every rank's together for a gather)")
     p.add_argument("--schedules", default="direct,ring,double_ring")
-    p.add_argument("--overload", choices=("op", "graph"), default="op",
-                   help="call the custom ops (default) or their .graph overloads, what rewritten graphs call")
+    p.add_argument("--overload", choices=("op", "graph", "start"), default="op",
+                   help="call the custom ops (default) or their .graph overloads, what rewritten graphs call, or "
+                   "(the reductions only) their *_start forms, what fused_async calls, a .graph call inside each")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fused_host_stress runs the CUDA path: it needs a GPU")
     todo = cases([int(w) for w in args.worlds.split(",")], args.shapes, tuple(args.schedules.split(",")))
+    if args.overload == "start":  # only the reductions have an asynchronous form
+        todo = [c for c in todo if c["kind"] != "all_gather_matmul"]
+        if not todo:
+            raise SystemExit("--overload start: no reduction among the cases")
     rows, t0 = [], time.time()
     payload = {"benchmark": NAME, "tag": args.tag, "calls": args.calls, "mix": args.mix, "transport": args.transport,
                "overload": args.overload,

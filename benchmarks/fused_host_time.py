@@ -12,7 +12,7 @@ host's are recorded, and a period (16 calls back to back) that compares ways of 
   ``cuStreamWriteValue32``, event record / wait ...);
 * per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
   first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
-  with other work before its ``wait_tensor``, checked the same way), through the ``.graph``
+  with other work before its ``wait_tensor``, replayed and issued, checked the same way), through the ``.graph``
   overload that rewritten graphs call (no Python autograd layers; an eager call replays a CUDA
   graph captured for its addresses, ``compass_fx.kernels.cuda.replay``), the same with
   ``COMPASS_FUSED_REPLAY=0`` (every command launched from Python, as before; each result checked
@@ -460,19 +460,28 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
         timed["host_us_graph_python_entry"] = lambda: python_entry(a, *args)
     if through_dispatcher is not None:
         timed["host_us_graph_dispatcher"] = lambda: through_dispatcher(a, *args)
-    if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async; never replayed)
+    if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async)
         start = getattr(torch.ops.compass, f"{op}_start")
         wait = torch.ops._c10d_functional.wait_tensor
         other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
 
-        def started():
+        def started():  # replayed on a stream of the workspace's own once its addresses recur
             out = start(a, *args)
             other @ other  # the caller's stream goes on while the pieces travel
             return wait(out)
-        res["async_relative_error"] = max(relative_error(op, started(), rows, k, n, rank, world) for _ in range(5))
-        if res["async_relative_error"] > TOLERANCE:
-            raise RuntimeError(f"{op}_start rows={rows}: result off by {res['async_relative_error']:.3g} (rank {rank})")
+
+        def started_issued():  # the same issued command by command (COMPASS_FUSED_REPLAY=0), as before it replayed
+            os.environ["COMPASS_FUSED_REPLAY"] = "0"
+            try:
+                return started()
+            finally:
+                os.environ["COMPASS_FUSED_REPLAY"] = "1"
+        for name, form in (("async_relative_error", started), ("async_issued_relative_error", started_issued)):
+            res[name] = max(relative_error(op, form(), rows, k, n, rank, world) for _ in range(5))
+            if res[name] > TOLERANCE:
+                raise RuntimeError(f"{op}_start rows={rows} ({name}): result off by {res[name]:.3g} (rank {rank})")
         timed["host_us_async"] = started
+        timed["host_us_async_issued"] = started_issued
     # a plain eager op's issue in the same rounds, last (the forms above keep their order): the host's reference
     first_weight = weight_list(b)[0]
     timed["host_us_mm"] = lambda: torch.mm(a, first_weight)
@@ -606,7 +615,8 @@ def markdown(payload: dict) -> str:
              "C; its steady and between-ops forms after the Python entry's); n: the weights' widths (a gather of "
              "several: Q, K and V, or w1 and w3, sharing their gathered rows); issued: the same with COMPASS_FUSED_REPLAY=0 (every "
              "command launched from Python, as before); impl: the implementation called directly; start, wait: the asynchronous form "
-             "(never replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
+             "(fused_async's: start, a 2048-square GEMM, wait_tensor; replayed on a stream of its own; issued: "
+             "with COMPASS_FUSED_REPLAY=0, as before it replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
              ".graph, warm host: the same after the host spun 3 ms, the GPU busy (a host that just waited ~10 ms for "
              "the GPU runs slower for a while, and each form of a large case follows such a wait); "
@@ -663,6 +673,7 @@ def markdown(payload: dict) -> str:
          ("host_us_steady_mm", "host us (torch.mm, steady)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
+         ("host_us_async_issued", "host us (start, wait; issued)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"]),

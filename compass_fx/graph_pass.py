@@ -261,10 +261,6 @@ class _Rewriter:
             record.asynchronous = fuse.spread(graph, created, described)
             if not record.asynchronous:
                 record.reason += "; a plain call, not deferred: nothing runs between its operands and its first use"
-            elif inside := fuse.fused_calls_while_deferred(graph, created):
-                record.reason += (f"; {inside} other fused call(s) run while it is outstanding, each issued command "
-                                  "by command (no eager fused call replays then)")
-                log.warning("compass_fx: %s graph: %s: %s", self.graph_kind, described, record.reason)
         if self.asynchronous:
             graph.lint()
         self.gm.recompile()

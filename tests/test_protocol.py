@@ -481,6 +481,43 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
         pr.detached(ag)
 
 
+
+@pytest.mark.parametrize("sets_last", [False, True])
+def test_a_deferred_calls_replay_graph_releases_the_caller_after_its_last_read_of_the_operands(sets_last):
+    """A deferred call replayed from a graph runs on a stream of its own; the caller's stream waits
+    for an event the graph records where its join starts (``impl._Workspace._replay_apart``), then
+    goes on and may overwrite the call's input and weights.  So in the graph's plans (the guarded
+    order) every GEMM and every read of A or W comes before the join, and the join is only the
+    caller's waits for the side streams.  A gather without weights (the ring all-reduce's second
+    call, the one gather that is deferred) reads its own shard on the side streams: its shard is the
+    all-reduce's own sums, which nothing outside reads."""
+    from compass_fx.kernels.graph_order import graph_plans
+
+    checked, gather_side_reads = 0, 0
+    for op in ("matmul_reduce_scatter", "matmul_all_reduce", "all_gather_matmul"):
+        for schedule in SCHEDULES if op != "matmul_all_reduce" else ("direct",):
+            for world in (2, 3, 4, 8):
+                for staged in (False, True):
+                    for rank in range(world):
+                        matmuls = 0 if op == "all_gather_matmul" else 1
+                        plan = graph_plans(op, schedule, world, rank, 64 * world, 64, matmuls, 2, staged,
+                                           detach=True, sets_last=sets_last)[0]
+                        at = pr.join_start(plan)
+                        assert at < len(plan.commands), (op, schedule, world, staged, rank)
+                        assert all(isinstance(c, pr.WaitEvent) and c.stream == pr.MAIN
+                                   for c in plan.commands[at:]), (op, schedule, world, staged, rank)
+                        before = plan.commands[:at]
+                        assert all(c in before for c in plan.commands if isinstance(c, pr.Matmul))
+                        reads = [c for c in plan.commands if isinstance(c, (pr.Matmul, pr.Copy))
+                                 and c.src.buf in ("A", "W")]
+                        assert all(c in before for c in reads), (op, schedule, world, staged, rank)
+                        off_main = [c for c in reads if c.stream != pr.MAIN]
+                        assert not off_main or op == "all_gather_matmul", (op, schedule, world, staged, off_main)
+                        gather_side_reads += len(off_main)
+                        checked += 1
+    assert checked > 200 and gather_side_reads
+
+
 def _run_stage(plans: list[pr.Plan], rows: int, n_calls: int, seed: int, one_queue: bool,
                lateness: float = 0.4, buffers: int = 2, **sim_options) -> None:
     """Run one stage of a call (``plans[r]``: rank r's) ``n_calls`` times back to back, under random

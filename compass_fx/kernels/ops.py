@@ -400,7 +400,7 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
         return a.new_empty((out_rows(a.shape[0], group_size), b.shape[1]))
 
     def cuda_kernel(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
-        _check_common(a, [b], schedule, group_size)
+        _check_cuda(a, (b,), schedule, group_size)
         _check_divisible(a.shape[0], group_size)
         cuda = _cuda()
         if cuda.supported(a.dtype):
@@ -408,6 +408,16 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
         return sync_op(a, b, schedule, group_name, group_size)
 
     _graph_op(name, _MATMUL_SCHEMA, start, fake, cuda_kernel)
+    if _direct_possible():  # plain CUDA tensors skip the dispatcher, as the .graph overloads' calls do
+        overload = getattr(torch.ops.compass, name).default
+        through_dispatcher = overload._op
+
+        def call(a, b, schedule, group_name, group_size):
+            if _plain_cuda(a, b):
+                return cuda_kernel(a, b, schedule, group_name, group_size)
+            return through_dispatcher(a, b, schedule, group_name, group_size)
+        call.through_dispatcher = through_dispatcher
+        overload._op = call  # what OpOverload.__call__ runs
 
 
 _start_op("matmul_reduce_scatter_start", _rs_any, "matmul_reduce_scatter", lambda rows, g: rows // g)

@@ -64,17 +64,6 @@ def spread(graph: fx.Graph, created: list[fx.Node], described: str) -> bool:
     return not _plain_if_idle(graph, _start_of(graph, created), described)
 
 
-def fused_calls_while_deferred(graph: fx.Graph, created: list[fx.Node]) -> int:
-    """How many calls of the fused operators lie between an asynchronous call's start and its wait
-    (the call's ``created`` nodes, spread): each is issued command by command, not replayed, since
-    no eager fused call replays while a deferred one is outstanding (``kernels/cuda/impl.Join``)."""
-    compass = torch.ops.compass
-    fused = {compass.all_gather_matmul, compass.matmul_reduce_scatter, compass.matmul_all_reduce,
-             compass.matmul_reduce_scatter_start, compass.matmul_all_reduce_start}
-    return sum(n.op == "call_function" and getattr(n.target, "overloadpacket", None) in fused
-               for n in _while_deferred(_start_of(graph, created)))
-
-
 def _while_deferred(start: fx.Node) -> Iterator[fx.Node]:
     """The nodes between an asynchronous call's ``start`` and its wait, in graph order."""
     wait = next(iter(start.users))
@@ -89,7 +78,7 @@ def would_defer(pair: ReducePair) -> bool:
     any rewrite, as :func:`spread` and :func:`_plain_if_idle` will find it: something besides views
     lies between the last input of the pair's own nodes (its matmuls and what leads from them to the
     collective's wait) and the first reader of its result.  The cost model prices a deferred call's
-    host as issued command by command (it is never replayed).  Walks the graph from that input only
+    host as replayed on a stream of its own (events around the replay).  Walks the graph from that input only
     until the first node that runs something."""
     own = _between(pair.terms, pair.wait)
     own |= _feeding_views(own)  # they travel up with the call
@@ -154,9 +143,9 @@ def _plain_forms() -> dict:
 
 def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
     """Turn ``start`` into its operator's plain call where nothing but views lies between it and its
-    wait: nothing would run while it travels, and a deferred call costs more than a plain one (it is
-    issued command by command on the host, never replayed from its CUDA graph, and holds every other
-    eager fused call to the same while it is outstanding: ``kernels/cuda/impl.Join``).  Whether it did."""
+    wait: nothing would run while it travels, and a deferred call costs the host more than a plain one
+    (it replays on a stream of its own, with events to order that stream with the caller's, and waits
+    through ``wait_tensor``: ``kernels/cuda/impl._Workspace._replay_apart``).  Whether it did."""
     if not all(_runs_nothing(node) for node in _while_deferred(start)):
         return False
     wait = next(iter(start.users))
@@ -164,8 +153,7 @@ def _plain_if_idle(graph: fx.Graph, start: fx.Node, described: str) -> bool:
     wait.replace_all_uses_with(start)
     graph.erase_node(wait)
     log.info("compass_fx: %s: nothing runs between the start of its fused call and its first use: "
-             "a plain call instead (replayed from its CUDA graph, where a deferred call is issued command by "
-             "command)", described)
+             "a plain call instead (it costs the host less)", described)
     return True
 
 

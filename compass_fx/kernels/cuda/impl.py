@@ -241,6 +241,9 @@ class _Workspace:
                                      for phase in range(self.phases)]
                 self._join_copies(graph_plan, self.replay_steps)
             self.dog.prefill(self.watched, 16)
+        # where a replay graph's caller-stream work ends and its join begins (a deferred replay's release)
+        self.replay_join_at = self.join_at if self.replay_steps is self.steps else join_start(graph_plan)
+        self.apart: _Apart | None = None  # a deferred call's replays, built on its first call
 
     def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
                      device: torch.device) -> None:
@@ -591,7 +594,9 @@ class _Workspace:
         goes on with other work while the call's side streams finish; the results are valid after
         ``Join.wait``).  A call still waiting for its join is joined first: at most one call of a
         workspace is ever outstanding, which the double-buffering argument needs.  An eager call
-        that is not deferred replays a graph of its commands where :mod:`.replay` has one."""
+        replays a graph of its commands where :mod:`.replay` has one (a deferred one on a stream of
+        its own: :meth:`_replay_apart`), unless a deferred call issued command by command is
+        outstanding (:class:`Join`)."""
         if self.pending is not None:
             self.pending.wait()
         if self.dog.failure:  # eager or captured: _workspace chose this workspace for the call
@@ -600,7 +605,11 @@ class _Workspace:
             raise ValueError(f"compass::{self.plan.op}: A must be contiguous")
         self.epoch += 1
         epoch = self.epoch
-        if self.replays is not None and not deferred and not Join.outstanding and replay.enabled():
+        if deferred and self.replays is not None and not Join.outstanding and replay.enabled():
+            join = self._replay_apart(tensors, epoch)
+            if join is not None:
+                return join
+        elif self.replays is not None and not deferred and not Join.outstanding and replay.enabled():
             stream = _raw_stream(self.device_index)
             progress = self.progress
             if progress is None:
@@ -637,11 +646,69 @@ class _Workspace:
         self.pending = Join(self, steps[self.join_at:], tensors, epoch)
         return self.pending
 
-    def _issue(self, tensors: dict[str, list[torch.Tensor]], main: torch.cuda.Stream) -> None:
-        """Every command of the running call, ``main`` standing for the caller's stream (a capture)."""
+    def _replay_apart(self, tensors: dict[str, list[torch.Tensor]], epoch: int) -> "GraphJoin | None":
+        """A deferred call replayed from a graph on a stream of the workspace's own (:class:`_Apart`),
+        or None: issue it.  The graph waits for the caller's earlier work; the caller's stream waits
+        only for the graph's release, the end of the call's work on the caller's stream of an issued
+        call (its GEMMs: after them nothing reads the call's input or weights, which the caller's
+        later work may then overwrite, as an issued deferred call allows; only a gather's copies of
+        its own shard may, and only the ring all-reduce defers a gather, of sums it holds itself:
+        ``tests/test_protocol.py``); the join waits for the rest.  Unlike an issued deferred call,
+        one outstanding lets other calls replay: its whole graph is queued at its launch, ahead of
+        anything a later call queues, so no later call's wait can hold it up on a shared hardware
+        queue, and its own waits are released by the peers' same call, queued as early (the issue
+        order's argument, a call at a time)."""
+        apart = self.apart
+        if apart is None:
+            apart = self.apart = _Apart(self.device_index)
+        if apart.replays is None:
+            return None
+        progress = self.progress
+        if progress is not None and not progress.room(apart.handle):
+            return None
+        graph = apart.replays.graph(self._addresses(tensors), epoch,
+                                    lambda s: self._issue(tensors, s, apart.released))
+        if graph is None:
+            return None
+        caller, side = _raw_stream(self.device_index), apart.handle
+        record, wait = apart.record, apart.wait
+        result = record(apart.started.handle, caller) or wait(side, apart.started.handle, 0)
+        if result:  # the graph runs after the caller's earlier work (its inputs)
+            driver.check(result, "ordering a deferred call's stream after the caller's")
+        if progress is not None:
+            n = progress.issued  # counted issued before it can finish (the watchdog reads both)
+            progress.epochs[n % progress.RING] = epoch
+            progress.issued = n + 1
+            try:
+                graph.launch(side)
+            except BaseException:
+                progress.issued = n
+                raise
+        else:
+            graph.launch(side)
+            self._watch_replay(side)
+        result = wait(caller, apart.released.handle, 0) or record(apart.finished.handle, side)
+        if result:
+            driver.check(result, "joining a deferred call's release or recording its end")
+        self.pending = GraphJoin(self, apart.finished, tensors)
+        return self.pending
+
+    def _issue(self, tensors: dict[str, list[torch.Tensor]], main: torch.cuda.Stream,
+               released: driver.Event | None = None) -> None:
+        """Every command of the running call, ``main`` standing for the caller's stream (a capture);
+        ``released``: recorded on ``main`` at the join's start (a deferred call's release)."""
         streams = {MAIN: main}
-        for step in self.replay_steps[self.epoch % self.phases]:
-            step(tensors, self.epoch, streams)
+        steps = self.replay_steps[self.epoch % self.phases]
+        if released is None:
+            for step in steps:
+                step(tensors, self.epoch, streams)
+        else:
+            at = self.replay_join_at
+            for step in steps[:at]:
+                step(tensors, self.epoch, streams)
+            released.record_external(main.cuda_stream)  # a node of its own, which the caller's stream waits for
+            for step in steps[at:]:
+                step(tensors, self.epoch, streams)
         if self.count is not None:  # the last node: after every command of the call (capture joins the streams)
             self.count(main.cuda_stream)
 
@@ -735,10 +802,11 @@ class _Workspace:
 
 
 class Join:
-    """The end of a deferred call: the caller's stream waits for the call's side streams.  Holds
-    the call's tensors until then (the side streams write its outputs).  While any is
-    outstanding, eager calls are issued, not replayed: a graph's side-stream work would not queue
-    behind the deferred call's on the shared side streams, as the issue order assumes."""
+    """The end of a deferred call issued command by command: the caller's stream waits for the
+    call's side streams.  Holds the call's tensors until then (the side streams write its outputs).
+    While any is outstanding, eager calls are issued, not replayed: a graph's side-stream work would
+    not queue behind the deferred call's on the shared side streams, as the issue order assumes (a
+    deferred call replayed from a graph is a :class:`GraphJoin`, which holds nothing up)."""
 
     outstanding = 0  # deferred calls of this process not yet joined
 
@@ -758,16 +826,65 @@ class Join:
             self.workspace.pending = None
 
 
-def _register_join(out: torch.Tensor, join: Join) -> None:
+class GraphJoin:
+    """The end of a deferred call replayed from a graph (``_Workspace._replay_apart``): the caller's
+    stream waits for the event after the graph.  Holds the call's tensors until then."""
+
+    __slots__ = ("workspace", "finished", "tensors")
+
+    def __init__(self, workspace: _Workspace, finished: driver.Event, tensors: dict) -> None:
+        self.workspace, self.finished, self.tensors = workspace, finished, tensors
+
+    def wait(self) -> None:
+        if self.finished is None:
+            return
+        self.finished.wait_on(_raw_stream(self.workspace.device_index))
+        self.finished = self.tensors = None
+        if self.workspace.pending is self:
+            self.workspace.pending = None
+
+
+class _Apart:
+    """What a workspace replays its deferred calls with: their graphs (each records ``released``
+    where the caller's stream may go on), a high-priority stream they run on (the caller's stream
+    ran an issued deferred call's GEMMs first; so do these), and the events that order that stream
+    with the caller's.  Deferred calls are issued, not replayed, where replay graphs are launched by
+    the GPU (``COMPASS_REPLAY_LAUNCH=device``: a device graph cannot hold the event node) or
+    ``COMPASS_FUSED_REPLAY_DEFERRED=0`` says so."""
+
+    def __init__(self, device_index: int) -> None:
+        from . import device_launch
+
+        wanted = replay.deferred_enabled() and not device_launch.wanted()
+        self.replays = replay.Replays(device_index) if wanted else None
+        self.stream = torch.cuda.Stream(device=device_index, priority=-1)
+        self.handle = self.stream.cuda_stream
+        self.started, self.released, self.finished = driver.Event(), driver.Event(), driver.Event()
+        self.record, self.wait = driver.raw("event_record"), driver.raw("stream_wait_event")  # (checked by the caller)
+
+
+_JoinWork = None  # a c10d Work whose wait runs a join (the class, made once: a class per call costs ~20 us)
+
+
+def _register_join(out: torch.Tensor, join: "Join | GraphJoin") -> None:
     """Let ``_c10d_functional.wait_tensor(out)`` run ``join`` (as it waits for a collective)."""
-    from torch._C._distributed_c10d import Work, _register_work
+    global _JoinWork
+    from torch._C._distributed_c10d import _register_work
 
-    class _JoinWork(Work):
-        def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the flag waits are bounded by the watchdog
-            join.wait()
-            return True
+    if _JoinWork is None:
+        from torch._C._distributed_c10d import Work
 
-    _register_work(out, _JoinWork())
+        class JoinWork(Work):
+            def __init__(self, join) -> None:
+                super().__init__()
+                self.join = join
+
+            def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the flag waits are bounded by the watchdog
+                self.join.wait()
+                return True
+
+        _JoinWork = JoinWork
+    _register_work(out, _JoinWork(join))
 
 
 _pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (shape, settings)

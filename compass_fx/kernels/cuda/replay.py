@@ -64,6 +64,13 @@ def enabled() -> bool:
     return on
 
 
+def deferred_enabled() -> bool:
+    """``COMPASS_FUSED_REPLAY_DEFERRED`` (default 1): deferred calls (``fused_async``'s ``*_start``)
+    replay too, on a stream of their own (``impl._Workspace._replay_apart``); ``0`` issues them
+    command by command, as before (read when a workspace first defers a call)."""
+    return enabled() and env("COMPASS_FUSED_REPLAY_DEFERRED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _switch(name: str, default: str, choices: tuple[str, str]) -> bool:
     value = env(name, default).strip().lower()
     if value not in choices:
