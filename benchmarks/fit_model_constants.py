@@ -26,7 +26,9 @@ of its launches to those, as a calibration scales the constants), then one least
 the replay graph's slow nodes (copies to or from host memory, stream waits).  A call of two graphs
 (the ring schedules' all-reduce, issued from C as one call) pays ``FUSED_REPLAY_GRAPH_S`` for its
 second, fitted to the runs that hold such calls (``--replay-graph-runs``) against their one-graph
-calls of the same rounds (``fit_replay_graph``).
+calls of the same rounds (``fit_replay_graph``).  A deferred call (``fused_async``'s ``*_start``,
+replayed on a stream of its own) pays ``FUSED_DEFERRED_S`` beyond a replayed call, fitted to the runs
+that time the asynchronous form (``--deferred-runs``, ``fit_deferred``).
 Then the grids are repriced as the code prices now: eager fused calls
 replayed from captured CUDA graphs at those constants.
 
@@ -79,6 +81,12 @@ CHECK_RUNS = ("fused_host_time-h200-check-w2-breakdown-host-pin-mps.json",
 # 2, 4, 8 ranks on the peer transport (2026-12-05, on an H100: the service lent no H200 for them)
 REPLAY_GRAPH_RUNS = tuple(f"fused_host_time-h100-schedule-{schedule}-lane-run{run}-peer-pin-mps.json"
                           for schedule in ("ring", "double_ring") for run in (1, 2, 3))
+
+# fused_async's asynchronous form (start, a GEMM, wait_tensor) with deferred calls replayed, beside the
+# .graph call and a torch.mm of the same rounds: the reductions at 2 ranks on both transports and at 4 and 8
+# host-staged (2026-12-06, one H100: no H200 started)
+DEFERRED_RUNS = ("fused_host_time-h100-async-w2-host-pin-mps.json", "fused_host_time-h100-async-peer-w2-pin-mps.json",
+                 "fused_host_time-h100-async-w48-host-pin-mps.json")
 
 
 @contextlib.contextmanager
@@ -354,6 +362,28 @@ def fit_replay_graph(runs: dict[str, dict], launch_us: dict[str, float], call_us
             "spread_us": [min(per_graph), max(per_graph)], "by_run_and_world": differences}
 
 
+def fit_deferred(runs: dict[str, dict]) -> dict:
+    """What a deferred call costs the host beyond a replayed one (``FUSED_DEFERRED_S``): per run and
+    world, the median over its cases of the asynchronous form's time (start, a GEMM, wait_tensor) less
+    the ``.graph`` call's and a ``torch.mm``'s of the same rounds (the GEMM's launch), all three timed
+    after the device went idle; the median of those.  After an idle device a call costs more than
+    while a step keeps the host ahead (what the replay constants are fitted to), so this is the
+    asynchronous form's extra at its dearest."""
+    by_run_and_world = []
+    for name, run in runs.items():
+        for world in sorted({r["world"] for r in run["rows"]}):
+            extra = [r["host_us_async"] - r["host_us_graph"] - r["host_us_mm"] for r in run["rows"]
+                     if r["world"] == world and r.get("host_us_async") and r.get("host_us_graph") and r.get("host_us_mm")]
+            if extra:
+                by_run_and_world.append({"run": name, "world": world, "extra_us": round(statistics.median(extra), 1),
+                                         "cases": len(extra)})
+    if not by_run_and_world:
+        raise SystemExit(f"fit_deferred: no run of {list(runs)} times the asynchronous form beside the .graph call")
+    extras = [d["extra_us"] for d in by_run_and_world]
+    return {"runs": list(runs), "deferred_us": round(statistics.median(extras)), "spread_us": [min(extras), max(extras)],
+            "by_run_and_world": by_run_and_world}
+
+
 def strategies_replay_call_us() -> float:
     """The replayed fused call's fixed host work the code prices with (calibrated where a
     calibration is in force)."""
@@ -384,6 +414,9 @@ def main(argv=None) -> int:
     p.add_argument("--replay-graph-runs", default=",".join(REPLAY_GRAPH_RUNS),
                    help="fused_host_time JSON files (under --host-results) with calls of several replay graphs, "
                         "that the cost of a graph beyond a call's first is fitted to")
+    p.add_argument("--deferred-runs", default=",".join(DEFERRED_RUNS),
+                   help="fused_host_time JSON files (under --host-results) timing the asynchronous form, that a "
+                        "deferred call's cost beyond a replayed one is fitted to")
     p.add_argument("--check-runs", default=",".join(CHECK_RUNS),
                    help="fused_host_time JSON files (under --host-results) held out of the fit, that its constants "
                         "price as a test ('' for none)")
@@ -406,6 +439,7 @@ def main(argv=None) -> int:
     replay_fit = fit_replay(loaded(args.host_results, args.replay_runs), worlds=worlds, column=args.replay_column)
     graph_fit = fit_replay_graph(loaded(args.host_results, args.replay_graph_runs), replay_fit["launch_us"],
                                  replay_fit["call_us"], replay_fit["node_us"], column=args.replay_column)
+    deferred_fit = fit_deferred(loaded(args.host_results, args.deferred_runs))
     check = (check_replay(loaded(args.host_results, args.check_runs), replay_fit["call_us"], replay_fit["node_us"],
                           replay_fit["launch_us"], worlds, args.replay_column) if args.check_runs else None)
     part_rows, part_best = fit(grids, "part_overhead_s", PART_OVERHEAD_US, _part_overhead_rank)
@@ -424,7 +458,7 @@ def main(argv=None) -> int:
                              for name, grid in grids.items()]
     payload = {"benchmark": NAME, "grids": list(grids), "calibration": os.environ.get("COMPASS_FX_CALIBRATION"),
                "best_part_overhead_us": part_best, "best_fused_call_rest_us": call_best, "replay_fit": replay_fit,
-               "replay_graph_fit": graph_fit, "replay_check": check,
+               "replay_graph_fit": graph_fit, "deferred_fit": deferred_fit, "replay_check": check,
                "rows": part_rows + call_rows, "repriced_replayed": replay_rows}
     if proposed_rows:
         payload["repriced_replayed_proposed"] = proposed_rows
@@ -458,6 +492,12 @@ def main(argv=None) -> int:
              f"in the same rounds: {graph_fit['spread_us'][0]} to {graph_fit['spread_us'][1]} us over "
              f"{len(graph_fit['by_run_and_world'])} runs and worlds, the median taken)", "",
              f"Runs: {', '.join(graph_fit['runs'])}.", "",
+             f"## A deferred call beyond a replayed one: **{deferred_fit['deferred_us']} us** (fused_async's "
+             "asynchronous form, replayed on a stream of its own: per run and world the median of its time less "
+             "the .graph call's and a torch.mm's of the same rounds, each after an idle device: "
+             f"{deferred_fit['spread_us'][0]} to {deferred_fit['spread_us'][1]} us over "
+             f"{len(deferred_fit['by_run_and_world'])} runs and worlds, the median taken)", "",
+             f"Runs: {', '.join(deferred_fit['runs'])}.", "",
              "## Repriced as the code prices now (eager fused calls replayed from captured graphs: "
              f"FUSED_REPLAY_CALL_S {replay_rows[0]['value_us']} us + FUSED_REPLAY_SLOW_NODE_S per slow node, "
              "fitted on one H200)", "",

@@ -50,8 +50,9 @@ class CompassOptions:
         the work between (a weight gradient beside an input gradient's all-reduce) runs while the
         pieces travel and are summed on a side stream.  A call with nothing but views between
         its operands and its first use (the forward's, read at once) stays a plain call: a deferred
-        call is issued command by command, never replayed from a CUDA graph, and ``auto`` prices
-        its host so.  False (default): the call returns with its result complete.
+        call replays its CUDA graph on a stream of its own, with events to order that stream with
+        the caller's and a join at the wait, which costs the host more than a plain call, and
+        ``auto`` prices its host so.  False (default): the call returns with its result complete.
     calibration: a file written by ``compass-fx calibrate`` on this machine; the cost model prices
         with its measured constants (None: ``$COMPASS_FX_CALIBRATION`` if set, else datasheet
         constants).  A file from another version, or measured on another GPU than the topology's,

@@ -302,6 +302,26 @@ def test_a_second_replay_graph_is_fitted_against_the_one_graph_calls_of_its_roun
         fit.fit_replay_graph({"a": dict(runs["a"], schedule="direct")}, launch, call_us, node_us)
 
 
+def test_fit_deferred_takes_the_median_extra_per_run_and_world():
+    """``fit_deferred``: per run and world, the median of the asynchronous form's time less the
+    ``.graph`` call's and the torch.mm's of the same rounds; then the median over runs and worlds.
+    Rows without the asynchronous form (a gather) are left out; no run with it at all is an error."""
+    fit = _bench("fit_model_constants")
+
+    def row(world, op, async_us, graph_us, mm_us):
+        return {"world": world, "op": op, "host_us_async": async_us, "host_us_graph": graph_us, "host_us_mm": mm_us}
+
+    runs = {"a": {"rows": [row(2, "rs", 200, 30, 20), row(2, "ar", 300, 50, 10), row(2, "rs", 100, 20, 20),
+                           row(4, "rs", 260, 40, 20), {"world": 4, "op": "ag", "host_us_graph": 40, "host_us_mm": 9}]},
+            "b": {"rows": [row(2, "rs", 120, 10, 10)]}}
+    got = fit.fit_deferred(runs)
+    assert [(d["run"], d["world"], d["extra_us"], d["cases"]) for d in got["by_run_and_world"]] == [
+        ("a", 2, 150, 3), ("a", 4, 200, 1), ("b", 2, 100, 1)]
+    assert got["deferred_us"] == 150 and got["spread_us"] == [100, 200]
+    with pytest.raises(SystemExit, match="asynchronous form"):
+        fit.fit_deferred({"c": {"rows": [{"world": 2, "op": "ag", "host_us_graph": 1, "host_us_mm": 1}]}})
+
+
 def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path, monkeypatch):
     """``GpuSpec.part_overhead_s`` of the Hopper GPUs and the fused call's fixed host work are
     derived, not chosen: refitting them to the committed two-H200 grids (with the calibration they
@@ -343,6 +363,11 @@ def test_the_models_software_constants_are_what_the_committed_grids_fit(tmp_path
     assert graphs["runs"] == list(_bench("fit_model_constants").REPLAY_GRAPH_RUNS)
     assert len(graphs["by_run_and_world"]) == 18  # two schedules, three runs, three worlds
     assert graphs["graph_us"] * 1e-6 == pytest.approx(strategies.FUSED_REPLAY_GRAPH_S)
+    # a deferred call beyond a replayed one: refitted to the asynchronous form's runs
+    deferred = fit["deferred_fit"]
+    assert deferred["runs"] == list(_bench("fit_model_constants").DEFERRED_RUNS)
+    assert len(deferred["by_run_and_world"]) == 4  # two ranks on both transports, four and eight host-staged
+    assert deferred["deferred_us"] * 1e-6 == pytest.approx(strategies.FUSED_DEFERRED_S)
 
 
 def test_the_gemm_models_h200_constants_are_what_the_committed_gemms_fit(monkeypatch, capsys):

@@ -402,23 +402,32 @@ def test_a_reason_says_where_a_fused_call_is_priced_at_its_hosts_issue(tmp_path)
     assert "host's issue" not in graphs.reason and "host's issue" not in big.reason, (graphs.reason, big.reason)
 
 
-def test_a_deferred_fused_call_is_priced_as_issued_command_by_command():
-    """fused_async defers a reduction with work to overlap (a ``*_start`` call), and a deferred call
-    is never replayed: its host is priced as issued command by command.  That keeps a small
-    host-staged pair sequential where the replayed call wins, and the reason names the deferred
-    call; a large pair's device time still hides it, and under CUDA graphs nothing is issued."""
+def test_a_deferred_fused_call_is_priced_as_replayed_plus_what_its_asynchronous_form_adds():
+    """fused_async defers a reduction with work to overlap (a ``*_start`` call), which replays on a
+    stream of its own: its host is priced as the replayed call plus ``FUSED_DEFERRED_S`` (the
+    start's Python path, the events, the join), well under the same call issued command by command
+    (as every deferred call was before).  The smallest host-staged pair at two ranks stays
+    sequential where the plain replayed call wins, and the reason names the deferred call; an
+    8-rank 1024-row pair, whose deferred call issued command by command would outlast its device
+    time, fuses; under CUDA graphs nothing is issued."""
     from dataclasses import replace
 
+    from compass_fx.cost import strategies
+
     staged = Topology.preset("h200-host-staged-8")
-    small = Workload("matmul_reduce_scatter", 1024, 4096, 7168, "bfloat16", 8)
+    small = Workload("matmul_reduce_scatter", 512, 4096, 7168, "bfloat16", 2)
     deferred = replace(small, deferred=True)
-    issued = fused_host_seconds(small, staged, "direct", replayed=False)
-    assert fused_host_seconds(deferred, staged, "direct") == issued > 10 * fused_host_seconds(small, staged, "direct")
+    host = fused_host_seconds(deferred, staged, "direct")
+    assert host == pytest.approx(fused_host_seconds(small, staged, "direct") + strategies.FUSED_DEFERRED_S)
+    assert host < fused_host_seconds(small, staged, "direct", replayed=False) / 2
     plain, later = (select(w, staged, fused_schedules=("direct",)) for w in (small, deferred))
     assert plain.strategy == "fuse" and later.strategy == "sequential", (plain.reason, later.reason)
-    assert (f"(priced at the host's issue of a deferred call, issued command by command, {issued * 1e6:.0f} us, "
+    assert (f"(priced at the host's issue of a deferred call, replayed on a stream of its own, {host * 1e6:.0f} us, "
             in later.reason), later.reason
-    large = Workload("matmul_reduce_scatter", 8192, 4096, 7168, "bfloat16", 8)
-    assert select(replace(large, deferred=True), staged, fused_schedules=("direct",)).strategy == "fuse"
+    eight = replace(Workload("matmul_reduce_scatter", 1024, 4096, 7168, "bfloat16", 8), deferred=True)
+    device = fused_breakdown(eight, staged, "direct").seconds
+    assert fused_host_seconds(eight, staged, "direct") < device < fused_host_seconds(eight, staged, "direct",
+                                                                                     replayed=False)
+    assert select(eight, staged, fused_schedules=("direct",)).strategy == "fuse"
     graphs = [select(replace(w, cuda_graphs=True), staged, fused_schedules=("direct",)) for w in (small, deferred)]
     assert graphs[0].predicted_s == graphs[1].predicted_s and graphs[0].label == graphs[1].label

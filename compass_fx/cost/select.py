@@ -57,7 +57,7 @@ def _host_bound(workload: Workload, topo: Topology, candidate: Candidate) -> str
     device = fused_breakdown(workload, topo, candidate.schedule).seconds
     if host <= device or candidate.seconds != host:  # device-bound, or a cost hook set the price
         return ""
-    call = "a deferred call, issued command by command" if workload.deferred else "a call"
+    call = "a deferred call, replayed on a stream of its own" if workload.deferred else "a call"
     return f" (priced at the host's issue of {call}, {_us(host)}, over its {_us(device)} on the device)"
 
 

@@ -61,11 +61,19 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # transport, on an H100: fused_host_time-h100-schedule-*-lane-run1/2/3): per run and world, the
 # all-reduces' median excess over a one-graph call minus the one-graph operators' median excess
 # (the same host's baseline), the median of those 18.  Priced as a second call before (21 us).
-# FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants
-# below; a deferred call, fused_async, is issued so).
+# A deferred call (fused_async's *_start) replays too, on a stream of its workspace's own
+# (kernels/cuda/impl._Workspace._replay_apart), from Python: beyond a replayed call it pays the start's
+# Python path, the events that order its stream with the caller's, the join's c10d work and wait_tensor.
+# FUSED_DEFERRED_S, fitted by benchmarks/fit_model_constants.py (fit_deferred) to the asynchronous form's
+# runs (start, a GEMM, wait; fused_host_time-h100-async-*, one H100, 2-8 ranks, both transports): per run
+# and world the median of its time less the .graph call's and a torch.mm's of the same rounds, each after
+# an idle device (so this is its dearest; 149-227 us over the runs, the median taken).  Issued command by
+# command, as every deferred call was before, the same form cost 1.8-4.3x the replayed one.
+# FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants below).
 FUSED_CALLS_REPLAYED = True
 FUSED_REPLAY_CALL_S = 21e-6
 FUSED_REPLAY_GRAPH_S = 9e-6
+FUSED_DEFERRED_S = 196e-6
 FUSED_REPLAY_SLOW_NODE_S = 2.13e-6
 _REPLAY_FITTED_LAUNCH_S = {"Copy": 8.3e-6, "Matmul": 17.66e-6, "Record": 1.51e-6, "Reduce": 9.31e-6,
                            "SetFlag": 3.7e-6, "WaitEvent": 1.6e-6,
@@ -238,16 +246,17 @@ def fused_host_costs() -> tuple[float, dict[str, float]]:
 
 class ReplayCosts(NamedTuple):
     """The host's seconds of a replayed fused call: per call, per replay graph beyond its first,
-    per slow node of its graphs."""
+    per slow node of its graphs, and beyond all that for a deferred call."""
     call_s: float
     graph_s: float
     node_s: float
+    deferred_s: float
 
 
 def fused_replay_costs() -> ReplayCosts:
     """The replayed fused call's host costs, scaled to this machine's launches where a calibration
     measured them."""
-    costs = ReplayCosts(FUSED_REPLAY_CALL_S, FUSED_REPLAY_GRAPH_S, FUSED_REPLAY_SLOW_NODE_S)
+    costs = ReplayCosts(FUSED_REPLAY_CALL_S, FUSED_REPLAY_GRAPH_S, FUSED_REPLAY_SLOW_NODE_S, FUSED_DEFERRED_S)
     measured = calibrated_fused_host()
     if measured is None:
         return costs
@@ -299,12 +308,12 @@ def fused_host_seconds(w: Workload, topo: Topology, schedule: str, replayed: boo
     """Host seconds of one call of the fused operator: its plans' commands (as the CUDA path builds
     them for this transport), replayed from a captured graph per plan (``replayed``, default
     ``FUSED_CALLS_REPLAYED``: one call's work, each graph beyond the first its launch, each graph's
-    slow nodes) or issued one by one and priced by kind, plus the per-call work for each plan (a
-    deferred call, ``Workload.deferred``, is never replayed)."""
+    slow nodes; a deferred call, ``Workload.deferred``, what its asynchronous form adds) or issued one
+    by one and priced by kind, plus the per-call work for each plan."""
     plans, host = _fused_plans(w, topo, schedule)
-    if (FUSED_CALLS_REPLAYED and not w.deferred) if replayed is None else replayed:
+    if FUSED_CALLS_REPLAYED if replayed is None else replayed:
         costs = fused_replay_costs()  # the graphs of one call are launched from C in one call
-        return (costs.call_s + costs.graph_s * (len(plans) - 1)
+        return (costs.call_s + costs.graph_s * (len(plans) - 1) + (costs.deferred_s if w.deferred else 0.0)
                 + costs.node_s * sum(replay_slow_nodes(plan, host) for plan in plans))
     per_call, per_kind = fused_host_costs()
     return sum(per_call + sum(per_kind.get(type(c).__name__, 0.0) for c in plan.commands) for plan in plans)

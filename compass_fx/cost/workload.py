@@ -29,8 +29,8 @@ class Workload:
     NCCL): an extra part then costs the host its GEMM and an event wait, not a collective's issue
     (``cuda_graphs`` takes precedence: a replayed step issues nothing).  ``deferred`` says that a
     fused call of this pair would run deferred (``fused_async``, with work to overlap: a
-    ``*_start`` call), which is issued command by command, never replayed from a CUDA graph: its
-    host is priced so.
+    ``*_start`` call), which replays on a stream of its own and costs the host more than a plain
+    replayed call (``cost.strategies.FUSED_DEFERRED_S``): its host is priced so.
     """
 
     kind: str

@@ -33,7 +33,7 @@ def decide(pair: Pair, options: CompassOptions, topology: object | None = None,
     ``parts_replayed``: an eager step would run the decomposed parts' collectives from one CUDA graph
     (the pair kind's ``parts_replayed``), so an extra part is priced as replayed.  ``deferred``: its
     fused call would run deferred (``fused_async``: ``lowering.fuse.would_defer``), its host issue
-    priced command by command.
+    priced as the asynchronous form's (a replay on a stream of its own, with events and a join).
     """
     refused = refused or {}
     forced = options.forced(pair.group_size)
