@@ -14,10 +14,11 @@ What it may skip, and why that is safe.  It runs only for a call the Python path
 with the same arguments' shapes, dtypes, device, schedule, group and settings (the Python path
 registers the workspace under that key after it ran a call: :func:`register`), so the checks that
 depend on nothing else passed then; it checks the rest itself (the weight's shape, dtype and device,
-a contiguous input, no capture, no deferred call outstanding, no failure, replays on).  It reads
-and writes the Python path's own objects (the workspace's epoch, its :class:`.watchdog.Progress`,
-the :class:`.replay.Replays`' graphs, :data:`.replay.stats`), so the two paths take turns freely;
-whatever it does not expect sends the call to the Python path before anything has changed.
+a contiguous input, no capture, no deferred call issued command by command outstanding, no failure,
+replays on).  It reads and writes the Python path's own objects (the workspace's epoch, its
+:class:`.watchdog.Progress`, the :class:`.replay.Replays`' graphs, :data:`.replay.stats`), so the
+two paths take turns freely; whatever it does not expect sends the call to the Python path before
+anything has changed.
 
 It is compiled on the first workspace built in a process (torch's C++ extension builder, cached
 on disk per torch version: ~20 s the first time on one core); without a compiler, or with
