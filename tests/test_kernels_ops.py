@@ -362,9 +362,40 @@ def test_the_host_fast_paths_exist_on_this_torch():
     assert ops_module._direct_possible()
     for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
         assert hasattr(getattr(torch.ops.compass, name).graph._op, "through_dispatcher"), name
+    for name in ("matmul_reduce_scatter_start", "matmul_all_reduce_start"):  # fused_async's calls too
+        start = getattr(torch.ops.compass, name).default
+        assert hasattr(start._op, "through_dispatcher"), name
+        a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        torch.testing.assert_close(start(a, b, "direct", "0", 1), a @ b)  # not CUDA: the dispatcher's kernel
     assert impl._capturing is torch._C._cuda_isCurrentStreamCapturing
     if torch.version.cuda is not None:  # a CPU build has no CUDA stream functions at all
         assert impl._raw_stream is torch._C._cuda_getCurrentRawStream
+
+
+def test_a_deferred_calls_join_runs_once_at_its_wait_tensor():
+    """A deferred call's result carries its join as a c10d work (``impl._register_join``):
+    ``_c10d_functional.wait_tensor`` on it runs that join once, and each result its own (the work's
+    class is made once, not per call)."""
+    from compass_fx.kernels.cuda import impl
+
+    class Join:
+        def __init__(self) -> None:
+            self.waits = 0
+
+        def wait(self) -> None:
+            self.waits += 1
+
+    first, second = Join(), Join()
+    x, y = torch.zeros(3), torch.ones(2)
+    impl._register_join(x, first)
+    impl._register_join(y, second)
+    wait = torch.ops._c10d_functional.wait_tensor
+    torch.testing.assert_close(wait(y), torch.ones(2))
+    assert (first.waits, second.waits) == (0, 1)
+    wait(x)
+    wait(x)  # waited for already: nothing registered any more
+    assert (first.waits, second.waits) == (1, 1)
+    assert impl._join_work() is impl._join_work()
 
 
 def test_rewritten_graphs_call_overloads_without_python_autograd():

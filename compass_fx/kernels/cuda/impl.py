@@ -605,31 +605,13 @@ class _Workspace:
             raise ValueError(f"compass::{self.plan.op}: A must be contiguous")
         self.epoch += 1
         epoch = self.epoch
-        if deferred and self.replays is not None and not Join.outstanding and replay.enabled():
-            join = self._replay_apart(tensors, epoch)
-            if join is not None:
-                return join
-        elif self.replays is not None and not deferred and not Join.outstanding and replay.enabled():
-            stream = _raw_stream(self.device_index)
-            progress = self.progress
-            if progress is None:
-                graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
-                if graph is not None:
-                    graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
-                    self._watch_replay(stream)
-                    return None
-            elif progress.room(stream):
-                graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
-                if graph is not None:
-                    n = progress.issued  # counted issued before it can finish (the watchdog reads both)
-                    progress.epochs[n % progress.RING] = epoch
-                    progress.issued = n + 1
-                    try:
-                        graph.launch(stream)
-                    except BaseException:
-                        progress.issued = n
-                        raise
-                    return None
+        if self.replays is not None and not Join.outstanding and replay.enabled():
+            if deferred:
+                join = self._replay_apart(tensors, epoch)
+                if join is not None:
+                    return join
+            elif self._replay(tensors, epoch):
+                return None
         main = torch.cuda.current_stream(self.device_index)  # an index: no device lookup (~30 us)
         if self.captured:
             self.bumps[epoch % self.copies](main.cuda_stream)  # before anything of the call
@@ -645,6 +627,32 @@ class _Workspace:
             return None
         self.pending = Join(self, steps[self.join_at:], tensors, epoch)
         return self.pending
+
+    def _replay(self, tensors: dict[str, list[torch.Tensor]], epoch: int) -> bool:
+        """The call replayed from a graph on the caller's stream, or False: issue it."""
+        stream = _raw_stream(self.device_index)
+        progress = self.progress
+        if progress is None:
+            graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
+            if graph is None:
+                return False
+            graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
+            self._watch_replay(stream)
+            return True
+        if not progress.room(stream):
+            return False
+        graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
+        if graph is None:
+            return False
+        n = progress.issued  # counted issued before it can finish (the watchdog reads both)
+        progress.epochs[n % progress.RING] = epoch
+        progress.issued = n + 1
+        try:
+            graph.launch(stream)
+        except BaseException:
+            progress.issued = n
+            raise
+        return True
 
     def _replay_apart(self, tensors: dict[str, list[torch.Tensor]], epoch: int) -> "GraphJoin | None":
         """A deferred call replayed from a graph on a stream of the workspace's own (:class:`_Apart`),
@@ -863,28 +871,29 @@ class _Apart:
         self.record, self.wait = driver.raw("event_record"), driver.raw("stream_wait_event")  # (checked by the caller)
 
 
-_JoinWork = None  # a c10d Work whose wait runs a join (the class, made once: a class per call costs ~20 us)
+@functools.cache
+def _join_work() -> tuple[type, Callable]:
+    """A c10d ``Work`` whose wait runs a join, and c10d's registration of a work for a tensor: made
+    once (with a class made per call, a registration and its wait cost ~24 us of host on the CPU
+    machine, against 8-12)."""
+    from torch._C._distributed_c10d import Work, _register_work
+
+    class JoinWork(Work):
+        def __init__(self, join) -> None:
+            super().__init__()
+            self.join = join
+
+        def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the flag waits are bounded by the watchdog
+            self.join.wait()
+            return True
+
+    return JoinWork, _register_work
 
 
 def _register_join(out: torch.Tensor, join: "Join | GraphJoin") -> None:
     """Let ``_c10d_functional.wait_tensor(out)`` run ``join`` (as it waits for a collective)."""
-    global _JoinWork
-    from torch._C._distributed_c10d import _register_work
-
-    if _JoinWork is None:
-        from torch._C._distributed_c10d import Work
-
-        class JoinWork(Work):
-            def __init__(self, join) -> None:
-                super().__init__()
-                self.join = join
-
-            def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the flag waits are bounded by the watchdog
-                self.join.wait()
-                return True
-
-        _JoinWork = JoinWork
-    _register_work(out, _JoinWork(join))
+    work, register = _join_work()
+    register(out, work(join))
 
 
 _pull_chunks: dict[tuple, list] = {}  # matmul_all_reduce's pull chunks per (shape, settings)
