@@ -356,10 +356,9 @@ def _direct_possible() -> bool:
                                                                                           "1") != "0"
 
 
-def _direct(overload, kernel, weights_listed: bool, python_path) -> None:
-    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above), and C take
-    them once the host fast path is built (:func:`.cuda.lane.enter_from_c`: a call it declines runs
-    ``python_path``, the kernel without its try of C)."""
+def _skip_dispatcher(overload, kernel, weights_listed: bool) -> None:
+    """Let ``overload``'s calls on plain CUDA tensors run ``kernel`` directly (see above); any other
+    call takes the dispatcher as before."""
     through_dispatcher = overload._op
 
     if weights_listed:
@@ -374,6 +373,13 @@ def _direct(overload, kernel, weights_listed: bool, python_path) -> None:
             return through_dispatcher(a, b, schedule, group_name, group_size)
     call.through_dispatcher = through_dispatcher
     overload._op = call  # what OpOverload.__call__ runs
+
+
+def _direct(overload, kernel, weights_listed: bool, python_path) -> None:
+    """:func:`_skip_dispatcher`, and C takes the calls once the host fast path is built
+    (:func:`.cuda.lane.enter_from_c`: a call it declines runs ``python_path``, the kernel without
+    its try of C)."""
+    _skip_dispatcher(overload, kernel, weights_listed)
     enter_from_c(overload, overload._overloadpacket.__name__, python_path, weights_listed,
                  (_dispatch_modes, _function_modes, _transforms))
 
@@ -409,15 +415,7 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
 
     _graph_op(name, _MATMUL_SCHEMA, start, fake, cuda_kernel)
     if _direct_possible():  # plain CUDA tensors skip the dispatcher, as the .graph overloads' calls do
-        overload = getattr(torch.ops.compass, name).default
-        through_dispatcher = overload._op
-
-        def call(a, b, schedule, group_name, group_size):
-            if _plain_cuda(a, b):
-                return cuda_kernel(a, b, schedule, group_name, group_size)
-            return through_dispatcher(a, b, schedule, group_name, group_size)
-        call.through_dispatcher = through_dispatcher
-        overload._op = call  # what OpOverload.__call__ runs
+        _skip_dispatcher(getattr(torch.ops.compass, name).default, cuda_kernel, False)
 
 
 _start_op("matmul_reduce_scatter_start", _rs_any, "matmul_reduce_scatter", lambda rows, g: rows // g)

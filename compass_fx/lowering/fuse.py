@@ -78,8 +78,8 @@ def would_defer(pair: ReducePair) -> bool:
     any rewrite, as :func:`spread` and :func:`_plain_if_idle` will find it: something besides views
     lies between the last input of the pair's own nodes (its matmuls and what leads from them to the
     collective's wait) and the first reader of its result.  The cost model prices a deferred call's
-    host as replayed on a stream of its own (events around the replay).  Walks the graph from that input only
-    until the first node that runs something."""
+    host as replayed on a stream of its own (events around the replay).  Walks the graph from that
+    input only until the first node that runs something."""
     own = _between(pair.terms, pair.wait)
     own |= _feeding_views(own)  # they travel up with the call
     inputs = [i for n in own for i in n.all_input_nodes if i not in own]
