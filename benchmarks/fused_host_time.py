@@ -12,9 +12,9 @@ host's are recorded, and a period (16 calls back to back) that compares ways of 
   ``cuStreamWriteValue32``, event record / wait ...);
 * per configuration, the host microseconds of one call through ``torch.ops.compass`` (its result
   first checked against plain matmuls; for the reductions also the asynchronous ``*_start`` form
-  with other work before its ``wait_tensor``, replayed and issued, checked the same way), through the ``.graph``
-  overload that rewritten graphs call (no Python autograd layers; an eager call replays a CUDA
-  graph captured for its addresses, ``compass_fx.kernels.cuda.replay``), the same with
+  with other work before its ``wait_tensor``, replayed and issued, checked the same way), through
+  the ``.graph`` overload that rewritten graphs call (no Python autograd layers; an eager call
+  replays a CUDA graph captured for its addresses, ``compass_fx.kernels.cuda.replay``), the same with
   ``COMPASS_FUSED_REPLAY=0`` (every command launched from Python, as before; each result checked
   too), and of the implementation called directly (the difference is the dispatcher's), the
   plan's commands by kind, and the cost model's ``fused_host_seconds`` for it; the ``.graph`` call
