@@ -632,18 +632,23 @@ class _Workspace:
         """The call replayed from a graph on the caller's stream, or False: issue it."""
         stream = _raw_stream(self.device_index)
         progress = self.progress
-        if progress is None:
-            graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
-            if graph is None:
-                return False
-            graph.launch(stream)  # on the caller's stream: after its earlier work, before its later work
-            self._watch_replay(stream)
-            return True
-        if not progress.room(stream):
+        if progress is not None and not progress.room(stream):
             return False
         graph = self.replays.graph(self._addresses(tensors), epoch, lambda s: self._issue(tensors, s))
         if graph is None:
             return False
+        self._launch(graph, stream, epoch)  # on the caller's stream: after its earlier work, before its later work
+        return True
+
+    def _launch(self, graph, stream: int, epoch: int) -> None:
+        """Launch a replay graph on ``stream``, bounded by the watchdog: counted in the workspace's
+        :class:`.watchdog.Progress` (the graph's last node counts it done), or without our kernels
+        by an event after it."""
+        progress = self.progress
+        if progress is None:
+            graph.launch(stream)
+            self._watch_replay(stream)
+            return
         n = progress.issued  # counted issued before it can finish (the watchdog reads both)
         progress.epochs[n % progress.RING] = epoch
         progress.issued = n + 1
@@ -652,7 +657,6 @@ class _Workspace:
         except BaseException:
             progress.issued = n
             raise
-        return True
 
     def _replay_apart(self, tensors: dict[str, list[torch.Tensor]], epoch: int) -> "GraphJoin | None":
         """A deferred call replayed from a graph on a stream of the workspace's own (:class:`_Apart`),
@@ -683,18 +687,7 @@ class _Workspace:
         result = record(apart.started.handle, caller) or wait(side, apart.started.handle, 0)
         if result:  # the graph runs after the caller's earlier work (its inputs)
             driver.check(result, "ordering a deferred call's stream after the caller's")
-        if progress is not None:
-            n = progress.issued  # counted issued before it can finish (the watchdog reads both)
-            progress.epochs[n % progress.RING] = epoch
-            progress.issued = n + 1
-            try:
-                graph.launch(side)
-            except BaseException:
-                progress.issued = n
-                raise
-        else:
-            graph.launch(side)
-            self._watch_replay(side)
+        self._launch(graph, side, epoch)
         result = wait(caller, apart.released.handle, 0) or record(apart.finished.handle, side)
         if result:
             driver.check(result, "joining a deferred call's release or recording its end")
