@@ -125,6 +125,18 @@ def _host_time(name: str, worlds: int | str, tag: str, deadline_s: int, env: dic
                                              "--out-dir", RESULTS), deadline_s, env or {}, root=root)
 
 
+def _deferred(label: str) -> tuple[Step, ...]:
+    """fused_async's calls (``fused_host_stress --overload start``: 500 starts a case, each with a
+    ``.graph`` call inside its window, host-staged at 2, 4 and 8 ranks), then their host time against
+    the same issued command by command, the reductions at two ranks on both transports; results tagged
+    ``<gpu>-start<label>-500-mps``, ``<gpu>-async<label>-w2-host-pin-mps`` and ``-async<label>-peer-w2-pin-mps``."""
+    return (_stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start{label}-500-mps", 200,
+                    extra=("--overload", "start")),
+            _host_time("host_time-async-w2", 2, f"{MACHINE}-async{label}-w2-host-pin-mps", 100, ops=REDUCTIONS),
+            _host_time("host_time-async-peer-w2", 2, f"{MACHINE}-async{label}-peer-w2-pin-mps", 80, ops=REDUCTIONS,
+                       extra=("--transport", "peer")))
+
+
 def _stress(name: str, worlds: str, calls: int, shapes: str, tag: str, deadline_s: int,
             env: dict[str, str] | None = None, root: str = "", peer: bool = False, extra: tuple[str, ...] = ()) -> Step:
     """One ``fused_host_stress.py`` run of the direct schedule: ``calls`` calls in a row of each of
@@ -568,22 +580,10 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # starts a case, each with a .graph call of the same operator while it is outstanding, every result
     # checked, host-staged at 2, 4 and 8 ranks; then their host time (start, a GEMM, wait) against the same
     # issued command by command (COMPASS_FUSED_REPLAY=0, as before), the reductions at two ranks, both transports
-    "h200-deferred": (
-        _stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-500-mps", 200,
-                extra=("--overload", "start")),
-        _host_time("host_time-async-w2", 2, f"{MACHINE}-async-w2-host-pin-mps", 100, ops=REDUCTIONS),
-        _host_time("host_time-async-peer-w2", 2, f"{MACHINE}-async-peer-w2-pin-mps", 80, ops=REDUCTIONS,
-                   extra=("--transport", "peer")),
-    ),
+    "h200-deferred": _deferred(""),
     # the same after the start ops' plain calls skip the dispatcher (as the .graph overloads' do), with the
     # faster operand checks and the stream ordering through raw driver calls
-    "h200-deferred-entry": (
-        _stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-entry-500-mps", 200,
-                extra=("--overload", "start")),
-        _host_time("host_time-async-w2", 2, f"{MACHINE}-async-entry-w2-host-pin-mps", 100, ops=REDUCTIONS),
-        _host_time("host_time-async-peer-w2", 2, f"{MACHINE}-async-entry-peer-w2-pin-mps", 80, ops=REDUCTIONS,
-                   extra=("--transport", "peer")),
-    ),
+    "h200-deferred-entry": _deferred("-entry"),
     # and the peer transport's starts at 2 and 4 ranks (its ring all-reduce defers a gather of the sums),
     # and the host time at 4 and 8 ranks host-staged
     "h200-deferred-more": (
