@@ -46,6 +46,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         options["schedule"] = args.schedule
     if args.mode is not None:
         options["mode"] = args.mode
+    if args.fused_async:
+        options["fused_async"] = True
     compass_fx.check_options(options)  # a bad value fails here, before any tracing
     check_demo_shape(args)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
@@ -94,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--topology", default=None, help="topology preset name or file for the cost model")
     ex.add_argument("--mode", default=None,
                     help="Inductor mode the model would compile under (reduce-overhead: priced as CUDA graph replays)")
+    ex.add_argument("--fused-async", action="store_true",
+                    help="the fused_async option: fused reductions start early and are waited for at first use "
+                         "(where work lies between), priced so")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     ex.add_argument("--every-pair", action="store_true",
                     help="a table row per pair (by default pairs alike, a layer's repeated, share a row with their count)")

@@ -41,6 +41,25 @@ def test_explain_json_and_topology(capsys):
 
 
 @pytest.mark.slow  # traces the demo model (in this process)
+def test_explain_says_which_reductions_fused_async_defers(capsys):
+    """``--fused-async``: the backward's reductions (a weight gradient lies between each and its first
+    use) run deferred, labelled ``async``; the forward's, read at once, stay plain calls, and their
+    reason says why.  Without the flag no pair is deferred."""
+    args = ("explain", "--world", "2", "--layers", "1", "--dim", "64", "--seq", "16", "--no-sequence-parallel",
+            "--strategy", "fuse", "--schedule", "direct", "--json")
+    status, stdout, stderr = run_main(capsys, *args, "--fused-async")
+    assert status == 0, stderr[-3000:]
+    pairs = [p for g in json.loads(stdout)["graphs"] for p in g["pairs"] if p["kind"] == "matmul_all_reduce"]
+    deferred = {(p["graph"], p["asynchronous"]) for p in pairs if p["status"] == "rewritten"}
+    assert deferred == {("forward", False), ("backward", True)}, deferred
+    assert all("a plain call, not deferred" in p["reason"] for p in pairs if p["graph"] == "forward"
+               and p["status"] == "rewritten")
+    status, stdout, stderr = run_main(capsys, *args)
+    assert status == 0, stderr[-3000:]
+    assert not any(p["asynchronous"] for g in json.loads(stdout)["graphs"] for p in g["pairs"])
+
+
+@pytest.mark.slow  # traces the demo model (in this process)
 def test_explain_every_pair_gives_a_row_per_pair(capsys):
     """Two layers: by default their pairs alike share a row (with the count); ``--every-pair`` lists
     each pair on a row of its own, every collective named once."""
