@@ -15,7 +15,8 @@ benchmarks, map each other's buffers with CUDA IPC instead of symmetric memory, 
 them).  A call then does no host synchronisation
 and no allocation beyond its outputs, and issues a fixed list of launches, or replays them from a
 CUDA graph captured for the call's addresses (:mod:`.replay`: the host's cost then no longer grows
-with the plan); the flags hold the epoch as one bit of four (:mod:`..flag_codes`), so that the
+with the plan; a deferred call's graph runs on a stream of its workspace's own, which the caller's
+stream waits for where the call's GEMMs end: ``_Workspace._replay_apart``); the flags hold the epoch as one bit of four (:mod:`..flag_codes`), so that the
 replayed flag operations are right for every fourth call.
 
 CUDA graphs.  An eager call passes its epoch to the flag operations as a number, which a graph
