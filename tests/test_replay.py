@@ -71,6 +71,13 @@ def test_replays_are_off_when_asked(monkeypatch):
     monkeypatch.setenv("COMPASS_FUSED_REPLAY_GRAPHS", "0")
     with pytest.raises(ValueError, match="COMPASS_FUSED_REPLAY_GRAPHS"):
         replay.limit()
+    # deferred calls (fused_async) replay by default, not where asked, and never with replays off
+    assert replay.deferred_enabled()
+    monkeypatch.setenv("COMPASS_FUSED_REPLAY_DEFERRED", "0")
+    assert not replay.deferred_enabled()
+    monkeypatch.setenv("COMPASS_FUSED_REPLAY_DEFERRED", "1")
+    monkeypatch.setenv("COMPASS_FUSED_REPLAY", "0")
+    assert not replay.deferred_enabled()
 
 
 def test_a_workspace_whose_sets_do_not_recur_in_time_stops_capturing():
