@@ -15,6 +15,16 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double().cpu() - want).abs().max() / want.abs().max())
 
 
+def _seeded(step: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One step's inputs of every rank, seeded, as bf16 values held in float64 (the references'):
+    the gathers' 128-row shards, the reductions' 256-row inputs, a 256x192 and a 256x64 weight."""
+    g = torch.Generator().manual_seed(step)
+    shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
+    full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
+    return (shards, full, torch.randn(256, 192, generator=g).bfloat16().double(),
+            torch.randn(256, 64, generator=g).bfloat16().double())
+
+
 def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transport: str = "peer",
                           our_kernels: bool = True) -> None:
     """Ten calls of each fused operator through the ``.graph`` overloads (issued, captured, then
@@ -55,11 +65,7 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
                 before_python_step = dict(replay.stats)
             if step == 8:
                 python_step = {k: replay.stats[k] - before_python_step[k] for k in ("replayed", "lane")}
-            g = torch.Generator().manual_seed(step)
-            shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
-            full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
-            w_host = torch.randn(256, 192, generator=g).bfloat16().double()
-            w2_host = torch.randn(256, 64, generator=g).bfloat16().double()
+            shards, full, w_host, w2_host = _seeded(step, world)
             shard.copy_(shards[rank])
             a.copy_(full[rank])
             w.copy_(w_host)
@@ -233,11 +239,7 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
         worst, replayed = 0.0, {name: [] for name, _, _ in starts}
         inside = {name: [] for name, _, _ in starts}
         for step in range(10):
-            g = torch.Generator().manual_seed(step)
-            shards = [torch.randn(128, 256, generator=g).bfloat16().double() for _ in range(world)]
-            full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
-            wg_host = torch.randn(256, 64, generator=g).bfloat16().double()
-            w_host = torch.randn(256, 192, generator=g).bfloat16().double()
+            shards, full, w_host, wg_host = _seeded(step, world)
             shard.copy_(shards[rank])
             w_gather.copy_(wg_host)
             w.copy_(w_host)
