@@ -242,8 +242,9 @@ class _Workspace:
                                      for phase in range(self.phases)]
                 self._join_copies(graph_plan, self.replay_steps)
             self.dog.prefill(self.watched, 16)
-        # where a replay graph's caller-stream work ends and its join begins (a deferred replay's release)
-        self.replay_join_at = self.join_at if self.replay_steps is self.steps else join_start(graph_plan)
+        # where a replay graph's caller-stream work ends and its join begins (a deferred replay's release);
+        # a replay captures graph_plan's commands (plan's own where the two are one)
+        self.replay_join_at = join_start(graph_plan)
         self.apart: _Apart | None = None  # a deferred call's replays, built on its first call
 
     def _peer_memory(self, group, group_name: str, peers: list[int], cols: int, dtype: torch.dtype,
