@@ -413,12 +413,16 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
             raise RuntimeError(f"{name} rows={rows}: result off by {err:.3g} of its largest element (rank {rank})")
         return err
 
-    def issued(*call):  # every command launched from Python, as before replays (COMPASS_FUSED_REPLAY=0)
-        os.environ["COMPASS_FUSED_REPLAY"] = "0"
-        try:
-            return graph_op(*call)
-        finally:
-            os.environ["COMPASS_FUSED_REPLAY"] = "1"
+    def replay_off(fn):  # fn with every command launched from Python, as before replays (COMPASS_FUSED_REPLAY=0)
+        def issued_form(*call):
+            os.environ["COMPASS_FUSED_REPLAY"] = "0"
+            try:
+                return fn(*call)
+            finally:
+                os.environ["COMPASS_FUSED_REPLAY"] = "1"
+        return issued_form
+
+    issued = replay_off(graph_op)
 
     try:
         from compass_fx.kernels.cuda import lane
@@ -470,12 +474,7 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
             other @ other  # the caller's stream goes on while the pieces travel
             return wait(out)
 
-        def started_issued():  # the same issued command by command (COMPASS_FUSED_REPLAY=0), as before it replayed
-            os.environ["COMPASS_FUSED_REPLAY"] = "0"
-            try:
-                return started()
-            finally:
-                os.environ["COMPASS_FUSED_REPLAY"] = "1"
+        started_issued = replay_off(started)  # the same issued command by command, as before it replayed
         for name, form in (("async_relative_error", started), ("async_issued_relative_error", started_issued)):
             res[name] = max(relative_error(op, form(), rows, k, n, rank, world) for _ in range(5))
             if res[name] > TOLERANCE:
