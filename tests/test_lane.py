@@ -626,10 +626,10 @@ def test_the_fast_path_built_installs_the_c_entries_over_the_python_ones(fast, m
 
 # -- fused_async's deferred calls (``*_start``), replayed apart --------------------------------------
 class Event:
-    """What lane.cpp reads of ``driver.Event``: its handle."""
+    """What lane.cpp reads of ``driver.Event``: its handle, a ctypes pointer as the driver's are."""
 
     def __init__(self, handle: int) -> None:
-        self.handle = handle
+        self.handle = ctypes.c_void_p(handle)
 
 
 STARTED, RELEASED, FINISHED = 0xE1, 0xE2, 0xE3
@@ -704,6 +704,7 @@ def test_a_deferred_call_c_cannot_replay_apart_is_left_to_the_python_path(fast):
         "deferred calls issued (COMPASS_FUSED_REPLAY_DEFERRED=0)": lambda: setattr(ws.apart, "replays", None),
         "a join issued command by command outstanding": lambda: setattr(impl.Join, "outstanding", 1),
         "an event without a handle": lambda: setattr(ws.apart, "released", object()),
+        "an event whose handle is no pointer": lambda: setattr(ws.apart, "finished", SimpleNamespace(handle=RELEASED)),
         "replays of another stream running": lambda: (setattr(ws.progress, "stream", STREAM),
                                                       setattr(ws.progress, "issued", 1)),
         "no graph for the phase": lambda: ws.apart.replays.graphs.__setitem__(

@@ -60,7 +60,7 @@ bool configured = false;
 // interned attribute names and environment keys
 PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_stream, *s_issued, *s_epochs,
     *s_address, *s_epoch, *s_exec, *s_move_to_end, *s_outstanding, *s_replayed, *s_lane, *s_launch_what;
-PyObject *s_apart, *s_handle, *s_started, *s_released, *s_finished, *s_order_what, *s_join_what, *s_a, *s_w, *s_out;
+PyObject *s_apart, *s_handle, *s_value, *s_started, *s_released, *s_finished, *s_order_what, *s_join_what, *s_a, *s_w, *s_out;
 PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p;
 PyObject *minus_one, *one;
 PyObject* last_addresses = nullptr;  // what the last call looked its graph up by (for tests and diagnosis)
@@ -303,10 +303,12 @@ struct Apart {
   void *started = nullptr, *released = nullptr, *finished_handle = nullptr;
 };
 
-void* handle_of(PyObject* obj, PyObject* name, Refs& refs) {  // obj.<name>.handle, or nullptr
+// obj.<name>.handle, a driver.Event's (a ctypes c_void_p: its value), or nullptr
+void* handle_of(PyObject* obj, PyObject* name, Refs& refs) {
   PyObject* holder = refs(PyObject_GetAttr(obj, name));
   PyObject* handle = holder ? refs(PyObject_GetAttr(holder, s_handle)) : nullptr;
-  return handle ? PyLong_AsVoidPtr(handle) : nullptr;
+  PyObject* value = handle ? refs(PyObject_GetAttr(handle, s_value)) : nullptr;
+  return value && PyLong_Check(value) ? PyLong_AsVoidPtr(value) : nullptr;
 }
 
 // `workspace`'s _Apart where it replays deferred calls (else false: the Python path issues them).
@@ -654,7 +656,7 @@ PyObject* configure(PyObject*, PyObject* args) {
   s_move_to_end = intern("move_to_end"), s_outstanding = intern("outstanding"), s_replayed = intern("replayed");
   s_lane = intern("lane");
   s_launch_what = intern("cuGraphLaunch");
-  s_apart = intern("apart"), s_handle = intern("handle"), s_started = intern("started");
+  s_apart = intern("apart"), s_handle = intern("handle"), s_value = intern("value"), s_started = intern("started");
   s_released = intern("released"), s_finished = intern("finished");
   s_order_what = intern("ordering a deferred call's stream after the caller's");
   s_join_what = intern("joining a deferred call's release or recording its end");

@@ -9,6 +9,9 @@ captured: one function reads the settings, finds the workspace, allocates the ou
 graph for their addresses, counts the call in the watchdog's ring and launches the graph.  On one
 H200 shared by two host-staged ranks: 19-88 us a call against 42-126 through Python in the same
 rounds (``fused_host_time-h200-lane-w2-breakdown-host-pin-mps``); the launch is then nearly all of it.
+A deferred call (``*_start``, fused_async's) replayed apart takes the same steps with the events of
+``impl._Workspace._replay_apart`` around its launch and its join registered for ``wait_tensor``
+(:func:`register_start`).
 
 What it may skip, and why that is safe.  It runs only for a call the Python path has run before
 with the same arguments' shapes, dtypes, device, schedule, group and settings (the Python path
