@@ -584,9 +584,6 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # the same after the start ops' plain calls skip the dispatcher (as the .graph overloads' do), with the
     # faster operand checks and the stream ordering through raw driver calls
     "h200-deferred-entry": _deferred("-entry"),
-    # the same after C took the starts' eager calls (lane.cpp replays them apart; their Python path in the
-    # same rounds: fused_host_time's "start, wait; Python path")
-    "h200-start-entry": _deferred("-c-start"),
     # and the peer transport's starts at 2 and 4 ranks (its ring all-reduce defers a gather of the sums),
     # and the host time at 4 and 8 ranks host-staged
     "h200-deferred-more": (

@@ -429,19 +429,15 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
     except ImportError:  # a package from before the host fast path (snapshot.py --scripts: an A/B's other turn)
         lane = None
 
-    def without_c(fn):  # fn with the C fast path set aside (.cuda.lane; an A/B in turns)
-        def python_form(*call):
-            if lane is None:
-                return fn(*call)
-            saved = lane.fast_calls[:]
-            lane.fast_calls.clear()
-            try:
-                return fn(*call)
-            finally:
-                lane.fast_calls[:] = saved
-        return python_form
-
-    python_path = without_c(graph_op)
+    def python_path(*call):  # the .graph call with the C fast path set aside (.cuda.lane; an A/B in turns)
+        if lane is None:
+            return graph_op(*call)
+        saved = lane.fast_calls[:]
+        lane.fast_calls.clear()
+        try:
+            return graph_op(*call)
+        finally:
+            lane.fast_calls[:] = saved
 
     err = checked(op, through_op)
     for _ in range(2 * replay.PERIOD + 1):  # every residue of the epoch captured for these addresses
@@ -479,14 +475,12 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
             return wait(out)
 
         started_issued = replay_off(started)  # the same issued command by command, as before it replayed
-        started_python = without_c(started)  # replayed apart, issued from Python (as before C took starts)
-        forms = {"async": started, "async_python": started_python, "async_issued": started_issued}
-        for form_name, form in forms.items():
-            name = f"{form_name}_relative_error"
+        for name, form in (("async_relative_error", started), ("async_issued_relative_error", started_issued)):
             res[name] = max(relative_error(op, form(), rows, k, n, rank, world) for _ in range(5))
             if res[name] > TOLERANCE:
                 raise RuntimeError(f"{op}_start rows={rows} ({name}): result off by {res[name]:.3g} (rank {rank})")
-            timed[f"host_us_{form_name}"] = form
+        timed["host_us_async"] = started
+        timed["host_us_async_issued"] = started_issued
     # a plain eager op's issue in the same rounds, last (the forms above keep their order): the host's reference
     first_weight = weight_list(b)[0]
     timed["host_us_mm"] = lambda: torch.mm(a, first_weight)
@@ -620,8 +614,7 @@ def markdown(payload: dict) -> str:
              "C; its steady and between-ops forms after the Python entry's); n: the weights' widths (a gather of "
              "several: Q, K and V, or w1 and w3, sharing their gathered rows); issued: the same with COMPASS_FUSED_REPLAY=0 (every "
              "command launched from Python, as before); impl: the implementation called directly; start, wait: the asynchronous form "
-             "(fused_async's: start, a 2048-square GEMM, wait_tensor; replayed on a stream of its own, the start "
-             "entered from C; Python path: the same with the fast path set aside, as before C took starts; issued: "
+             "(fused_async's: start, a 2048-square GEMM, wait_tensor; replayed on a stream of its own; issued: "
              "with COMPASS_FUSED_REPLAY=0, as before it replayed); .graph, GPU busy: the .graph calls issued while the GPU sleeps 2 ms first "
              "(the host runs ahead of a busy device, as in a step; the other forms start from an idle one); "
              ".graph, warm host: the same after the host spun 3 ms, the GPU busy (a host that just waited ~10 ms for "
@@ -679,13 +672,11 @@ def markdown(payload: dict) -> str:
          ("host_us_steady_mm", "host us (torch.mm, steady)"),
          ("host_us_issued", "host us (issued)"),
          ("host_us_impl", "host us (impl)"), ("host_us_async", "host us (start, wait)"),
-         ("host_us_async_python", "host us (start, wait; Python path)"),
          ("host_us_async_issued", "host us (start, wait; issued)"),
          ("period_us", "period us (16 .graph in a row)"), ("host_share", "host / GPU per rank"),
          ("replayed_calls", "replayed calls"), ("fast_path_calls", "of which from C"), ("model_us", "model us"), ("model_over_graph", "model / .graph")]))
     lines += ["", *goal_lines(payload["rows"]), *entry_lines(payload["rows"]),
-              *entry_lines(payload["rows"], "_dispatcher", "the dispatcher"),
-              *entry_lines(payload["rows"], "_python", "the Python path", ASYNC_FORMS), *mm_lines(payload["rows"])]
+              *entry_lines(payload["rows"], "_dispatcher", "the dispatcher"), *mm_lines(payload["rows"])]
     split = [dict(r["breakdown"], world=r["world"], op=r["op"], rows=r["rows"],
                   nodes=", ".join(f"{k} {v}" for k, v in sorted(r["breakdown"]["nodes"].items())))
              for r in payload["rows"] if "call_us" in r.get("breakdown", {})]
@@ -736,20 +727,17 @@ GOAL_FORMS = (("host_us_graph", ".graph"), ("host_us_back_to_back", "16 back to 
 
 ENTRY_FORMS = (("host_us_graph", ".graph"), ("host_us_first_of_16", "first of 16"), ("host_us_steady", "steady"),
                ("host_us_between_ops", "between a step's ops"))
-ASYNC_FORMS = (("host_us_async", "start, GEMM, wait"),)  # the asynchronous form, against its Python path
 
 
-def entry_lines(rows: list[dict], other: str = "_python_entry", name: str = "the Python entry",
-                forms: tuple = ENTRY_FORMS) -> list[str]:
+def entry_lines(rows: list[dict], other: str = "_python_entry", name: str = "the Python entry") -> list[str]:
     """Per world, the .graph overload's C entry against its Python entry (the A/B of
-    ``lane.enter_from_c``, both in one run; ``other`` ``_dispatcher``: against the C++ dispatcher's path;
-    ``_python`` with ``ASYNC_FORMS``: the asynchronous form against its Python path): each form's host
-    time through C over that through the other path, its range over the rows and the median of the
-    microseconds saved."""
+    ``lane.enter_from_c``, both in one run; ``other`` ``_dispatcher``: against the C++ dispatcher's path):
+    each form's host time through C over that through the other path, its range over the rows and the
+    median of the microseconds saved."""
     lines = []
     for world in sorted({r["world"] for r in rows}):
         parts = []
-        for key, label in forms:
+        for key, label in ENTRY_FORMS:
             pairs = [(r[key], r[f"{key}{other}"]) for r in rows
                      if r["world"] == world and r.get(key) is not None and r.get(f"{key}{other}") is not None]
             if pairs:

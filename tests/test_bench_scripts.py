@@ -681,12 +681,6 @@ def test_fused_host_time_compares_the_c_entry_with_the_python_entry_row_by_row()
     assert fused_host_time.entry_lines(rows) == [
         "C entry over the Python entry at world 2 (host time, row by row): .graph 0.75-0.90x (median 7.5 us less); "
         "steady 0.90-0.90x (median 2.0 us less)."]
-    # the asynchronous form (start, a GEMM, wait) entered from C against its Python path
-    rows = [{"world": 2, "host_us_async": 120.0, "host_us_async_python": 160.0, "host_us_graph": 30.0},
-            {"world": 2, "host_us_async": 100.0, "host_us_async_python": 150.0}]
-    assert fused_host_time.entry_lines(rows, "_python", "the Python path", fused_host_time.ASYNC_FORMS) == [
-        "C entry over the Python path at world 2 (host time, row by row): start, GEMM, wait 0.67-0.75x "
-        "(median 45.0 us less)."]
 
 
 def test_fused_host_time_sets_the_call_beside_a_plain_torch_mm_of_the_same_rounds():

@@ -214,7 +214,7 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
     peer transport also the ring all-reduce's, whose gather of the sums is the deferred part), each
     with a gather (another workspace) while it is outstanding and its input overwritten on the
     caller's stream before its ``wait_tensor``, then checked against references from every rank's
-    inputs.  Per step and call: the graphs it replayed, and whether C issued it (``lane.cpp``)."""
+    inputs.  Per step and call: the graphs it replayed."""
     import json
     import os
 
@@ -238,7 +238,6 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
             starts.append(("ring all-reduce", torch.ops.compass.matmul_all_reduce_start, "ring"))
         worst, replayed = 0.0, {name: [] for name, _, _ in starts}
         inside = {name: [] for name, _, _ in starts}
-        from_c = {name: [] for name, _, _ in starts}
         for step in range(10):
             shards, full, w_host, wg_host = _seeded(step, world)
             shard.copy_(shards[rank])
@@ -249,10 +248,9 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
             everyone = torch.cat(shards)
             for name, start, schedule in starts:
                 a.copy_(full[rank])
-                before, before_c = replay.stats["replayed"], replay.stats["lane"]
+                before = replay.stats["replayed"]
                 out = start(a, w, schedule, group, world)
                 replayed[name].append(replay.stats["replayed"] - before)
-                from_c[name].append(replay.stats["lane"] - before_c)
                 a.fill_(7.0)  # the caller's stream may overwrite the input once the start returns
                 before = replay.stats["replayed"]
                 gathered, (product,) = torch.ops.compass.all_gather_matmul.graph(shard, [w_gather], "direct",
@@ -264,7 +262,7 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
                 worst = max(worst, _close(wait(out), want))
                 del out
         torch.cuda.synchronize()
-        result = {"worst": worst, "replayed": replayed, "inside": inside, "from_c": from_c,
+        result = {"worst": worst, "replayed": replayed, "inside": inside,
                   "outstanding": impl.Join.outstanding,
                   "pending": sum(ws.pending is not None for ws in impl._workspaces.values())}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -279,9 +277,7 @@ def _deferred_calls(rank: int, world: int, init: str, out_dir: str, transport: s
 def test_deferred_calls_replay_on_one_gpu(tmp_path, transport, world):
     """``fused_async``'s deferred calls replay from their second step on, as the calls issued while
     they are outstanding do (once, no eager call replayed while a deferred one was out), and every
-    result is right although the caller overwrote each call's input before joining it.  Once every
-    phase's graph exists (the fifth step on), C issues the direct schedule's starts; the ring
-    all-reduce's (a plain reduce-scatter, then a deferred gather) stays in Python."""
+    result is right although the caller overwrote each call's input before joining it."""
     import json
 
     import torch.multiprocessing as mp
@@ -294,6 +290,4 @@ def test_deferred_calls_replay_on_one_gpu(tmp_path, transport, world):
             # a set of addresses is captured on its second sighting (a ring all-reduce: two graphs)
             assert all(c >= 1 for c in counts[3:]), (name, r)
             assert all(c == 1 for c in r["inside"][name][3:]), (name, r)
-            from_c = r["from_c"][name]
-            assert all(c == (name != "ring all-reduce") for c in from_c[5:]) and not any(from_c[:2]), (name, r)
         assert r["outstanding"] == 0 and r["pending"] == 0, r

@@ -23,36 +23,23 @@ from compass_fx.kernels.cuda.watchdog import Progress
 pytestmark = pytest.mark.slow  # builds a C++ extension (~20 s on 2 cores)
 
 STREAM = 0x5151
-SIDE = 0x5252  # a workspace's own stream, where its deferred calls replay (impl._Apart)
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
-WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 
 
 class Launches:
-    """cuGraphLaunch's stand-in: records (graph exec, stream); returns ``result``.  With it
-    cuEventRecord's and cuStreamWaitEvent's, which return ``event_result`` (or what it returns, given
-    the timeline so far): every driver call in order in ``timeline``."""
+    """cuGraphLaunch's stand-in: records (graph exec, stream); returns ``result``."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
-        self.timeline: list[tuple] = []
-        self.result = self.event_result = 0
+        self.result = 0
         self.hold_s = 0.0  # how long a launch takes
         self.callback = LAUNCH(self._launch)
-        self.record = RECORD(lambda event, stream: self._event(("record", event, stream)))
-        self.wait = WAIT(lambda stream, event, flags: self._event(("wait", stream, event, flags)))
 
     def _launch(self, graph_exec, stream) -> int:
         self.seen.append((graph_exec, stream))
-        self.timeline.append(("launch", graph_exec, stream))
         if self.hold_s:
             time.sleep(self.hold_s)
         return self.result
-
-    def _event(self, what: tuple) -> int:
-        self.timeline.append(what)
-        return self.event_result(self.timeline) if callable(self.event_result) else self.event_result
 
 
 def _raise(result: int, what: str) -> None:
@@ -66,18 +53,12 @@ def fast():
     module = lane.compile_module()
     launches = Launches()
     capturing = [False]
-    registered: list[tuple] = []  # (output, join): impl._register_join's calls
-
-    def address(callback) -> int:
-        return ctypes.cast(callback, ctypes.c_void_p).value
-
     lane.configure(module, transports=impl._transports, join=impl.Join, raw_stream=lambda index: STREAM,
-                   capturing=lambda: capturing[0], launch_address=address(launches.callback), check=_raise,
-                   graph_join=impl.GraphJoin, register_join=lambda out, join: registered.append((out, join)),
-                   record_address=address(launches.record), wait_address=address(launches.wait))
+                   capturing=lambda: capturing[0],
+                   launch_address=ctypes.cast(launches.callback, ctypes.c_void_p).value, check=_raise)
     impl.transport()  # the settings' parsed values, as a first Python call leaves them
     replay.enabled()
-    yield SimpleNamespace(module=module, launches=launches, capturing=capturing, registered=registered)
+    yield SimpleNamespace(module=module, launches=launches, capturing=capturing)
     lane.lanes.clear()
 
 
@@ -463,8 +444,7 @@ def test_a_first_build_says_it_takes_a_while_and_a_cached_one_does_not(fast, mon
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="compass_fx"), \
                 pytest.warns(RuntimeWarning, match="host fast path is off .*no compiler here"):
-            assert lane.module(transports={}, join=object, raw_stream=None, capturing=None, graph_join=object,
-                               register_join=None) is None
+            assert lane.module(transports={}, join=object, raw_stream=None, capturing=None) is None
         assert ("building the host fast path" in caplog.text) == (not cached), caplog.text
 
 
@@ -622,160 +602,3 @@ def test_the_fast_path_built_installs_the_c_entries_over_the_python_ones(fast, m
     assert overload._op is not first and overload._op.fallback is fallback
     overload._op(torch.empty(8, 8), _meta(8, 6), "direct", "g0", 2)  # another device: the Python entry
     assert len(fallback.seen) == 1
-
-
-# -- fused_async's deferred calls (``*_start``), replayed apart --------------------------------------
-class Event:
-    """What lane.cpp reads of ``driver.Event``: its handle, a ctypes pointer as the driver's are."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = ctypes.c_void_p(handle)
-
-
-STARTED, RELEASED, FINISHED = 0xE1, 0xE2, 0xE3
-
-
-def _deferring_workspace() -> SimpleNamespace:
-    """A workspace of deferred calls with its ``impl._Apart``: its own replays, stream and events."""
-    ws = _workspace()
-    ws.apart = SimpleNamespace(replays=replay.Replays(-1), handle=SIDE, started=Event(STARTED),
-                               released=Event(RELEASED), finished=Event(FINISHED))
-    return ws
-
-
-START_CASES = {"reduce-scatter": ("matmul_reduce_scatter_start", (8, 8), (8, 6), 2, (4, 6)),
-               "all-reduce": ("matmul_all_reduce_start", (8, 8), (8, 6), 4, (8, 6))}
-
-
-def _start(fast, case: str, learn: bool = True):
-    """A start's lane and arguments; with ``learn``, its graphs captured by hand (the next call hits)."""
-    op, a_shape, b_shape, world, _ = START_CASES[case]
-    a, b, ws = _meta(*a_shape), _meta(*b_shape), _deferring_workspace()
-    lane.lanes[_key(fast, op, a, b, world)] = ws
-    if learn:
-        assert _call(fast, op, a, b, world) is None  # no graph yet: the Python path's call
-        ws.apart.replays.graphs[fast.module.last_addresses()] = [Graph(0x4000 + phase) for phase in range(4)]
-    return op, a, b, world, ws
-
-
-@pytest.mark.parametrize("case", sorted(START_CASES))
-def test_a_deferred_call_replays_apart_from_c_as_the_python_path_does(fast, case):
-    """_Workspace._replay_apart's steps in C: the side stream waits for the caller's work, the graph of
-    the epoch's phase (among the apart replays, looked up by the Python path's addresses) runs there,
-    counted in the watchdog's ring; the caller's stream waits for its release, the side stream records
-    its end; the workspace's pending join is a GraphJoin on that event holding the call's tensors,
-    registered on the output (wait_tensor runs it)."""
-    op, a, b, world, ws = _start(fast, case, learn=False)
-    before = len(fast.launches.timeline)
-    assert _call(fast, op, a, b, world) is None and len(fast.launches.timeline) == before
-    assert ws.epoch == 0 and ws.pending is None and not fast.registered
-    addresses = fast.module.last_addresses()
-    ws.apart.replays.graphs[addresses] = [Graph(0x4000 + phase) for phase in range(4)]
-    replayed = replay.stats["replayed"]
-    out = _call(fast, op, a, b, world)
-    assert tuple(out.shape) == START_CASES[case][4] and out.dtype == a.dtype and out.device == a.device
-    assert impl._Workspace._addresses({"A": [a], "W": [b], "OUT": [out], "GATHERED": []}) == addresses
-    assert fast.launches.timeline[before:] == [
-        ("record", STARTED, STREAM), ("wait", SIDE, STARTED, 0),  # after the caller's earlier work
-        ("launch", 0x4001, SIDE),                                  # the graph on the workspace's stream
-        ("wait", STREAM, RELEASED, 0), ("record", FINISHED, SIDE)]  # the caller goes on after the GEMMs
-    assert ws.epoch == 1 and ws.progress.issued == 1 and ws.progress.epochs[0] == 1 and ws.progress.stream == SIDE
-    assert replay.stats["replayed"] == replayed + 1
-    join = ws.pending
-    assert type(join) is impl.GraphJoin and join.workspace is ws and join.finished is ws.apart.finished
-    assert join.tensors["A"][0] is a and join.tensors["W"][0] is b and join.tensors["OUT"][0] is out
-    assert fast.registered[-1][0] is out and fast.registered[-1][1] is join
-    assert not ws.replays.graphs  # the plain replays untouched
-
-    ws.pending = None  # joined (GraphJoin.wait); the next call takes the next phase
-    ws.progress.done.value = 1
-    assert _call(fast, op, a, b, world) is not None
-    assert fast.launches.timeline[-3] == ("launch", 0x4002, SIDE) and ws.epoch == 2
-    fast.registered.clear()
-    lane.lanes.clear()
-
-
-def test_a_deferred_call_c_cannot_replay_apart_is_left_to_the_python_path(fast):
-    """Whatever _replay_apart would not replay, or run() would wait for first, C leaves untouched."""
-    op, a, b, world, ws = _start(fast, "reduce-scatter")
-    cases = {
-        "its join not waited for": lambda: setattr(ws, "pending", object()),
-        "no apart yet": lambda: setattr(ws, "apart", None),
-        "deferred calls issued (COMPASS_FUSED_REPLAY_DEFERRED=0)": lambda: setattr(ws.apart, "replays", None),
-        "a join issued command by command outstanding": lambda: setattr(impl.Join, "outstanding", 1),
-        "an event without a handle": lambda: setattr(ws.apart, "released", object()),
-        "an event whose handle is no pointer": lambda: setattr(ws.apart, "finished", SimpleNamespace(handle=RELEASED)),
-        "replays of another stream running": lambda: (setattr(ws.progress, "stream", STREAM),
-                                                      setattr(ws.progress, "issued", 1)),
-        "no graph for the phase": lambda: ws.apart.replays.graphs.__setitem__(
-            fast.module.last_addresses(), [None] * 4),
-    }
-    for why, change in cases.items():
-        saved = (ws.pending, ws.apart, vars(ws.apart).copy(), ws.progress.stream, ws.progress.issued,
-                 {k: list(v) for k, v in ws.apart.replays.graphs.items()})
-        change()
-        before = (ws.epoch, ws.progress.issued, len(fast.launches.timeline), len(fast.registered))
-        try:
-            assert _call(fast, op, a, b, world) is None, why
-            assert (ws.epoch, ws.progress.issued, len(fast.launches.timeline), len(fast.registered)) == before, why
-        finally:
-            ws.pending, ws.apart = saved[0], saved[1]
-            vars(ws.apart).update(saved[2])
-            ws.progress.stream, ws.progress.issued = saved[3], saved[4]
-            ws.apart.replays.graphs.update(saved[5])
-            impl.Join.outstanding = 0
-        assert _call(fast, op, a, b, world) is not None, why  # and back on
-        ws.pending = None
-        ws.progress.done.value = ws.progress.issued
-    # the plain operator's lane is not the start's: a plain call of the same arguments finds no workspace
-    assert _call(fast, "matmul_reduce_scatter", a, b, world) is None
-    fast.registered.clear()
-    lane.lanes.clear()
-
-
-@pytest.mark.parametrize("step", ["ordering", "launch", "joining"])
-def test_a_deferred_call_whose_driver_call_fails_raises_and_leaves_no_join(fast, step):
-    op, a, b, world, ws = _start(fast, "all-reduce")
-    mark = len(fast.launches.timeline)
-    if step == "launch":
-        fast.launches.result = 700
-    elif step == "ordering":  # the first event operation, before the launch
-        fast.launches.event_result = 400
-    else:  # the first one after the launch
-        fast.launches.event_result = lambda timeline: 400 if ("launch", 0x4001, SIDE) in timeline[mark:] else 0
-    expected = {"ordering": "ordering a deferred call's stream", "launch": "cuGraphLaunch failed: 700",
-                "joining": "joining a deferred call's release"}[step]
-    try:
-        with pytest.raises(RuntimeError, match=expected):
-            _call(fast, op, a, b, world)
-    finally:
-        fast.launches.result = fast.launches.event_result = 0
-    assert fast.launches.timeline[mark:][-1][0] == {"ordering": "record", "launch": "launch", "joining": "wait"}[step]
-    assert ws.pending is None and not fast.registered
-    assert ws.progress.issued == (1 if step == "joining" else 0)  # a graph launched is counted, one refused not
-    lane.lanes.clear()
-
-
-def test_the_python_path_registers_a_start_only_where_it_replays_apart(fast, monkeypatch):
-    """lane.register_start: the start's own key (not the operator's), and only a workspace whose
-    deferred calls replay (an _Apart with replays, a watchdog ring)."""
-    a, b = torch.randn(8, 8), torch.randn(8, 6)
-    monkeypatch.setitem(lane._state, "module", fast.module)
-    ws = _deferring_workspace()
-    for off in (SimpleNamespace(progress=ws.progress),                                   # never deferred
-                SimpleNamespace(progress=ws.progress, apart=SimpleNamespace(replays=None)),  # issued
-                SimpleNamespace(progress=None, apart=ws.apart)):                         # no ring
-        lane.register_start("matmul_reduce_scatter", a, b, "direct", "g0", 2, off)
-    assert not lane.lanes
-    lane.register_start("matmul_reduce_scatter", a, b, "direct", "g0", 2, ws)
-    assert lane.lanes == {fast.module.key(lane.OPS["matmul_reduce_scatter_start"], a, b, "direct", "g0", 2): ws}
-    assert fast.module.key(lane.OPS["matmul_reduce_scatter"], a, b, "direct", "g0", 2) not in lane.lanes
-    lane.lanes.clear()
-
-
-def test_the_start_ops_calls_are_offered_to_c():
-    """Both asynchronous forms' overloads are among the C entries (lane.install_entries makes them C's
-    once the fast path is built), each with its kernel's Python path."""
-    offered = {op: overload for overload, op, _, listed in lane.entries if not listed}
-    for name in ("matmul_reduce_scatter_start", "matmul_all_reduce_start"):
-        assert offered[name] is getattr(torch.ops.compass, name).default

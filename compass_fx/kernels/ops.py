@@ -405,17 +405,7 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
         _check_divisible(a.shape[0], group_size)
         return a.new_empty((out_rows(a.shape[0], group_size), b.shape[1]))
 
-    code = _LANE_OPS[name]
-
     def cuda_kernel(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
-        if _fast_calls:  # replayed apart where its graph exists, issued from C (.cuda.lane)
-            out = _fast_calls[0](code, a, b, schedule, group_name, group_size)
-            if out is not None:
-                return out
-        return python_path(a, b, schedule, group_name, group_size)
-
-    def python_path(a: Tensor, b: Tensor, schedule: str, group_name: str, group_size: int):
-        """The CUDA kernel's Python path (a call C declined)."""
         _check_cuda(a, (b,), schedule, group_size)
         _check_divisible(a.shape[0], group_size)
         cuda = _cuda()
@@ -424,8 +414,8 @@ def _start_op(name: str, sync_op, cuda_fn, out_rows) -> None:
         return sync_op(a, b, schedule, group_name, group_size)
 
     _graph_op(name, _MATMUL_SCHEMA, start, fake, cuda_kernel)
-    if _direct_possible():  # plain CUDA tensors skip the dispatcher and enter C, as the .graph overloads' calls do
-        _direct(getattr(torch.ops.compass, name).default, cuda_kernel, False, python_path)
+    if _direct_possible():  # plain CUDA tensors skip the dispatcher, as the .graph overloads' calls do
+        _skip_dispatcher(getattr(torch.ops.compass, name).default, cuda_kernel, False)
 
 
 _start_op("matmul_reduce_scatter_start", _rs_any, "matmul_reduce_scatter", lambda rows, g: rows // g)

@@ -921,8 +921,7 @@ def _workspace(key: tuple, make_plan: Callable[[bool, bool], Plan], group_name: 
         _workspaces[(key, True)] = _Workspace(make_plan(True, guards), group_name, cols, dtype, device, captured=True)
     if ws.progress is not None:
         # built now, with the workspace (never during a step's later calls), handed what it reads of this module
-        lane.module(transports=_transports, join=Join, raw_stream=_raw_stream, capturing=_capturing,
-                    graph_join=GraphJoin, register_join=_register_join)
+        lane.module(transports=_transports, join=Join, raw_stream=_raw_stream, capturing=_capturing)
     return ws
 
 
@@ -1000,8 +999,6 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, schedule: str, group
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
         _register_join(out, join)
-        if type(join) is GraphJoin:  # replayed apart: C may issue the next ones
-            lane.register_start("matmul_reduce_scatter", a, b, schedule, group_name, group_size, ws)
     else:
         lane.register("matmul_reduce_scatter", a, b, schedule, group_name, group_size, ws)
     return out
@@ -1042,8 +1039,6 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, schedule: str, group_nam
     join = ws.run({"A": [a], "W": [b], "OUT": [out]}, deferred)
     if join is not None:
         _register_join(out, join)
-        if type(join) is GraphJoin:  # replayed apart: C may issue the next ones
-            lane.register_start("matmul_all_reduce", a, b, schedule, group_name, group_size, ws)
     else:
         lane.register("matmul_all_reduce", a, b, schedule, group_name, group_size, ws)
     return out

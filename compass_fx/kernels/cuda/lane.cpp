@@ -6,10 +6,6 @@
 // epoch, its Progress ring, the Replays' graphs, the stats), so the two paths can take turns call
 // by call.  Whenever anything is not as a plain replay needs it, it returns None before it has
 // changed anything, and the Python path runs the call.  Everything here runs with the GIL held.
-//
-// The asynchronous forms (`*_start`, fused_async's) take the same steps where the call replays apart
-// (impl._Workspace._replay_apart): its graph on the workspace's own stream, ordered with the caller's
-// by three events, and the join left for `wait_tensor` (a GraphJoin registered on the output).
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,16 +19,8 @@
 namespace {
 
 using Launch = int (*)(void* exec, void* stream);  // cuGraphLaunch(CUgraphExec, CUstream) -> CUresult
-using Record = int (*)(void* event, void* stream);   // cuEventRecord(CUevent, CUstream) -> CUresult
-using Wait = int (*)(void* stream, void* event, unsigned flags);  // cuStreamWaitEvent -> CUresult
 
-// lane.OPS: the operators, then the asynchronous forms of the reducing ones (their own lanes: a
-// deferred call runs a workspace of its own, whose graphs replay apart)
-enum Op : long { GATHER = 0, SCATTER = 1, ALL_REDUCE = 2, START_SCATTER = 3, START_ALL_REDUCE = 4 };
-
-// What an operator's outputs are shaped like: a start's, its operator's.
-long shaped_as(long op) { return op == START_SCATTER ? SCATTER : op == START_ALL_REDUCE ? ALL_REDUCE : op; }
-bool starts(long op) { return op == START_SCATTER || op == START_ALL_REDUCE; }
+enum Op : long { GATHER = 0, SCATTER = 1, ALL_REDUCE = 2 };
 
 struct Config {
   PyObject* lanes = nullptr;            // dict: lane key -> workspace (lane.register)
@@ -46,11 +34,7 @@ struct Config {
   PyObject* raw_stream = nullptr;       // (device index) -> the current stream's handle
   PyObject* check = nullptr;            // driver.check(result, what): raises
   PyObject* off = nullptr;              // the raw values of COMPASS_FUSED_LANE that set this path aside
-  PyObject* graph_join = nullptr;       // impl.GraphJoin: (workspace, finished event, tensors)
-  PyObject* register_join = nullptr;    // impl._register_join(out, join): wait_tensor(out) runs the join
   Launch launch = nullptr;
-  Record record = nullptr;
-  Wait wait = nullptr;
   long long period = 4, ring = 4096;
 };
 
@@ -60,7 +44,6 @@ bool configured = false;
 // interned attribute names and environment keys
 PyObject *s_pending, *s_dog, *s_failure, *s_replays, *s_graphs, *s_progress, *s_stream, *s_issued, *s_epochs,
     *s_address, *s_epoch, *s_exec, *s_move_to_end, *s_outstanding, *s_replayed, *s_lane, *s_launch_what;
-PyObject *s_apart, *s_handle, *s_value, *s_started, *s_released, *s_finished, *s_order_what, *s_join_what, *s_a, *s_w, *s_out;
 PyObject *k_replay, *k_transport, *k_p2p, *k_cuda_fused, *k_lane, *k_piece, *k_most, *b_p2p;
 PyObject *minus_one, *one;
 PyObject* last_addresses = nullptr;  // what the last call looked its graph up by (for tests and diagnosis)
@@ -98,9 +81,8 @@ PyObject* key_of(long op, const at::Tensor& a, const Weights& ws, PyObject* sche
   if (!cols) return nullptr;
   if (op == GATHER)
     for (size_t i = 0; i < ws.size(); ++i) PyTuple_SET_ITEM(cols, i, PyLong_FromLongLong(ws[i]->size(1)));
-  bool chunked = shaped_as(op) == ALL_REDUCE;  // its pull chunks follow these settings
-  PyObject* piece = chunked ? env_get(k_piece) : Py_None;
-  PyObject* most = chunked ? env_get(k_most) : Py_None;
+  PyObject* piece = op == ALL_REDUCE ? env_get(k_piece) : Py_None;
+  PyObject* most = op == ALL_REDUCE ? env_get(k_most) : Py_None;
   return Py_BuildValue("(lOOOLLNiiOOO)", op, schedule, group_name, group_size, (long long)a.size(0),
                        (long long)a.size(1), cols, (int)a.scalar_type(), (int)a.get_device(), transport, piece, most);
 }
@@ -211,9 +193,8 @@ struct Replay {
 };
 
 // Whether `workspace` can replay the call whose graph key is `addresses` (a new reference, handed
-// over) on `stream` now: its settings, its graph for the next epoch's phase (among the `replays` of
-// `holder`: the workspace, or its `apart` for a deferred call), room in its watchdog ring.
-bool prepare(PyObject* workspace, PyObject* holder, PyObject* addresses, PyObject* stream, Refs& refs, Replay* r) {
+// over) on `stream` now: its settings, its graph for the next epoch's phase, room in its watchdog ring.
+bool prepare(PyObject* workspace, PyObject* addresses, PyObject* stream, Refs& refs, Replay* r) {
   if (!refs(addresses)) return false;
   Py_INCREF(addresses);
   Py_XSETREF(last_addresses, addresses);
@@ -224,7 +205,7 @@ bool prepare(PyObject* workspace, PyObject* holder, PyObject* addresses, PyObjec
   PyObject* dog = refs(PyObject_GetAttr(workspace, s_dog));
   PyObject* failure = dog ? refs(PyObject_GetAttr(dog, s_failure)) : nullptr;
   if (!failure || PyObject_IsTrue(failure) != 0) return false;
-  PyObject* replays = refs(PyObject_GetAttr(holder, s_replays));
+  PyObject* replays = refs(PyObject_GetAttr(workspace, s_replays));
   r->progress = refs(PyObject_GetAttr(workspace, s_progress));
   if (!replays || replays == Py_None || !r->progress || r->progress == Py_None) return false;
   PyObject* epoch_obj = refs(PyObject_GetAttr(workspace, s_epoch));
@@ -254,17 +235,6 @@ bool prepare(PyObject* workspace, PyObject* holder, PyObject* addresses, PyObjec
   return r->same ? outstanding < (unsigned long long)(cfg.ring - 1) : outstanding == 0;
 }
 
-// A driver call's result: raises through driver.check where it failed (false, the error set).
-bool driver_ok(int result, PyObject* what) {
-  if (!result) return true;
-  PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, what);  // raises
-  if (raised) {
-    Py_DECREF(raised);
-    PyErr_Format(PyExc_RuntimeError, "%U failed: CUDA driver error %d", what, result);
-  }
-  return false;
-}
-
 // Run a prepared replay: the epoch, the graphs' recency, the stats, the watchdog's ring, the launch.
 // False with a Python error set where something failed (the launch's: not counted in the ring).
 bool commit(Replay& r, PyObject* stream, void* stream_handle, Refs& refs) {
@@ -288,70 +258,16 @@ bool commit(Replay& r, PyObject* stream, void* stream_handle, Refs& refs) {
   long long launch_start = now_ns();
   int result = cfg.launch(r.exec, stream_handle);
   launch_ns += now_ns() - launch_start;
-  if (result) PyObject_SetAttr(r.progress, s_issued, r.issued_obj);  // not counted: it never ran
-  return driver_ok(result, s_launch_what);
-}
-
-// What a deferred call replays with (impl._Apart): the stream its graph runs on (a new reference in
-// the call's Refs, as Python reads it, and its handle) and the three events that order it with the
-// caller's stream.
-struct Apart {
-  PyObject* holder = nullptr;  // the _Apart (its `replays` hold the graphs)
-  PyObject* side = nullptr;
-  void* side_handle = nullptr;
-  PyObject* finished = nullptr;  // the event object GraphJoin waits on
-  void *started = nullptr, *released = nullptr, *finished_handle = nullptr;
-};
-
-// obj.<name>.handle, a driver.Event's (a ctypes c_void_p: its value), or nullptr
-void* handle_of(PyObject* obj, PyObject* name, Refs& refs) {
-  PyObject* holder = refs(PyObject_GetAttr(obj, name));
-  PyObject* handle = holder ? refs(PyObject_GetAttr(holder, s_handle)) : nullptr;
-  PyObject* value = handle ? refs(PyObject_GetAttr(handle, s_value)) : nullptr;
-  return value && PyLong_Check(value) ? PyLong_AsVoidPtr(value) : nullptr;
-}
-
-// `workspace`'s _Apart where it replays deferred calls (else false: the Python path issues them).
-bool read_apart(PyObject* workspace, Refs& refs, Apart* ap) {
-  ap->holder = refs(PyObject_GetAttr(workspace, s_apart));
-  if (!ap->holder || ap->holder == Py_None) return false;
-  ap->side = refs(PyObject_GetAttr(ap->holder, s_handle));
-  ap->side_handle = ap->side ? PyLong_AsVoidPtr(ap->side) : nullptr;
-  ap->finished = refs(PyObject_GetAttr(ap->holder, s_finished));
-  ap->started = handle_of(ap->holder, s_started, refs);
-  ap->released = handle_of(ap->holder, s_released, refs);
-  ap->finished_handle = handle_of(ap->holder, s_finished, refs);
-  return !PyErr_Occurred() && ap->side_handle && ap->finished && ap->started && ap->released && ap->finished_handle;
-}
-
-// A deferred call replayed apart, as _Workspace._replay_apart issues it: the side stream waits for
-// the caller's earlier work, the graph runs there, the caller's stream waits for its release (the
-// call's GEMMs done) and the side stream records its end; the workspace's pending join is a
-// GraphJoin holding the call's tensors, registered on the output for wait_tensor.  Returns the
-// output (a new reference) or nullptr with an error set.
-PyObject* start_apart(Replay& r, const Apart& ap, PyObject* a, PyObject* b, at::Tensor out, void* caller,
-                      Refs& refs) {
-  long long ordered = now_ns();
-  int result = cfg.record(ap.started, caller);
-  if (!result) result = cfg.wait(ap.side_handle, ap.started, 0);
-  if (!driver_ok(result, s_order_what)) return nullptr;
-  launch_ns += now_ns() - ordered;
-  if (!commit(r, ap.side, ap.side_handle, refs)) return nullptr;
-  long long joined = now_ns();
-  result = cfg.wait(caller, ap.released, 0);
-  if (!result) result = cfg.record(ap.finished_handle, ap.side_handle);
-  if (!driver_ok(result, s_join_what)) return nullptr;
-  launch_ns += now_ns() - joined;
-  PyObject* out_obj = refs(THPVariable_Wrap(std::move(out)));
-  PyObject* tensors = refs(Py_BuildValue("{O[O]O[O]O[O]}", s_a, a, s_w, b, s_out, out_obj));
-  PyObject* join = tensors ? refs(PyObject_CallFunctionObjArgs(cfg.graph_join, r.workspace, ap.finished, tensors,
-                                                                nullptr))
-                           : nullptr;
-  if (!join || PyObject_SetAttr(r.workspace, s_pending, join) < 0) return nullptr;
-  PyObject* registered = refs(PyObject_CallFunctionObjArgs(cfg.register_join, out_obj, join, nullptr));
-  if (!registered) return nullptr;
-  Py_INCREF(out_obj);
-  return out_obj;
+  if (result) {
+    PyObject_SetAttr(r.progress, s_issued, r.issued_obj);
+    PyObject* raised = PyObject_CallFunction(cfg.check, "iO", result, s_launch_what);  // raises
+    if (raised) {
+      Py_DECREF(raised);
+      PyErr_Format(PyExc_RuntimeError, "cuGraphLaunch failed: CUDA driver error %d", result);
+    }
+    return false;
+  }
+  return true;
 }
 
 // The body of `call`; `committed` turns true once the call is this path's (a C++ exception before
@@ -387,10 +303,6 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   if (!stream) return decline();
   void* stream_handle = PyLong_AsVoidPtr(stream);
   if (PyErr_Occurred()) return decline();
-  Apart apart;  // a deferred call's graph runs on the workspace's own stream
-  if (starts(op) && !read_apart(workspace, refs, &apart)) return decline();
-  PyObject* holder = starts(op) ? apart.holder : workspace;  // whose replays hold the graphs
-  PyObject* on = starts(op) ? apart.side : stream;           // the stream the graph runs on
 
   // the outputs, as the Python path allocates them (their addresses are part of the graphs' keys)
   long long checked = now_ns(), allocated = 0;
@@ -402,17 +314,15 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
     gathered = at::empty({a.size(0) / world * world, ws[0]->size(1)}, a.options());
     allocated = now_ns();
     const std::vector<at::Tensor> none;
-    PyObject *scatter = PyTuple_GET_ITEM(workspace, 0), *gather = PyTuple_GET_ITEM(workspace, 1);
-    if (!prepare(scatter, scatter, addresses_of(a, ws, outs, nullptr), stream, refs, &first) ||
-        !prepare(gather, gather, addresses_of(outs[0], {}, none, &gathered), stream, refs, &second))
+    if (!prepare(PyTuple_GET_ITEM(workspace, 0), addresses_of(a, ws, outs, nullptr), stream, refs, &first) ||
+        !prepare(PyTuple_GET_ITEM(workspace, 1), addresses_of(outs[0], {}, none, &gathered), stream, refs, &second))
       return decline();
   } else {
-    long shape = shaped_as(op);
-    long long out_rows = shape == GATHER ? a.size(0) * world : shape == SCATTER ? a.size(0) / world : a.size(0);
+    long long out_rows = op == GATHER ? a.size(0) * world : op == SCATTER ? a.size(0) / world : a.size(0);
     if (op == GATHER) gathered = at::empty({out_rows, a.size(1)}, a.options());
     for (const at::Tensor* w : ws) outs.push_back(at::empty({out_rows, w->size(1)}, a.options()));
     allocated = now_ns();
-    if (!prepare(workspace, holder, addresses_of(a, ws, outs, op == GATHER ? &gathered : nullptr), on, refs, &first))
+    if (!prepare(workspace, addresses_of(a, ws, outs, op == GATHER ? &gathered : nullptr), stream, refs, &first))
       return decline();
   }
 
@@ -420,20 +330,13 @@ PyObject* issue(PyObject* const* args, Py_ssize_t nargs, bool& committed) {
   committed = true;
   long long prepared = now_ns();
   launch_ns = 0;
-  PyObject* started = nullptr;
-  if (starts(op)) {
-    started = start_apart(first, apart, args[1], args[2], std::move(outs[0]), stream_handle, refs);
-    if (!started) return nullptr;
-  } else if (!commit(first, stream, stream_handle, refs)) {
-    return nullptr;
-  }
+  if (!commit(first, stream, stream_handle, refs)) return nullptr;
   if (ring && !commit(second, stream, stream_handle, refs)) return nullptr;
   long long done = now_ns();
   phase_ns[CHECKS] = checked - entered, phase_ns[OUTPUTS] = allocated - checked;
   phase_ns[PREPARE] = prepared - allocated, phase_ns[LAUNCH] = launch_ns;
   phase_ns[BOOKKEEPING] = done - prepared - launch_ns;
   phased = true;
-  if (started) return started;
   if (ring) return THPVariable_Wrap(std::move(gathered));
   if (op == GATHER) {
     PyObject* listed = PyList_New((Py_ssize_t)outs.size());
@@ -633,22 +536,18 @@ PyObject* phases(PyObject*, PyObject*) {
 PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
 // configure(lanes, transports, env, replay_settings, disabled, join, stats, capturing, raw_stream,
-//           check, launch_address, period, ring, off, graph_join, register_join, record_address,
-//           wait_address)
+//           check, launch_address, period, ring, off)
 PyObject* configure(PyObject*, PyObject* args) {
-  unsigned long long launch, record, wait;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OOOKLLO!OOKK", &PyDict_Type, &cfg.lanes, &PyDict_Type, &cfg.transports,
+  unsigned long long launch;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO!OOOKLLO!", &PyDict_Type, &cfg.lanes, &PyDict_Type, &cfg.transports,
                         &PyDict_Type, &cfg.env, &PyDict_Type, &cfg.replay_settings, &PyList_Type, &cfg.disabled,
                         &cfg.join, &PyDict_Type, &cfg.stats, &cfg.capturing, &cfg.raw_stream, &cfg.check, &launch,
-                        &cfg.period, &cfg.ring, &PyFrozenSet_Type, &cfg.off, &cfg.graph_join, &cfg.register_join,
-                        &record, &wait))
+                        &cfg.period, &cfg.ring, &PyFrozenSet_Type, &cfg.off))
     return nullptr;
   for (PyObject* o : {cfg.lanes, cfg.transports, cfg.env, cfg.replay_settings, cfg.disabled, cfg.join, cfg.stats,
-                      cfg.capturing, cfg.raw_stream, cfg.check, cfg.off, cfg.graph_join, cfg.register_join})
+                      cfg.capturing, cfg.raw_stream, cfg.check, cfg.off})
     Py_INCREF(o);  // kept for the process's life (configure runs once)
   cfg.launch = reinterpret_cast<Launch>(static_cast<uintptr_t>(launch));
-  cfg.record = reinterpret_cast<Record>(static_cast<uintptr_t>(record));
-  cfg.wait = reinterpret_cast<Wait>(static_cast<uintptr_t>(wait));
   s_pending = intern("pending"), s_dog = intern("dog"), s_failure = intern("failure");
   s_replays = intern("replays"), s_graphs = intern("graphs"), s_progress = intern("progress");
   s_stream = intern("stream"), s_issued = intern("issued"), s_epochs = intern("epochs");
@@ -656,11 +555,6 @@ PyObject* configure(PyObject*, PyObject* args) {
   s_move_to_end = intern("move_to_end"), s_outstanding = intern("outstanding"), s_replayed = intern("replayed");
   s_lane = intern("lane");
   s_launch_what = intern("cuGraphLaunch");
-  s_apart = intern("apart"), s_handle = intern("handle"), s_value = intern("value"), s_started = intern("started");
-  s_released = intern("released"), s_finished = intern("finished");
-  s_order_what = intern("ordering a deferred call's stream after the caller's");
-  s_join_what = intern("joining a deferred call's release or recording its end");
-  s_a = intern("A"), s_w = intern("W"), s_out = intern("OUT");
   k_replay = PyBytes_FromString("COMPASS_FUSED_REPLAY"), k_transport = PyBytes_FromString("COMPASS_FUSED_TRANSPORT");
   k_p2p = PyBytes_FromString("NCCL_P2P_DISABLE"), k_cuda_fused = PyBytes_FromString("COMPASS_CUDA_FUSED");
   k_lane = PyBytes_FromString("COMPASS_FUSED_LANE"), k_piece = PyBytes_FromString("COMPASS_HOST_PIECE_MIB");

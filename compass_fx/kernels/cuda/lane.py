@@ -9,9 +9,6 @@ captured: one function reads the settings, finds the workspace, allocates the ou
 graph for their addresses, counts the call in the watchdog's ring and launches the graph.  On one
 H200 shared by two host-staged ranks: 19-88 us a call against 42-126 through Python in the same
 rounds (``fused_host_time-h200-lane-w2-breakdown-host-pin-mps``); the launch is then nearly all of it.
-A deferred call (``*_start``, fused_async's) replayed apart takes the same steps with the events of
-``impl._Workspace._replay_apart`` around its launch and its join registered for ``wait_tensor``
-(:func:`register_start`).
 
 What it may skip, and why that is safe.  It runs only for a call the Python path has run before
 with the same arguments' shapes, dtypes, device, schedule, group and settings (the Python path
@@ -41,9 +38,7 @@ from . import env_raw
 
 log = logging.getLogger("compass_fx")
 
-# the operators, then the asynchronous forms of the reducing ones (fused_async's; lanes of their own)
-OPS = {"all_gather_matmul": 0, "matmul_reduce_scatter": 1, "matmul_all_reduce": 2,
-       "matmul_reduce_scatter_start": 3, "matmul_all_reduce_start": 4}
+OPS = {"all_gather_matmul": 0, "matmul_reduce_scatter": 1, "matmul_all_reduce": 2}
 _SOURCE = Path(__file__).with_name("lane.cpp")
 _state: dict = {}  # "module": the loaded extension, or "failed": why it is not used
 lanes: dict = {}  # lane key -> workspace (read by lane.cpp)
@@ -122,22 +117,19 @@ def compile_module():
 
 
 def configure(module, *, transports: dict, join: type, raw_stream, capturing, launch_address: int,
-              check, graph_join, register_join, record_address: int, wait_address: int) -> None:
+              check) -> None:
     """Hand ``module`` the Python objects it reads and writes (the Python path's own): ``impl``'s
     transports by raw settings, its ``Join`` class (deferred calls outstanding), how it reads the
-    current stream and whether it is captured; the driver's ``cuGraphLaunch`` and ``check``; for the
-    deferred calls it replays apart, ``impl.GraphJoin``, ``impl._register_join`` and the driver's
-    ``cuEventRecord`` and ``cuStreamWaitEvent``."""
+    current stream and whether it is captured; the driver's ``cuGraphLaunch`` and ``check``."""
     from . import _ENV_DATA, replay
     from ..flag_codes import PERIOD
     from .watchdog import Progress
 
     module.configure(lanes, transports, _ENV_DATA, replay._settings, replay._disabled, join, replay.stats,
-                     capturing, raw_stream, check, launch_address, PERIOD, Progress.RING, OFF, graph_join,
-                     register_join, record_address, wait_address)
+                     capturing, raw_stream, check, launch_address, PERIOD, Progress.RING, OFF)
 
 
-def module(*, transports: dict, join: type, raw_stream, capturing, graph_join, register_join):
+def module(*, transports: dict, join: type, raw_stream, capturing):
     """The extension, built and configured (arguments: :func:`configure`'s) on the first call, or
     None (not wanted, no POSIX environment dict, or the build failed: warned once)."""
     if "module" in _state:
@@ -154,13 +146,9 @@ def module(*, transports: dict, join: type, raw_stream, capturing, graph_join, r
                         "20 s; cached in %s; `compass-fx prepare` builds it ahead, COMPASS_FUSED_LANE=0 skips it)",
                         build_directory())
         built = compile_module()
-        def address(name: str) -> int:
-            return ctypes.cast(driver.raw(name), ctypes.c_void_p).value
-
+        launch = ctypes.cast(driver.raw("graph_launch"), ctypes.c_void_p).value
         configure(built, transports=transports, join=join, raw_stream=raw_stream, capturing=capturing,
-                  launch_address=address("graph_launch"), check=driver.check, graph_join=graph_join,
-                  register_join=register_join, record_address=address("event_record"),
-                  wait_address=address("stream_wait_event"))
+                  launch_address=launch, check=driver.check)
     except Exception as e:  # noqa: BLE001 - the Python path is right, only slower on the host
         _state["failed"] = f"{type(e).__name__}: {e}"
         warnings.warn(f"compass fused operators: the host fast path is off ({_state['failed']}); replayed calls "
@@ -232,22 +220,6 @@ def register(op: str, a: torch.Tensor, b: "torch.Tensor | list[torch.Tensor]", s
     if built is None or workspace.progress is None or workspace.replays is None:
         return
     key = built.key(OPS[op], a, b, schedule, group_name, group_size)
-    if key is not None:
-        lanes[key] = workspace
-
-
-def register_start(op: str, a: torch.Tensor, b: torch.Tensor, schedule: str, group_name: str, group_size: int,
-                   workspace) -> None:
-    """Let later asynchronous calls (``<op>_start``) of these arguments' key replay apart from C: the
-    Python path just replayed such a call on ``workspace``'s own stream (``_Workspace._replay_apart``).
-    Issued from Python, start + GEMM + wait cost 78-161 us beyond a ``.graph`` call and a ``torch.mm``
-    (``fused_host_time-h100-async-entry-*``): the start's Python path, its four event operations, the
-    join's registration."""
-    built = _registering()
-    apart = getattr(workspace, "apart", None)
-    if built is None or workspace.progress is None or apart is None or apart.replays is None:
-        return
-    key = built.key(OPS[op + "_start"], a, b, schedule, group_name, group_size)
     if key is not None:
         lanes[key] = workspace
 
