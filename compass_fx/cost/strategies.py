@@ -64,7 +64,8 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # A deferred call (fused_async's *_start) replays too, on a stream of its workspace's own
 # (kernels/cuda/impl._Workspace._replay_apart), entered from Python: beyond a replayed call it pays the
 # start's Python path, the events that order its stream with the caller's, the join's c10d work and
-# wait_tensor.  FUSED_DEFERRED_S, fitted by benchmarks/fit_model_constants.py (fit_deferred) to the
+# wait_tensor (entered from C instead, a reverted candidate, it cost the same: fused_host_time-h100-async-c-start-*).
+# FUSED_DEFERRED_S, fitted by benchmarks/fit_model_constants.py (fit_deferred) to the
 # asynchronous form's runs (start, a GEMM, wait; fused_host_time-h100-async-entry-*, one H100, two ranks,
 # both transports): per run the median of its time less the .graph call's and a torch.mm's of the same
 # rounds, each after an idle device (so this is its dearest; 95 and 131 us, the median taken).  Issued
