@@ -702,16 +702,13 @@ class _Workspace:
         ``released``: recorded on ``main`` at the join's start (a deferred call's release)."""
         streams = {MAIN: main}
         steps = self.replay_steps[self.epoch % self.phases]
-        if released is None:
-            for step in steps:
-                step(tensors, self.epoch, streams)
-        else:
-            at = self.replay_join_at
-            for step in steps[:at]:
-                step(tensors, self.epoch, streams)
+        at = len(steps) if released is None else self.replay_join_at
+        for step in steps[:at]:
+            step(tensors, self.epoch, streams)
+        if released is not None:
             released.record_external(main.cuda_stream)  # a node of its own, which the caller's stream waits for
-            for step in steps[at:]:
-                step(tensors, self.epoch, streams)
+        for step in steps[at:]:
+            step(tensors, self.epoch, streams)
         if self.count is not None:  # the last node: after every command of the call (capture joins the streams)
             self.count(main.cuda_stream)
 
