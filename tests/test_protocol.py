@@ -481,7 +481,6 @@ def test_detached_caller_stream_waits_for_nothing_but_the_join():
         pr.detached(ag)
 
 
-
 @pytest.mark.parametrize("sets_last", [False, True])
 def test_a_deferred_calls_replay_graph_releases_the_caller_after_its_last_read_of_the_operands(sets_last):
     """A deferred call replayed from a graph runs on a stream of its own; the caller's stream waits
