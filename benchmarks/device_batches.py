@@ -594,6 +594,15 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
     # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
     # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
+    # Issue 27: where a deferred call's host time goes beyond a .graph call's (entering its start from C saved
+    # nothing: fused_host_time-h100-async-c-start-*): its parts timed apart (--deferred-parts), the reductions at
+    # two ranks on both transports, cProfile's view of the 512-row reduce-scatter's whole call host-staged
+    "h200-deferred-parts": (
+        _host_time("host_time-parts-w2", 2, f"{MACHINE}-deferred-parts-w2-host-pin-mps", 150, ops=REDUCTIONS,
+                   extra=("--deferred-parts", "--profile")),
+        _host_time("host_time-parts-peer-w2", 2, f"{MACHINE}-deferred-parts-peer-w2-pin-mps", 110, ops=REDUCTIONS,
+                   extra=("--deferred-parts", "--transport", "peer")),
+    ),
     "h200-cold-host": (
         Step("cold_host_probe", "cold_host_probe.py", ("--worlds", "1,2,8", "--tag", f"{MACHINE}-mps",
                                                        "--out-dir", RESULTS), 150),

@@ -281,6 +281,70 @@ def python_profile(fn, calls: int = 40) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])[:20]
 
 
+class _NoJoin:
+    """A join with nothing to wait for: what ``deferred_parts`` registers to time c10d's hand-off alone."""
+
+    def wait(self) -> None:
+        pass
+
+
+def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tensor, rounds: int,
+                   profile: bool = False) -> dict:
+    """Where a deferred call's host time goes (``*_start``, a GEMM, ``wait_tensor``), without a
+    profiler: forms timed in turns (``host_us``) against the whole call: start + wait with no GEMM
+    between, the GEMM alone, and two of the start's steps on their own: the events that order a
+    replayed deferred call's stream with the caller's (the four driver calls of
+    ``_Workspace._replay_apart`` and its join's wait) and a c10d work registered for a tensor and
+    taken back by ``wait_tensor`` (the hand-off of ``impl._register_join``, with a join that waits
+    for nothing); and the whole call's phases read by the clock inside it (median over the calls
+    of every round, the first after the device went idle among them).  ``profile``: cProfile's
+    top functions of the whole call as well (its own overhead included)."""
+    from compass_fx.kernels.cuda import driver
+    from compass_fx.kernels.cuda import impl as cuda
+
+    clock = time.perf_counter
+    phases: dict[str, list[float]] = {"start": [], "gemm": [], "wait": []}
+
+    def whole():
+        t0 = clock()
+        out = start(a, *args)
+        t1 = clock()
+        other @ other
+        t2 = clock()
+        done = wait(out)
+        t3 = clock()
+        phases["start"].append(t1 - t0)
+        phases["gemm"].append(t2 - t1)
+        phases["wait"].append(t3 - t2)
+        return done
+
+    side = torch.cuda.Stream(priority=-1).cuda_stream
+    started, released, finished = driver.Event(), driver.Event(), driver.Event()
+    record, wait_event = driver.raw("event_record"), driver.raw("stream_wait_event")
+
+    def events():  # _replay_apart's order without the graph between (released is recorded by the graph)
+        caller = cuda._raw_stream(a.get_device())
+        result = (record(started.handle, caller) or wait_event(side, started.handle, 0)
+                  or wait_event(caller, released.handle, 0) or record(finished.handle, side))
+        driver.check(result, "deferred_parts' events")
+        finished.wait_on(caller)
+
+    held, nothing = torch.empty(1, device=a.device), _NoJoin()
+
+    def handed_off():
+        cuda._register_join(held, nothing)
+        return wait(held)
+
+    forms = {"host_us_start_gemm_wait": whole, "host_us_start_wait": lambda: wait(start(a, *args)),
+             "host_us_gemm": lambda: other @ other, "host_us_events": events, "host_us_register_wait": handed_off}
+    res = host_us(forms, rounds=rounds)
+    res.update({f"host_us_phase_{name}": statistics.median(v) * 1e6 for name, v in phases.items()})
+    if profile:
+        dist.barrier()
+        res["profile"] = python_profile(whole)
+    return res
+
+
 def _workspace_of(op: str, rows: int, n=None):
     """The eager workspace the benchmark's calls of ``op`` with ``rows`` rows (and, for a gather, the
     weights' widths ``n``) use (not the asynchronous form's: its key ends in ``deferred`` = True)."""
@@ -392,7 +456,7 @@ def breakdown(op: str, rows: int, k: int, n, world: int, group_name: str, a, b, 
 
 
 def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: str, rounds: int,
-            profile: bool = False, split: bool = False, schedule: str = "direct") -> dict:
+            profile: bool = False, split: bool = False, schedule: str = "direct", parts: bool = False) -> dict:
     from compass_fx.cost import Topology, Workload
     from compass_fx.cost.strategies import fused_host_seconds
     from compass_fx.kernels.cuda import impl as cuda
@@ -510,6 +574,10 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
     if profile:  # where a replayed call's host time goes (cProfile's own overhead included)
         res["profile"] = python_profile(lambda: graph_op(a, *args))
         dist.barrier()
+    if parts and op != "all_gather_matmul":  # where a deferred call's goes, in rounds of their own
+        dist.barrier()
+        res["deferred_parts"] = deferred_parts(start, wait, a, args, other, rounds, profile)
+        dist.barrier()
     if split:  # the same, without a profiler: forms timed in turns
         res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds, schedule)
         dist.barrier()
@@ -566,7 +634,7 @@ def set_sync(mode: str) -> dict:
 
 def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split: bool = False,
            pinned: bool = False, carveout: int = 0, transport: str = "host", cases: list | None = None,
-           schedule: str = "direct", sync: str = "auto") -> None:
+           schedule: str = "direct", sync: str = "auto", parts: bool = False) -> None:
     cpus = pin(rank) if pinned else []
     synced = set_sync(sync) if sync in SYNC_FLAGS else None  # before torch makes the context
     _POLLING[0] = sync == "poll"
@@ -582,7 +650,7 @@ def worker(rank: int, world: int, init: str, out_path: str, profile: bool, split
     payload = {"launch_us": launch_costs(), "rows": [], "cpus": cpus, "sync": synced}
     for case in cases or CASES:
         row = measure(*case, rank, world, dist.group.WORLD.group_name, 15 if world == 2 else 9,
-                      profile and case in (CASES[0], CASES[4]), split, schedule)
+                      profile and case in (CASES[0], CASES[4]), split, schedule, parts)
         payload["rows"].append(row)
         if rank == 0:
             print(f"world {world} {row['op']} rows={row['rows']}: {row['host_us_graph']:.0f} us per call through "
@@ -695,6 +763,23 @@ def markdown(payload: dict) -> str:
                   output.markdown_table(phased, ["world", "op", "rows", ("first_us", "first of 16 us"),
                                                  ("first", "first, in C"), ("steady_us", "steady us"),
                                                  ("steady", "steady, in C")])]
+    deferred = [dict(r["deferred_parts"], world=r["world"], op=r["op"], rows=r["rows"])
+                for r in payload["rows"] if r.get("deferred_parts")]
+    if deferred:
+        lines += ["", "Where a deferred call's host microseconds go (`--deferred-parts`: forms timed in turns, no "
+                  "profiler, after the case's other forms; whole: start, a 2048-square GEMM, wait_tensor; its phases "
+                  "read by the clock inside each call, median over every call; events: the four driver calls ordering "
+                  "a replayed deferred call's stream with the caller's and its join's wait, without the graph; "
+                  "hand-off: a c10d work registered for a tensor and taken back by wait_tensor, its join waiting "
+                  "for nothing):", "",
+                  output.markdown_table(deferred, ["world", "op", "rows", ("host_us_start_gemm_wait", "whole us"),
+                                                   ("host_us_phase_start", "start us"),
+                                                   ("host_us_phase_gemm", "GEMM us"),
+                                                   ("host_us_phase_wait", "wait us"),
+                                                   ("host_us_start_wait", "start + wait us, no GEMM"),
+                                                   ("host_us_gemm", "GEMM alone us"),
+                                                   ("host_us_events", "events us"),
+                                                   ("host_us_register_wait", "hand-off us")])]
     if split:
         lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "
@@ -834,6 +919,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="cProfile the replayed calls of two cases per world")
     p.add_argument("--breakdown", action="store_true",
                    help="time a replayed call's launch, allocations and the rest apart, in turns (every case)")
+    p.add_argument("--deferred-parts", action="store_true",
+                   help="time a deferred call's parts apart, in turns: start + wait without the GEMM, the GEMM, "
+                   "the events ordering its stream, c10d's hand-off (the reducing operators' cases)")
     p.add_argument("--pin", action="store_true",
                    help="pin each rank to a physical core of its own (no rank shares a core with another)")
     p.add_argument("--transport", choices=("host", "peer"), default="host",
@@ -886,7 +974,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
             mp.spawn(worker, args=(world, f"file://{os.path.join(tmp, 'store')}", out, args.profile, args.breakdown,
-                                   args.pin, args.carveout, args.transport, cases, args.schedule, args.sync),
+                                   args.pin, args.carveout, args.transport, cases, args.schedule, args.sync,
+                                   args.deferred_parts),
                      nprocs=world)
             got = json.load(open(out))
         payload["launch_us"][world] = got["launch_us"]

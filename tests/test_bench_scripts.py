@@ -814,6 +814,26 @@ def test_fused_host_time_says_where_the_first_call_and_the_steady_ones_spend_the
     assert "launch 150.0, outputs 9.0, checks 2.0" in line and "launch 20.0, outputs 9.0" in line, line
 
 
+def test_fused_host_time_reports_a_deferred_calls_parts():
+    """``--deferred-parts``: a row's parts of a deferred call make a table of their own, one line a
+    row, every part in its column; rows without them (the gathers') are left out of it."""
+    fused_host_time = _bench("fused_host_time")
+    run = json.loads((BENCH / "results" / "fused_host_time" / "fused_host_time-h100-check-w2-breakdown-host-pin-mps.json")
+                     .read_text())
+    parts = {"host_us_start_gemm_wait": 171.0, "host_us_phase_start": 101.0, "host_us_phase_gemm": 12.0,
+             "host_us_phase_wait": 41.0, "host_us_start_wait": 149.0, "host_us_gemm": 11.0, "host_us_events": 9.0,
+             "host_us_register_wait": 23.0}
+    rows = [dict(r, deferred_parts=parts) if r["op"] == "matmul_all_reduce" else r for r in run["rows"]]
+    text = fused_host_time.markdown(dict(run, rows=rows)).splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("Where a deferred call's host microseconds go"))
+    end = text.index("", start + 2)
+    table = [line for line in text[start + 2:end] if line.startswith("| 2 |")]
+    assert len(table) == sum(r["op"] == "matmul_all_reduce" for r in rows) > 0
+    assert all(line.endswith("| 171.000 | 101.000 | 12.000 | 41.000 | 149.000 | 11.000 | 9.000 | 23.000 |")
+               for line in table), table
+    assert not any(line.startswith("Where a deferred") for line in fused_host_time.markdown(run).splitlines())
+
+
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""
