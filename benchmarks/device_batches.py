@@ -595,12 +595,17 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
     # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
     # Issue 27: where a deferred call's host time goes beyond a .graph call's (entering its start from C saved
-    # nothing: fused_host_time-h100-async-c-start-*): its parts timed apart (--deferred-parts), the reductions at
-    # two ranks on both transports, cProfile's view of the 512-row reduce-scatter's whole call host-staged
-    "h200-deferred-parts": (
-        _host_time("host_time-parts-w2", 2, f"{MACHINE}-deferred-parts-w2-host-pin-mps", 150, ops=REDUCTIONS,
+    # nothing: fused_host_time-h100-async-c-start-*), timed through the .default overloads rewritten graphs call
+    # (the runs before 2026-12-06 called the start's packet: the dispatcher and the autograd wrapper; so did the
+    # first run of this batch, fused_host_time-h100-deferred-parts-*): 500 starts a case, host-staged at 2, 4 and
+    # 8 ranks, then the reductions' parts timed apart (--deferred-parts) at two ranks on both transports,
+    # cProfile's view of the 512-row reduce-scatter's whole call host-staged
+    "h200-deferred-default": (
+        _stress("stress-500-start", "2,4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-start-default-500-mps", 200,
+                extra=("--overload", "start")),
+        _host_time("host_time-parts-w2", 2, f"{MACHINE}-deferred-default-w2-host-pin-mps", 150, ops=REDUCTIONS,
                    extra=("--deferred-parts", "--profile")),
-        _host_time("host_time-parts-peer-w2", 2, f"{MACHINE}-deferred-parts-peer-w2-pin-mps", 110, ops=REDUCTIONS,
+        _host_time("host_time-parts-peer-w2", 2, f"{MACHINE}-deferred-default-peer-w2-pin-mps", 110, ops=REDUCTIONS,
                    extra=("--deferred-parts", "--transport", "peer")),
     ),
     "h200-cold-host": (

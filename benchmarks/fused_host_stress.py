@@ -97,7 +97,9 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
             def op(a, b):
                 return fused(a, weight_list(b), schedule, group, world)[1]
         elif overload == "start":
-            start, wait = getattr(torch.ops.compass, f"{kind}_start"), torch.ops._c10d_functional.wait_tensor
+            # the overloads a rewritten graph calls (the start's .default skips the dispatcher)
+            start = getattr(torch.ops.compass, f"{kind}_start").default
+            wait = torch.ops._c10d_functional.wait_tensor.default
 
             def op(a, b):
                 out = start(a, b, schedule, group, world)

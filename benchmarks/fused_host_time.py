@@ -289,7 +289,7 @@ class _NoJoin:
 
 
 def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tensor, rounds: int,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, packets: tuple | None = None) -> dict:
     """Where a deferred call's host time goes (``*_start``, a GEMM, ``wait_tensor``), without a
     profiler: forms timed in turns (``host_us``) against the whole call: start + wait with no GEMM
     between, the GEMM alone, and two of the start's steps on their own: the events that order a
@@ -298,7 +298,9 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
     taken back by ``wait_tensor`` (the hand-off of ``impl._register_join``, with a join that waits
     for nothing); and the whole call's phases read by the clock inside it (median over the calls
     of every round, the first after the device went idle among them).  ``profile``: cProfile's
-    top functions of the whole call as well (its own overhead included)."""
+    top functions of the whole call as well (its own overhead included).  ``packets``: the start's
+    and the wait's packets, through which the whole call is timed too (the dispatcher's and the
+    autograd wrapper's share: what the asynchronous form's runs before 2026-12-06 timed)."""
     from compass_fx.kernels.cuda import driver
     from compass_fx.kernels.cuda import impl as cuda
 
@@ -337,6 +339,15 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
 
     forms = {"host_us_start_gemm_wait": whole, "host_us_start_wait": lambda: wait(start(a, *args)),
              "host_us_gemm": lambda: other @ other, "host_us_events": events, "host_us_register_wait": handed_off}
+    if packets is not None:
+        start_packet, wait_packet = packets
+
+        def through_packets():
+            out = start_packet(a, *args)
+            other @ other
+            return wait_packet(out)
+
+        forms["host_us_start_gemm_wait_packets"] = through_packets
     res = host_us(forms, rounds=rounds)
     res.update({f"host_us_phase_{name}": statistics.median(v) * 1e6 for name, v in phases.items()})
     if profile:
@@ -529,8 +540,10 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
     if through_dispatcher is not None:
         timed["host_us_graph_dispatcher"] = lambda: through_dispatcher(a, *args)
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async)
-        start = getattr(torch.ops.compass, f"{op}_start")
-        wait = torch.ops._c10d_functional.wait_tensor
+        # the overloads a rewritten graph and Inductor's wrapper call: the start's .default skips the dispatcher
+        # (ops._skip_dispatcher); its packet took it and the autograd wrapper (runs before 2026-12-06)
+        start = getattr(torch.ops.compass, f"{op}_start").default
+        wait = torch.ops._c10d_functional.wait_tensor.default
         other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
 
         def started():  # replayed on a stream of the workspace's own once its addresses recur
@@ -576,7 +589,9 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
         dist.barrier()
     if parts and op != "all_gather_matmul":  # where a deferred call's goes, in rounds of their own
         dist.barrier()
-        res["deferred_parts"] = deferred_parts(start, wait, a, args, other, rounds, profile)
+        res["deferred_parts"] = deferred_parts(start, wait, a, args, other, rounds, profile,
+                                               packets=(getattr(torch.ops.compass, f"{op}_start"),
+                                                        torch.ops._c10d_functional.wait_tensor))
         dist.barrier()
     if split:  # the same, without a profiler: forms timed in turns
         res["breakdown"] = breakdown(op, rows, k, n, world, group_name, a, b, rounds, schedule)
@@ -771,7 +786,9 @@ def markdown(payload: dict) -> str:
                   "read by the clock inside each call, median over every call; events: the four driver calls ordering "
                   "a replayed deferred call's stream with the caller's and its join's wait, without the graph; "
                   "hand-off: a c10d work registered for a tensor and taken back by wait_tensor, its join waiting "
-                  "for nothing):", "",
+                  "for nothing; packets: the whole call through the ops' packets, the dispatcher and the autograd "
+                  "wrapper, as the asynchronous form's runs before 2026-12-06 called them; the others call the "
+                  ".default overloads, as rewritten graphs do):", "",
                   output.markdown_table(deferred, ["world", "op", "rows", ("host_us_start_gemm_wait", "whole us"),
                                                    ("host_us_phase_start", "start us"),
                                                    ("host_us_phase_gemm", "GEMM us"),
@@ -779,7 +796,8 @@ def markdown(payload: dict) -> str:
                                                    ("host_us_start_wait", "start + wait us, no GEMM"),
                                                    ("host_us_gemm", "GEMM alone us"),
                                                    ("host_us_events", "events us"),
-                                                   ("host_us_register_wait", "hand-off us")])]
+                                                   ("host_us_register_wait", "hand-off us"),
+                                                   ("host_us_start_gemm_wait_packets", "whole us, packets")])]
     if split:
         lines += ["", "Where a replayed call's host microseconds go (`--breakdown`: forms timed in turns, no profiler; "
                   "launch = outputs allocated + epoch raised + graph launched, less the allocations alone; rest = "

@@ -822,14 +822,14 @@ def test_fused_host_time_reports_a_deferred_calls_parts():
                      .read_text())
     parts = {"host_us_start_gemm_wait": 171.0, "host_us_phase_start": 101.0, "host_us_phase_gemm": 12.0,
              "host_us_phase_wait": 41.0, "host_us_start_wait": 149.0, "host_us_gemm": 11.0, "host_us_events": 9.0,
-             "host_us_register_wait": 23.0}
+             "host_us_register_wait": 23.0, "host_us_start_gemm_wait_packets": 190.0}
     rows = [dict(r, deferred_parts=parts) if r["op"] == "matmul_all_reduce" else r for r in run["rows"]]
     text = fused_host_time.markdown(dict(run, rows=rows)).splitlines()
     start = next(i for i, line in enumerate(text) if line.startswith("Where a deferred call's host microseconds go"))
     end = text.index("", start + 2)
     table = [line for line in text[start + 2:end] if line.startswith("| 2 |")]
     assert len(table) == sum(r["op"] == "matmul_all_reduce" for r in rows) > 0
-    assert all(line.endswith("| 171.000 | 101.000 | 12.000 | 41.000 | 149.000 | 11.000 | 9.000 | 23.000 |")
+    assert all(line.endswith("| 171.000 | 101.000 | 12.000 | 41.000 | 149.000 | 11.000 | 9.000 | 23.000 | 190.000 |")
                for line in table), table
     assert not any(line.startswith("Where a deferred") for line in fused_host_time.markdown(run).splitlines())
 
