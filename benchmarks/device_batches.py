@@ -596,7 +596,7 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
     # Issue 27: where a deferred call's host time goes beyond a .graph call's (entering its start from C saved
     # nothing: fused_host_time-h100-async-c-start-*), timed through the .default overloads rewritten graphs call
-    # (the runs before 2026-12-06 called the start's packet: the dispatcher and the autograd wrapper; so did the
+    # (the runs before 2026-12-06 called the start's and the wait's packets, through the dispatcher; so did the
     # first run of this batch, fused_host_time-h100-deferred-parts-*): 500 starts a case, host-staged at 2, 4 and
     # 8 ranks, then the reductions' parts timed apart (--deferred-parts) at two ranks on both transports,
     # cProfile's view of the 512-row reduce-scatter's whole call host-staged

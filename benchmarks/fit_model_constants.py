@@ -83,12 +83,16 @@ REPLAY_GRAPH_RUNS = tuple(f"fused_host_time-h100-schedule-{schedule}-lane-run{ru
                           for schedule in ("ring", "double_ring") for run in (1, 2, 3))
 
 # fused_async's asynchronous form (start, a GEMM, wait_tensor) with deferred calls replayed, beside the
-# .graph call and a torch.mm of the same rounds, as the code runs it now (the start ops' plain calls skip the
-# dispatcher): the reductions at 2 ranks on both transports (2026-12-06, one H100: no H200 started).  The
-# runs at 4 and 8 ranks (-async-w48-) predate that entry: beyond the call 203-227 us against 190 at two
-# ranks in the same code, so the extra does not grow much with the ranks
+# .graph call and a torch.mm of the same rounds: the reductions at 2 ranks on both transports, two machine
+# starts of one H100 each (2026-12-06: no H200 started).  The first two runs called the start and the wait
+# through their packets (the dispatcher), the last two through the .default overloads rewritten graphs call
+# (and timed the packets beside: no less, fused_host_time-h100-deferred-default-*).  The runs at 4 and 8
+# ranks (-async-w48-) predate the start's direct entry: beyond the call 203-227 us against 190 at two ranks
+# in the same code, so the extra does not grow much with the ranks
 DEFERRED_RUNS = ("fused_host_time-h100-async-entry-w2-host-pin-mps.json",
-                 "fused_host_time-h100-async-entry-peer-w2-pin-mps.json")
+                 "fused_host_time-h100-async-entry-peer-w2-pin-mps.json",
+                 "fused_host_time-h100-deferred-default-w2-host-pin-mps.json",
+                 "fused_host_time-h100-deferred-default-peer-w2-pin-mps.json")
 
 
 @contextlib.contextmanager

@@ -299,8 +299,9 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
     for nothing); and the whole call's phases read by the clock inside it (median over the calls
     of every round, the first after the device went idle among them).  ``profile``: cProfile's
     top functions of the whole call as well (its own overhead included).  ``packets``: the start's
-    and the wait's packets, through which the whole call is timed too (the dispatcher's and the
-    autograd wrapper's share: what the asynchronous form's runs before 2026-12-06 timed)."""
+    and the wait's packets, through which the whole call is timed too (the dispatcher's share: what
+    the asynchronous form's runs before 2026-12-06 timed; both paths run the Python autograd wrapper
+    torch registers for ``wait_tensor``)."""
     from compass_fx.kernels.cuda import driver
     from compass_fx.kernels.cuda import impl as cuda
 
@@ -541,7 +542,7 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
         timed["host_us_graph_dispatcher"] = lambda: through_dispatcher(a, *args)
     if op != "all_gather_matmul":  # the asynchronous form: start, other work, wait (fused_async)
         # the overloads a rewritten graph and Inductor's wrapper call: the start's .default skips the dispatcher
-        # (ops._skip_dispatcher); its packet took it and the autograd wrapper (runs before 2026-12-06)
+        # (ops._skip_dispatcher), which its packet takes (runs before 2026-12-06)
         start = getattr(torch.ops.compass, f"{op}_start").default
         wait = torch.ops._c10d_functional.wait_tensor.default
         other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
@@ -786,9 +787,9 @@ def markdown(payload: dict) -> str:
                   "read by the clock inside each call, median over every call; events: the four driver calls ordering "
                   "a replayed deferred call's stream with the caller's and its join's wait, without the graph; "
                   "hand-off: a c10d work registered for a tensor and taken back by wait_tensor, its join waiting "
-                  "for nothing; packets: the whole call through the ops' packets, the dispatcher and the autograd "
-                  "wrapper, as the asynchronous form's runs before 2026-12-06 called them; the others call the "
-                  ".default overloads, as rewritten graphs do):", "",
+                  "for nothing; packets: the whole call through the ops' packets and the dispatcher, as the "
+                  "asynchronous form's runs before 2026-12-06 called them; the others call the .default overloads, "
+                  "as rewritten graphs do):", "",
                   output.markdown_table(deferred, ["world", "op", "rows", ("host_us_start_gemm_wait", "whole us"),
                                                    ("host_us_phase_start", "start us"),
                                                    ("host_us_phase_gemm", "GEMM us"),

@@ -406,7 +406,7 @@ def test_a_deferred_fused_call_is_priced_as_replayed_plus_what_its_asynchronous_
     """fused_async defers a reduction with work to overlap (a ``*_start`` call), which replays on a
     stream of its own: its host is priced as the replayed call plus ``FUSED_DEFERRED_S`` (the
     start's Python path, the events, the join), well under the same call issued command by command
-    (as every deferred call was before).  A 256-row host-staged pair at two ranks stays
+    (as every deferred call was before).  A 128-row host-staged pair at two ranks stays
     sequential where the plain replayed call wins, and the reason names the deferred call; an
     8-rank 1024-row pair, whose deferred call issued command by command would outlast its device
     time, fuses; under CUDA graphs nothing is issued."""
@@ -415,7 +415,7 @@ def test_a_deferred_fused_call_is_priced_as_replayed_plus_what_its_asynchronous_
     from compass_fx.cost import strategies
 
     staged = Topology.preset("h200-host-staged-8")
-    small = Workload("matmul_reduce_scatter", 256, 4096, 7168, "bfloat16", 2)
+    small = Workload("matmul_reduce_scatter", 128, 4096, 7168, "bfloat16", 2)
     deferred = replace(small, deferred=True)
     host = fused_host_seconds(deferred, staged, "direct")
     assert host == pytest.approx(fused_host_seconds(small, staged, "direct") + strategies.FUSED_DEFERRED_S)

@@ -62,19 +62,23 @@ MAX_PARTS = 64                # decomposition beyond this many parts is not cons
 # all-reduces' median excess over a one-graph call minus the one-graph operators' median excess
 # (the same host's baseline), the median of those 18.  Priced as a second call before (21 us).
 # A deferred call (fused_async's *_start) replays too, on a stream of its workspace's own
-# (kernels/cuda/impl._Workspace._replay_apart), entered from Python: beyond a replayed call it pays the
-# start's Python path, the events that order its stream with the caller's, the join's c10d work and
-# wait_tensor (entered from C instead, a reverted candidate, it cost the same: fused_host_time-h100-async-c-start-*).
-# FUSED_DEFERRED_S, fitted by benchmarks/fit_model_constants.py (fit_deferred) to the
-# asynchronous form's runs (start, a GEMM, wait; fused_host_time-h100-async-entry-*, one H100, two ranks,
-# both transports): per run the median of its time less the .graph call's and a torch.mm's of the same
-# rounds, each after an idle device (so this is its dearest; 95 and 131 us, the median taken).  Issued
-# command by command, as every deferred call was before, the same form cost 1.8-2.6x the replayed one.
+# (kernels/cuda/impl._Workspace._replay_apart), entered from Python.  Where its host time goes
+# (fused_host_time --deferred-parts, one H100, two ranks, fused_host_time-h100-deferred-default-*): the
+# start 33-73 us (a .graph call of the same rounds 13-54), of which the events that order its stream with
+# the caller's 5-9; the wait 16-20; c10d's hand-off alone (a work registered for the output, taken back by
+# wait_tensor, whose every call also runs the Python autograd wrapper torch registers for it) 14-24.
+# Entering the start from C instead, a reverted candidate, cost the same (fused_host_time-h100-async-c-start-*).
+# FUSED_DEFERRED_S, fitted by benchmarks/fit_model_constants.py (fit_deferred) to four runs of the
+# asynchronous form (start, a GEMM, wait; fused_host_time-h100-async-entry-* and -deferred-default-*, two
+# starts of one H100, two ranks, both transports): per run the median of its time less the .graph call's
+# and a torch.mm's of the same rounds, each after an idle device (so this is its dearest; 89-131 us, the
+# median taken).  Issued command by command, as every deferred call was before, the same form cost
+# 1.8-2.6x the replayed one.
 # FUSED_CALLS_REPLAYED = False prices every call issued command by command instead (the constants below).
 FUSED_CALLS_REPLAYED = True
 FUSED_REPLAY_CALL_S = 21e-6
 FUSED_REPLAY_GRAPH_S = 9e-6
-FUSED_DEFERRED_S = 113e-6
+FUSED_DEFERRED_S = 96e-6
 FUSED_REPLAY_SLOW_NODE_S = 2.13e-6
 _REPLAY_FITTED_LAUNCH_S = {"Copy": 8.3e-6, "Matmul": 17.66e-6, "Record": 1.51e-6, "Reduce": 9.31e-6,
                            "SetFlag": 3.7e-6, "WaitEvent": 1.6e-6,
