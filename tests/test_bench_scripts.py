@@ -834,6 +834,24 @@ def test_fused_host_time_reports_a_deferred_calls_parts():
     assert not any(line.startswith("Where a deferred") for line in fused_host_time.markdown(run).splitlines())
 
 
+def test_join_handoff_times_each_form_and_says_what_a_join_in_c_would_save(tmp_path):
+    """``join_handoff`` (CPU only): each form's microseconds per call, positive, in its files; with
+    the C++ work's figure the markdown says what a join kept in C would save and what torch's
+    autograd wrapper around ``wait_tensor`` costs; nonsense counts are usage errors."""
+    handoff = _bench("join_handoff")
+    assert handoff.main(["--no-cpp", "--calls", "50", "--rounds", "2", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "join_handoff-cpu.json").read_text())
+    assert set(data["us"]) == {"python_work_us", "wait_tensor_us", "wait_below_autograd_us"}
+    assert all(v > 0 for v in data["us"].values()), data["us"]
+    assert (tmp_path / "join_handoff-cpu.md").read_text().startswith("# join_handoff (cpu)")
+    us = {"python_work_us": 10.0, "cpp_work_us": 7.0, "wait_tensor_us": 5.0, "wait_below_autograd_us": 1.0}
+    text = handoff.markdown(dict(data, us=us))
+    assert "would save 3.0 us of the 10.0" in text and "costs 4.0 us of every call" in text, text
+    assert "would save" not in handoff.markdown(data)
+    with pytest.raises(SystemExit):
+        handoff.main(["--no-cpp", "--calls", "0"])
+
+
 def test_fused_host_time_runs_the_cases_of_the_operators_asked_for():
     """``fused_host_time.py --ops``: the named operators' cases only, in their order; an unknown
     name is an error that lists the known ones."""
