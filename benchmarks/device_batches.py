@@ -591,9 +591,6 @@ BATCHES: dict[str, tuple[Step, ...]] = {
                 peer=True, extra=("--overload", "start")),
         _host_time("host_time-async-w48", "4,8", f"{MACHINE}-async-w48-host-pin-mps", 200, ops=REDUCTIONS),
     ),
-    # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
-    # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
-    # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
     # Issue 27: where a deferred call's host time goes beyond a .graph call's (entering its start from C saved
     # nothing: fused_host_time-h100-async-c-start-*), timed through the .default overloads rewritten graphs call
     # (the runs before 2026-12-06 called the start's and the wait's packets, through the dispatcher; so did the
@@ -608,6 +605,9 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-parts-peer-w2", 2, f"{MACHINE}-deferred-default-peer-w2-pin-mps", 110, ops=REDUCTIONS,
                    extra=("--deferred-parts", "--transport", "peer")),
     ),
+    # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
+    # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
+    # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
     "h200-cold-host": (
         Step("cold_host_probe", "cold_host_probe.py", ("--worlds", "1,2,8", "--tag", f"{MACHINE}-mps",
                                                        "--out-dir", RESULTS), 150),
