@@ -281,6 +281,18 @@ def python_profile(fn, calls: int = 40) -> list[dict]:
     return sorted(rows, key=lambda r: -r["self_us"])[:20]
 
 
+def start_gemm_wait(start, wait, a: torch.Tensor, args: tuple, other: torch.Tensor):
+    """The asynchronous form as fused_async's graphs run it: ``start`` a deferred call, a GEMM on the
+    caller's stream while its pieces travel, then ``wait`` for its result (the start's and the wait's
+    overloads or packets, as the caller times them)."""
+    def started():
+        out = start(a, *args)
+        other @ other
+        return wait(out)
+
+    return started
+
+
 class _NoJoin:
     """A join with nothing to wait for: what ``deferred_parts`` registers to time c10d's hand-off alone."""
 
@@ -343,12 +355,7 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
     if packets is not None:
         start_packet, wait_packet = packets
 
-        def through_packets():
-            out = start_packet(a, *args)
-            other @ other
-            return wait_packet(out)
-
-        forms["host_us_start_gemm_wait_packets"] = through_packets
+        forms["host_us_start_gemm_wait_packets"] = start_gemm_wait(start_packet, wait_packet, a, args, other)
     res = host_us(forms, rounds=rounds)
     res.update({f"host_us_phase_{name}": statistics.median(v) * 1e6 for name, v in phases.items()})
     if profile:
@@ -547,11 +554,7 @@ def measure(op: str, rows: int, k: int, n, rank: int, world: int, group_name: st
         wait = torch.ops._c10d_functional.wait_tensor.default
         other = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
 
-        def started():  # replayed on a stream of the workspace's own once its addresses recur
-            out = start(a, *args)
-            other @ other  # the caller's stream goes on while the pieces travel
-            return wait(out)
-
+        started = start_gemm_wait(start, wait, a, args, other)  # replayed on a stream of the workspace's own
         started_issued = replay_off(started)  # the same issued command by command, as before it replayed
         for name, form in (("async_relative_error", started), ("async_issued_relative_error", started_issued)):
             res[name] = max(relative_error(op, form(), rows, k, n, rank, world) for _ in range(5))
