@@ -45,10 +45,21 @@ def assert_step_equal(out: torch.Tensor, out_ref: torch.Tensor, model: torch.nn.
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False,
-                            layers: int = LAYERS) -> dict:
+def found(reports, model: torch.nn.Module) -> dict:
+    """What the pass found in a compile's graph ``reports``: pairs per (graph, kind), their statuses,
+    the forward pairs' matmuls, and the model's linears by name (for the hand count)."""
     import collections
 
+    import real_torchtitan as rt
+
+    pairs = [p for r in reports for p in r.pairs]
+    return {"counts": dict(collections.Counter((p.graph, p.kind) for p in pairs)),
+            "statuses": sorted({p.status for p in pairs}),
+            "matmuls": sum(p.matmuls for p in pairs if p.graph == "forward"), "linears": rt.linear_count(model)}
+
+
+def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, checkpoint: bool = False,
+                            layers: int = LAYERS) -> dict:
     import real_torchtitan as rt
 
     import compass_fx.backend
@@ -65,11 +76,7 @@ def titan_compiled_vs_eager(rank: int, world: int, sp: bool, options: dict, chec
         out = torch.compile(model, backend="compass", options=options, fullgraph=True)(x)
         (out.float() ** 2).mean().backward()
     assert_step_equal(out, out_ref, model, eager)
-    reports = list(compass_fx.backend.history)[before:]
-    counts = collections.Counter((p.graph, p.kind) for r in reports for p in r.pairs)
-    return {"counts": dict(counts), "statuses": sorted({p.status for r in reports for p in r.pairs}),
-            "matmuls": sum(p.matmuls for r in reports for p in r.pairs if p.graph == "forward"),
-            "linears": rt.linear_count(model)}
+    return found(list(compass_fx.backend.history)[before:], model)
 
 
 # The option sets the one-layer tests below check with the eager inner compiler, and which of them
@@ -122,9 +129,8 @@ def test_torchtitan_llama3_matches_eager_and_hand_count(ranks, tmp_path_factory,
 
 def titan_variants_vs_eager(rank: int, world: int, sp: bool, option_sets: list[dict], layers: int) -> list[dict]:
     """``titan_compiled_vs_eager`` for several option sets compiled from one Dynamo and AOTAutograd
-    trace (:mod:`shared_trace`): per set, what its pass found (as ``titan_compiled_vs_eager`` says
-    it), or the error of its compile or its comparison with eager."""
-    import collections
+    trace (:mod:`shared_trace`): per set, what its pass found (:func:`found`), or the error of its
+    compile or its comparison with eager."""
     import traceback
 
     import real_torchtitan as rt
@@ -151,11 +157,7 @@ def titan_variants_vs_eager(rank: int, world: int, sp: bool, option_sets: list[d
         except Exception:  # noqa: BLE001 - the set's own assertion reports it
             results.append({"error": traceback.format_exc()[-3000:]})
             continue
-        pairs = [p for r in variants.reports[i] for p in r.pairs]
-        results.append({"counts": dict(collections.Counter((p.graph, p.kind) for p in pairs)),
-                        "statuses": sorted({p.status for p in pairs}),
-                        "matmuls": sum(p.matmuls for p in pairs if p.graph == "forward"),
-                        "linears": rt.linear_count(model)})
+        results.append(found(variants.reports[i], model))
     assert variants.traces == 1, f"{variants.traces} graphs traced: the model broke its graph"
     return results
 
