@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import output  # noqa: E402  (sets the no-multicast environment first)
 from harness.ranks import pin  # noqa: E402
 from harness.timing import host_us_per_call, spin, synchronize_polling  # noqa: E402
+from join_handoff import hand_off  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -293,13 +294,6 @@ def start_gemm_wait(start, wait, a: torch.Tensor, args: tuple, other: torch.Tens
     return started
 
 
-class _NoJoin:
-    """A join with nothing to wait for: what ``deferred_parts`` registers to time c10d's hand-off alone."""
-
-    def wait(self) -> None:
-        pass
-
-
 def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tensor, rounds: int,
                    profile: bool = False, packets: tuple | None = None) -> dict:
     """Where a deferred call's host time goes (``*_start``, a GEMM, ``wait_tensor``), without a
@@ -344,14 +338,9 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
         driver.check(result, "deferred_parts' events")
         finished.wait_on(caller)
 
-    held, nothing = torch.empty(1, device=a.device), _NoJoin()
-
-    def handed_off():
-        cuda._register_join(held, nothing)
-        return wait(held)
-
     forms = {"host_us_start_gemm_wait": whole, "host_us_start_wait": lambda: wait(start(a, *args)),
-             "host_us_gemm": lambda: other @ other, "host_us_events": events, "host_us_register_wait": handed_off}
+             "host_us_gemm": lambda: other @ other, "host_us_events": events,
+             "host_us_register_wait": hand_off(torch.empty(1, device=a.device))}
     if packets is not None:
         start_packet, wait_packet = packets
 

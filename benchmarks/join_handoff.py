@@ -53,23 +53,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("register_cpp_work", &register_
 
 
 class _NoJoin:
+    """A join with nothing to wait for: the hand-off timed alone."""
+
     def wait(self) -> None:
         pass
+
+
+def hand_off(held: torch.Tensor):
+    """A call that hands a join over as ``impl._register_join`` does (a Python ``Work`` registered for
+    ``held``) and takes it back with ``wait_tensor``, as a rewritten graph's wait does; the join waits
+    for nothing.  (fused_host_time's ``--deferred-parts`` times it on a GPU's host too.)"""
+    from compass_fx.kernels.cuda import impl
+
+    nothing, wait = _NoJoin(), torch.ops._c10d_functional.wait_tensor.default
+
+    def handed_off():
+        impl._register_join(held, nothing)
+        return wait(held)
+
+    return handed_off
 
 
 def forms(cpp: bool) -> dict:
     """The forms timed, by name: each a call (one hand-off or one wait on a one-element CPU tensor)
     and what its rounds run inside (the guard below autograd is entered once a round, not per call)."""
-    from compass_fx.kernels.cuda import impl
-
-    held, nothing = torch.empty(1), _NoJoin()
+    held = torch.empty(1)
     wait = torch.ops._c10d_functional.wait_tensor.default
-
-    def python_work():
-        impl._register_join(held, nothing)
-        wait(held)
-
-    timed = {"python_work_us": (python_work, contextlib.nullcontext),
+    timed = {"python_work_us": (hand_off(held), contextlib.nullcontext),
              "wait_tensor_us": (lambda: wait(held), contextlib.nullcontext),
              "wait_below_autograd_us": (lambda: wait(held), torch._C._AutoDispatchBelowAutograd)}
     if cpp:
