@@ -1273,3 +1273,55 @@ def test_cold_host_probe_refuses_counts_it_cannot_run(argv, said, capsys):
     with pytest.raises(SystemExit) as stop:
         probe.main(argv)
     assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_suite_cost_sorts_g_plus_plus_calls_by_kind_and_reads_pytests_summary(tmp_path):
+    """suite_cost's parts without a suite: the timed g++ runs the real compiler and logs the call, the
+    calls Inductor and the fast path's build make are told apart, pytest's summary and slowest tests read."""
+    suite_cost = _bench("suite_cost")
+    wrapper = suite_cost.timed_compiler(tmp_path)
+    if wrapper is None:
+        pytest.skip("no g++ on this machine")
+    log = tmp_path / "gxx.log"
+    proc = subprocess.run([str(wrapper), "--version"], env=dict(os.environ, COMPASS_SUITE_GXX_LOG=str(log)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "g++" in proc.stdout.lower() + proc.stderr.lower(), proc
+    ms, args = log.read_text().split(" ", 1)
+    assert int(ms) >= 0 and args.strip() == "--version"
+    log.write_text("\n".join([
+        "700 /tmp/x/torchinductor_root/gv/cgvf24.main.cpp -D TORCH_INDUCTOR_CPP_WRAPPER -O3 -o /tmp/x/cgvf24.main.so",
+        "4351 -x c++-header /tmp/x/torchinductor_root/precompiled_headers/cq.h -D TORCH_INDUCTOR_CPP_WRAPPER",
+        "135 /tmp/x/tmpjhl9soto/header.hpp -D TORCH_INDUCTOR_CPP_WRAPPER -E",
+        "12000 -MMD -MF lane.o.d -DTORCH_EXTENSION_NAME=compass_lane -c /repo/compass_fx/kernels/cuda/lane.cpp -o lane.o",
+        "7 --version"]) + "\n")
+    got = suite_cost.builds(log)
+    assert {k: v["count"] for k, v in got.items()} == {"Inductor kernel": 1, "precompiled header": 2,
+                                                        "fast path extension": 1, "other": 1}
+    assert got["precompiled header"]["seconds"] == pytest.approx(4.486)
+    text = ("....\n============ slowest 2 durations ============\n"
+            "9.61s call     tests/test_a.py::test_one[2]\n0.50s setup    tests/test_a.py::test_two\n"
+            "===== 12 passed, 1 skipped, 2 warnings in 17.97s =====\n")
+    assert suite_cost.outcome(text) == "12 passed, 1 skipped, 2 warnings"
+    assert suite_cost.slowest(text) == [{"seconds": 9.61, "phase": "call", "test": "tests/test_a.py::test_one[2]"},
+                                        {"seconds": 0.5, "phase": "setup", "test": "tests/test_a.py::test_two"}]
+    assert suite_cost.outcome("Traceback ...\nImportError: no module\n") == "ImportError: no module"
+
+
+def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path):
+    """A real module through suite_cost: its pytest run, the machine's CPU read around it, the files."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/test_cpu_power.py", "--slowest", "2",
+                           "--tag", "cpu-test", "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "suite_cost-cpu-test.json").read_text())
+    (row,) = data["modules"]
+    assert row["module"] == "tests/test_cpu_power.py" and row["status"] == 0
+    assert row["outcome"].endswith("passed") and len(row["slowest"]) <= 2
+    assert row["cpu_s"] is None or row["cpu_s"] >= 0
+    assert data["totals"]["builds"]["Inductor kernel"]["count"] == 0  # nothing of it compiles
+    md = (tmp_path / "suite_cost-cpu-test.md").read_text()
+    assert md.startswith("# suite_cost (cpu-test)") and "tests/test_cpu_power.py" in md
+    bad = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/no_such_test.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no such test file" in bad.stderr
