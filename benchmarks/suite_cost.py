@@ -14,7 +14,8 @@ and reports per module:
 * the g++ builds it started, by kind: Inductor's kernels (about 0.7 s each on 2 cores, most of it
   loading Inductor's precompiled header), that header, the fast path's extension and the rest.  A
   wrapper named ``g++`` (Inductor names its precompiled header for gcc only when the compiler's
-  name says gcc) is put in ``CXX`` and logs every call.
+  name says gcc) is put in ``CXX`` (replacing any set before: the g++ on ``PATH`` builds, as it
+  does by default for Inductor and for torch's extension builder) and logs every call.
 
     python benchmarks/suite_cost.py                          # every tests/test_*.py: ~18 min on 2 cores
     python benchmarks/suite_cost.py tests/test_cli.py --tag cpu-cli
@@ -26,6 +27,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -121,11 +123,16 @@ def run_module(module: str, env: dict[str, str], gxx_log: Path, slowest_n: int, 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider",
            f"--durations={slowest_n}", module]
     cpu0, t0 = busy_cpu_s(), time.monotonic()
+    # a session of its own: a module that runs out of time is killed with the ranks it spawned
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        text, status = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text, status = f"{e.stdout or ''}\ntimed out after {timeout_s:.0f} s", None
+        text, _ = proc.communicate(timeout=timeout_s)
+        status = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text = proc.communicate()[0] + f"\ntimed out after {timeout_s:g} s"
+        status = None
     wall, cpu1 = time.monotonic() - t0, busy_cpu_s()
     return {"module": module, "status": status, "outcome": outcome(text),
             "cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0, "wall_s": wall,

@@ -1325,3 +1325,8 @@ def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/no_such_test.py"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such test file" in bad.stderr
+    late = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/test_cpu_power.py", "--timeout-s",
+                           "0.5", "--tag", "cpu-late", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    (row,) = json.loads((tmp_path / "suite_cost-cpu-late.json").read_text())["modules"]
+    assert late.returncode == 0 and row["status"] is None and row["outcome"] == "timed out after 0.5 s", row
