@@ -146,8 +146,8 @@ def measure(modules: list[str], slowest_n: int, timeout_s: float) -> list[dict]:
         tools, tmp, extensions = scratch / "bin", scratch / "tmp", scratch / "extensions"
         for d in (tools, tmp, extensions):
             d.mkdir()
-        env = dict(os.environ, TMPDIR=str(tmp), TORCH_EXTENSIONS_DIR=str(extensions),
-                   COMPASS_SUITE_GXX_LOG=str(scratch / "gxx.log"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}  # not a pytest's worker
+        env.update(TMPDIR=str(tmp), TORCH_EXTENSIONS_DIR=str(extensions), COMPASS_SUITE_GXX_LOG=str(scratch / "gxx.log"))
         wrapper = timed_compiler(tools)
         if wrapper is not None:
             env["CXX"] = str(wrapper)

@@ -1307,26 +1307,25 @@ def test_suite_cost_sorts_g_plus_plus_calls_by_kind_and_reads_pytests_summary(tm
     assert suite_cost.outcome("Traceback ...\nImportError: no module\n") == "ImportError: no module"
 
 
-def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path):
-    """A real module through suite_cost: its pytest run, the machine's CPU read around it, the files."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/test_cpu_power.py", "--slowest", "2",
-                           "--tag", "cpu-test", "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path, capsys):
+    """A real module through suite_cost (its main called here: only the module's pytest is a process of
+    its own): its run, the machine's CPU read around it, the files; a module out of time; a bad path."""
+    suite_cost = _bench("suite_cost")
+    assert suite_cost.main(["tests/test_cpu_power.py", "--slowest", "2", "--tag", "cpu-test",
+                            "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "suite_cost-cpu-test.json").read_text())
     (row,) = data["modules"]
-    assert row["module"] == "tests/test_cpu_power.py" and row["status"] == 0
+    assert row["module"] == "tests/test_cpu_power.py" and row["status"] == 0, row
     assert row["outcome"].endswith("passed") and len(row["slowest"]) <= 2
     assert row["cpu_s"] is None or row["cpu_s"] >= 0
     assert data["totals"]["builds"]["Inductor kernel"]["count"] == 0  # nothing of it compiles
     md = (tmp_path / "suite_cost-cpu-test.md").read_text()
     assert md.startswith("# suite_cost (cpu-test)") and "tests/test_cpu_power.py" in md
-    bad = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/no_such_test.py"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "no such test file" in bad.stderr
-    late = subprocess.run([sys.executable, str(BENCH / "suite_cost.py"), "tests/test_cpu_power.py", "--timeout-s",
-                           "0.5", "--tag", "cpu-late", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    assert suite_cost.main(["tests/test_cpu_power.py", "--timeout-s", "0.5", "--tag", "cpu-late",
+                            "--out-dir", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "suite_cost-cpu-late.json").read_text())["modules"]
-    assert late.returncode == 0 and row["status"] is None and row["outcome"] == "timed out after 0.5 s", row
+    assert row["status"] is None and row["outcome"] == "timed out after 0.5 s", row
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        suite_cost.main(["tests/no_such_test.py"])
+    assert bad.value.code == 2 and "no such test file" in capsys.readouterr().err
