@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
@@ -39,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from harness import cpu_power
+from harness.deadline import run_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_CALL_LIMIT_S = 600      # the device tool's limit per call
@@ -679,7 +679,7 @@ def run_step(step: Step, out: Path) -> dict:
         log.flush()
         try:
             with cpu_power.kept_awake() if step.cpus_awake else nullcontext():
-                rc, timed_out = _run_until(cmd, env, log, step.deadline_s)
+                rc, timed_out = run_until(cmd, ROOT, env, log, step.deadline_s)
         except OSError as e:  # the cores could not be kept awake: the step's condition is missing
             log.write(f"the cores could not be kept out of deep idle states ({e}): step not run\n")
             rc, timed_out = None, False
@@ -688,16 +688,6 @@ def run_step(step: Step, out: Path) -> dict:
     return {"step": step.name, "command": cmd, "env": step.env, "cpus_awake": step.cpus_awake, "rc": rc,
             "timed_out": timed_out, "deadline_s": step.deadline_s, "seconds": round(time.time() - start, 1),
             "files": written}
-
-
-def _run_until(cmd: list[str], env: dict[str, str], log, deadline_s: int) -> tuple[int, bool]:
-    """(exit status, whether killed): ``cmd`` in its own process group, killed at the deadline."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        return proc.wait(timeout=deadline_s), False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: spawned ranks and torchrun's workers too
-        return proc.wait(), True
 
 
 def ensure_snapshots(steps: tuple[Step, ...], root: Path = ROOT) -> list[str]:

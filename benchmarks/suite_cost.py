@@ -27,8 +27,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from harness import output  # noqa: E402
+from harness.deadline import run_until  # noqa: E402
 
 NAME = "suite_cost"
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,25 +115,20 @@ def outcome(pytest_output: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
-def run_module(module: str, env: dict[str, str], gxx_log: Path, slowest_n: int, timeout_s: float) -> dict:
+def run_module(module: str, env: dict[str, str], scratch: Path, slowest_n: int, timeout_s: float) -> dict:
     """One module alone under pytest (no xdist, no random order): its CPU, wall, outcome, slowest
-    tests and g++ builds."""
+    tests and g++ builds (the wrapper's log, ``gxx.log`` in ``scratch``); a module that runs out of
+    time is killed with the ranks it spawned (status None)."""
+    gxx_log, pytest_log = scratch / "gxx.log", scratch / "pytest.log"
     gxx_log.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:randomly", "-p", "no:cacheprovider",
            f"--durations={slowest_n}", module]
     cpu0, t0 = busy_cpu_s(), time.monotonic()
-    # a session of its own: a module that runs out of time is killed with the ranks it spawned
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=timeout_s)
-        status = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text = proc.communicate()[0] + f"\ntimed out after {timeout_s:g} s"
-        status = None
+    with open(pytest_log, "w") as out:
+        rc, timed_out = run_until(cmd, ROOT, env, out, timeout_s)
     wall, cpu1 = time.monotonic() - t0, busy_cpu_s()
-    return {"module": module, "status": status, "outcome": outcome(text),
+    text = pytest_log.read_text() + (f"\ntimed out after {timeout_s:g} s" if timed_out else "")
+    return {"module": module, "status": None if timed_out else rc, "outcome": outcome(text),
             "cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0, "wall_s": wall,
             "slowest": slowest(text)[:slowest_n], "builds": builds(gxx_log)}
 
@@ -153,7 +147,7 @@ def measure(modules: list[str], slowest_n: int, timeout_s: float) -> list[dict]:
             env["CXX"] = str(wrapper)
         rows = []
         for i, module in enumerate(modules, 1):
-            row = run_module(module, env, scratch / "gxx.log", slowest_n, timeout_s)
+            row = run_module(module, env, scratch, slowest_n, timeout_s)
             rows.append(row)
             cpu = "?" if row["cpu_s"] is None else f"{row['cpu_s']:.0f}"
             print(f"[{i}/{len(modules)}] {module}: {cpu} CPU-s, {row['wall_s']:.0f} s, {row['outcome']}", flush=True)
