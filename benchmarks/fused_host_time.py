@@ -343,7 +343,6 @@ def deferred_parts(start, wait, a: torch.Tensor, args: tuple, other: torch.Tenso
              "host_us_register_wait": hand_off(torch.empty(1, device=a.device))}
     if packets is not None:
         start_packet, wait_packet = packets
-
         forms["host_us_start_gemm_wait_packets"] = start_gemm_wait(start_packet, wait_packet, a, args, other)
     res = host_us(forms, rounds=rounds)
     res.update({f"host_us_phase_{name}": statistics.median(v) * 1e6 for name, v in phases.items()})
