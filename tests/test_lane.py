@@ -369,39 +369,105 @@ def test_the_python_path_registers_only_workspaces_it_replays(fast, monkeypatch)
     assert not lane.lanes
 
 
-def test_a_build_lock_left_by_a_killed_build_does_not_stall_the_first_call(fast, monkeypatch, caplog):
-    """torch's builder waits as long as its lock file exists; one older than STALE_LOCK_S goes at
+def _aged(lock, age_s: float) -> None:
+    """``lock`` made (or touched) as if written ``age_s`` ago."""
+    lock.touch()
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+
+
+def test_a_baton_left_by_a_killed_build_is_removed_where_torch_would_wait_for_it(monkeypatch, caplog, tmp_path):
+    """torch 2.13's builder waits as long as its lock file exists: one older than STALE_LOCK_S goes at
     once, and a younger one once it is that old (a build killed moments ago: the wait is bounded and,
     past LOCK_PATIENCE_S, said), while a lock the building process removes ends the wait silently."""
-    lock = lane.build_directory() / "lock"
+    import threading
 
-    def lock_aged(age_s: float) -> None:
-        lock.touch()
-        then = time.time() - age_s
-        os.utime(lock, (then, then))
-
-    lock_aged(lane.STALE_LOCK_S + 60)
+    monkeypatch.setattr(lane, "builder_locks_by_flock", lambda: False)
+    lock = tmp_path / "lock"
+    _aged(lock, lane.STALE_LOCK_S + 60)
     with pytest.warns(RuntimeWarning, match="build lock"):
-        assert lane.compile_module().call is fast.module.call  # loaded from the cache, not waiting
+        lane._wait_for_another_build(lock)
     assert not lock.exists()
     monkeypatch.setattr(lane, "STALE_LOCK_S", 3.0)
     monkeypatch.setattr(lane, "LOCK_PATIENCE_S", 1.5)
     monkeypatch.setattr(lane, "LOCK_POLL_S", 0.05)
-    lock_aged(1.0)  # stale two seconds from now
+    _aged(lock, 1.0)  # stale two seconds from now
     started = time.monotonic()
     with caplog.at_level("WARNING", logger="compass_fx"), pytest.warns(RuntimeWarning, match="build lock"):
-        assert lane.compile_module().call is fast.module.call
+        lane._wait_for_another_build(lock)
     assert 1.5 <= time.monotonic() - started < 30 and not lock.exists()
     assert "waiting for another process's build" in caplog.text and str(lock) in caplog.text
-    lock_aged(0.0)  # another process building: it removes its lock when done
-    import threading
-
+    _aged(lock, 0.0)  # another process building: it removes its lock when done
     done = threading.Timer(0.3, lambda: lock.unlink(missing_ok=True))
     done.start()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert lane.compile_module().call is fast.module.call
+        lane._wait_for_another_build(lock)
     done.join()
+    assert not lock.exists()
+
+
+def test_where_torch_holds_an_advisory_lock_only_a_held_one_is_waited_for(monkeypatch, caplog, tmp_path):
+    """torch 2.14's builder holds an advisory lock (``flock``) on a file it leaves after every build, so a
+    file there, however young, is no build in progress: the wait ends at once, silently, the file left
+    as it is (waiting on the file's age stalled every process started within 10 minutes of a build).  A
+    lock held by another open file is waited for, said past LOCK_PATIENCE_S, and one held longer than
+    STALE_LOCK_S raises instead of waiting with torch for as long as its holder lives."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr(lane, "builder_locks_by_flock", lambda: True)
+    monkeypatch.setattr(lane, "STALE_LOCK_S", 2.0)
+    monkeypatch.setattr(lane, "LOCK_PATIENCE_S", 0.2)
+    monkeypatch.setattr(lane, "LOCK_POLL_S", 0.02)
+    lock = tmp_path / "lock"
+    lane._wait_for_another_build(lock)  # no file: nothing to wait for
+    _aged(lock, 0.0)  # the file a finished build left, written just now
+    with caplog.at_level("WARNING", logger="compass_fx"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lane._wait_for_another_build(lock)
+    assert lock.exists() and caplog.text == ""
+
+    holder = os.open(lock, os.O_RDWR)  # a builder at work: another open file holds the lock
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        done = threading.Timer(0.6, lambda: fcntl.flock(holder, fcntl.LOCK_UN))
+        done.start()
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="compass_fx"):
+            lane._wait_for_another_build(lock)
+        done.join()
+        assert time.monotonic() - started >= 0.5 and lock.exists()
+        assert "waiting for another process's build" in caplog.text and str(lock) in caplog.text
+        fcntl.flock(holder, fcntl.LOCK_EX)  # and one that never lets go
+        with pytest.raises(TimeoutError, match="held the host fast path's build lock"):
+            lane._wait_for_another_build(lock)
+    finally:
+        os.close(holder)
+    lane._wait_for_another_build(lock)  # its holder gone, the lock is free
+
+
+def test_the_running_torchs_own_build_lock_let_go_does_not_delay_the_first_call(fast, monkeypatch, caplog):
+    """The lock of the running torch's builder (torch 2.13: a file it removes when done; 2.14: an advisory
+    lock on a file it leaves), taken and let go as by a build that finished: the next process's first
+    call loads the cached build without a wait or a word (a wait would be said at once here, and a lock
+    taken for stale would be removed with a warning, both errors here)."""
+    monkeypatch.setattr(lane, "LOCK_PATIENCE_S", 0.0)
+    monkeypatch.setattr(lane, "STALE_LOCK_S", 5.0)
+    lock = lane.build_directory() / "lock"
+    builder = lane._builder()
+    if lane.builder_locks_by_flock():
+        with builder.FileLock(str(lock)):
+            pass
+        assert lock.exists()  # what makes a file's age no sign of a build
+    else:
+        baton = builder.FileBaton(str(lock))
+        assert baton.try_acquire()
+        baton.release()
+    with caplog.at_level("WARNING", logger="compass_fx"), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lane.compile_module().call is fast.module.call
+    assert caplog.text == ""
 
 
 def test_an_allocation_that_fails_leaves_the_call_to_the_python_path(fast):

@@ -56,11 +56,34 @@ def wanted() -> bool:
 def build_directory() -> Path:
     """Where the extension is built and cached: per torch version and Python (a build against
     another torch's headers must not be loaded)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    root = Path(_get_build_directory("compass_lane", verbose=False)).parent
+    root = Path(_builder()._get_build_directory("compass_lane", verbose=False)).parent
     tag = f"compass_lane-torch{torch.__version__}".replace("+", "_")
     return root / tag
+
+
+class _NoCudaRuntimeNote(logging.Filter):
+    """Drops torch's note that it found a CUDA toolkit but no CUDA runtime."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
+def _builder():
+    """torch's C++ extension builder (``torch.utils.cpp_extension``), imported without its note "No CUDA
+    runtime is found, using CUDA_HOME=...": a CUDA build of torch logs it on a machine without a GPU
+    driver (as where ``compass-fx prepare`` builds ahead), and this extension compiles no CUDA code."""
+    import sys
+
+    name = "torch.utils.cpp_extension"
+    if name in sys.modules:
+        return sys.modules[name]
+    quiet, logger = _NoCudaRuntimeNote(), logging.getLogger(name)
+    logger.addFilter(quiet)
+    try:
+        import torch.utils.cpp_extension as builder
+    finally:
+        logger.removeFilter(quiet)
+    return builder
 
 
 def is_cached() -> bool:
@@ -76,11 +99,28 @@ LOCK_POLL_S = 0.5      # how often a process waiting for another's build looks a
 LOCK_PATIENCE_S = 30.0  # waiting longer than this for another's build is said
 
 
+def builder_locks_by_flock() -> bool:
+    """How torch's extension builder marks a build in progress in its ``lock`` file.  torch 2.14 holds an
+    OS advisory lock on it (``filelock``: ``fcntl.flock``), released by the kernel if the builder dies,
+    and leaves the file after every build; torch 2.13 and before (``FileBaton``) create the file, remove
+    it when done, and wait for as long as it exists, forever for one a killed build left."""
+    builder = _builder()
+    return hasattr(builder, "FileLock") or not hasattr(builder, "FileBaton")
+
+
 def _wait_for_another_build(lock: Path) -> None:
-    """Wait while another process builds the extension (its lock file exists), at most until the lock
-    is ``STALE_LOCK_S`` old, then remove it with a warning: torch's builder itself waits for as long
-    as the lock exists, forever for one left by a build that was killed (say by Ctrl-C).  A wait
-    past ``LOCK_PATIENCE_S`` is said once, with how to end it."""
+    """Wait while another process builds the extension, the way the running torch's builder marks a
+    build (:func:`builder_locks_by_flock`), saying so once past ``LOCK_PATIENCE_S``."""
+    if builder_locks_by_flock():
+        _wait_while_flocked(lock)
+    else:
+        _wait_for_baton(lock)
+
+
+def _wait_for_baton(lock: Path) -> None:
+    """Wait while ``lock`` exists (a build in progress, torch 2.13's way), at most until it is
+    ``STALE_LOCK_S`` old, then remove it with a warning: torch's builder itself would wait for as long
+    as the lock exists, forever for one left by a build that was killed (say by Ctrl-C)."""
     import time
 
     said = False
@@ -91,7 +131,7 @@ def _wait_for_another_build(lock: Path) -> None:
             return
         if age > STALE_LOCK_S:
             warnings.warn(f"compass fused operators: removing the host fast path's build lock {lock}, left {age:.0f} s "
-                          "ago by a build that did not finish", RuntimeWarning, stacklevel=3)
+                          "ago by a build that did not finish", RuntimeWarning, stacklevel=4)
             lock.unlink(missing_ok=True)
             return
         if not said and age > LOCK_PATIENCE_S:
@@ -102,18 +142,54 @@ def _wait_for_another_build(lock: Path) -> None:
         time.sleep(LOCK_POLL_S)
 
 
+def _wait_while_flocked(lock: Path) -> None:
+    """Wait while another process holds ``lock``'s advisory lock (torch 2.14's way; the file itself stays
+    after every build, so its presence or age says nothing).  A dead builder's lock is let go by the
+    kernel; one held ``STALE_LOCK_S`` by a process still alive raises ``TimeoutError`` (the calls then
+    take the Python path) instead of waiting with torch for as long as it lives."""
+    import time
+
+    started, said = time.monotonic(), False
+    while _flock_held(lock):
+        waited = time.monotonic() - started
+        if waited > STALE_LOCK_S:
+            raise TimeoutError(f"another process has held the host fast path's build lock {lock} for {waited:.0f} s")
+        if not said and waited > LOCK_PATIENCE_S:
+            log.warning("compass fused operators: waiting for another process's build of the host fast path (it "
+                        "holds %s, %.0f s so far; given up at %.0f s, the calls then take the Python path)", lock,
+                        waited, STALE_LOCK_S)
+            said = True
+        time.sleep(LOCK_POLL_S)
+
+
+def _flock_held(lock: Path) -> bool:
+    """Whether another open file holds ``lock``'s advisory lock: a probe that gets it lets it go at once.
+    False where the file is missing or its file system takes no ``flock`` (torch's lock then decides)."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        return e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+    finally:
+        os.close(fd)  # lets a lock the probe got go
+    return False
+
+
 def compile_module():
     """Build (or load from the cache) the extension; raises where it cannot be built.  Ranks that
-    start together wait for the one that builds (its lock file in the build directory); a lock left
-    by a build that was killed is removed once ``STALE_LOCK_S`` old (:func:`_wait_for_another_build`):
-    no first call waits forever."""
-    from torch.utils.cpp_extension import load
-
+    start together wait for the one that builds (its lock in the build directory); a lock left by a
+    build that was killed never stalls a first call (:func:`_wait_for_another_build`)."""
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     _wait_for_another_build(directory / "lock")
-    return load("compass_lane", sources=[str(_SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
-                verbose=False)
+    return _builder().load("compass_lane", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                           build_directory=str(directory), verbose=False)
 
 
 def configure(module, *, transports: dict, join: type, raw_stream, capturing, launch_address: int,
