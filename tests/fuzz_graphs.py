@@ -17,6 +17,7 @@ import math
 import torch
 import torch.fx as fx
 import wild_check
+from wild_models import all_gather_single, reduce_scatter_single
 from hypothesis import strategies as st
 from compass_fx.cost.decision import Decision
 from compass_fx.passes.find import kind_of
@@ -90,9 +91,7 @@ def _shard_shape(spec: dict, dim: int, cols: int) -> list[int]:
 
 def _gather(x: torch.Tensor, g: dict, world: int, group: str) -> torch.Tensor:
     if g["style"] == "fc" or g["dim"] == 0:
-        import torch.distributed._functional_collectives as fc
-
-        return fc.all_gather_single(x, g["dim"], group)
+        return all_gather_single(x, g["dim"], group)
     w = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, group))
     n = x.shape[0]
     return torch.cat([w[i * n:(i + 1) * n] for i in range(world)], dim=g["dim"])
@@ -178,7 +177,7 @@ def _reduce(y: torch.Tensor, r: dict, world: int, group: str) -> torch.Tensor:
         perm = [1, 0, 2]
         out = c10d.wait_tensor(c10d.reduce_scatter_tensor(y.permute(perm).contiguous(), "sum", world, group))
         return out.permute(perm)
-    return fc.reduce_scatter_single(y, "sum", r["dim"], group)
+    return reduce_scatter_single(y, "sum", r["dim"], group)
 
 
 def program(spec: dict, group: str):

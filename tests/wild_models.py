@@ -15,6 +15,23 @@ from torch.utils.checkpoint import checkpoint
 D, H = 16, 32
 
 
+def _gather_along(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """torch 2.11's functional gather along ``gather_dim`` as its ``all_gather_tensor`` computes it (one
+    gather of the rows, then the ranks' chunks concatenated along the dim), written out: Dynamo 2.11
+    refuses to trace that function's dim > 0 path (``_maybe_view_chunk_cat`` is marked skipped)."""
+    c10d = torch.ops._c10d_functional
+    name = fc._resolve_group_name(group)
+    world = torch.distributed.distributed_c10d._get_group_size_by_name(name)
+    rows = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), world, name))
+    return rows if gather_dim == 0 else torch.cat(rows.chunk(world), dim=gather_dim)
+
+
+# The functional gather and reduce-scatter along a dim: torch 2.13's names, or what torch 2.11 had
+# before them (2.13 keeps the old names as deprecated aliases of the new).
+all_gather_single = getattr(fc, "all_gather_single", None) or _gather_along
+reduce_scatter_single = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.randn(*shape) / shape[-1] ** 0.5)
 
@@ -27,10 +44,10 @@ class EinsumBmm(nn.Module):
         self.group, self.w1, self.w2 = group, _param(D, H), _param(H, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [B, S/W, D]
-        g = fc.all_gather_single(x, 1, self.group)            # [B, S, D]
+        g = all_gather_single(x, 1, self.group)            # [B, S, D]
         h = torch.relu(torch.einsum("bsd,dh->bsh", g, self.w1))
         y = torch.bmm(h, self.w2.expand(h.shape[0], H, D))
-        return fc.reduce_scatter_single(y, "sum", 1, self.group)
+        return reduce_scatter_single(y, "sum", 1, self.group)
 
 
 class ReshapeChain(nn.Module):
@@ -41,11 +58,11 @@ class ReshapeChain(nn.Module):
         self.group, self.w1, self.w2 = group, _param(H, D), _param(D, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [B, S/W, D]
-        g = fc.all_gather_single(x, 1, self.group)
+        g = all_gather_single(x, 1, self.group)
         h = torch.mm(g.reshape(-1, D), self.w1.t())
         h = torch.relu(h.view(x.shape[0], -1, H)).reshape(-1, H).unsqueeze(0).flatten(0, 1)
         y = torch.matmul(h, self.w2.t()).reshape(x.shape[0], -1, D)
-        return fc.reduce_scatter_single(y, "sum", 1, self.group)
+        return reduce_scatter_single(y, "sum", 1, self.group)
 
 
 class DtypeCasts(nn.Module):
@@ -57,9 +74,9 @@ class DtypeCasts(nn.Module):
         self.w1, self.w2 = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
-        g = fc.all_gather_single(x.to(torch.bfloat16), 0, self.group)
+        g = all_gather_single(x.to(torch.bfloat16), 0, self.group)
         y = self.w2(torch.relu(self.w1(g.float())))
-        return fc.reduce_scatter_single(y.to(torch.bfloat16), "sum", 0, self.group).float()
+        return reduce_scatter_single(y.to(torch.bfloat16), "sum", 0, self.group).float()
 
 
 class SharedUses(nn.Module):
@@ -72,7 +89,7 @@ class SharedUses(nn.Module):
         self.w2 = nn.Linear(H, D, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
-        g = fc.all_gather_single(x, 0, self.group)
+        g = all_gather_single(x, 0, self.group)
         h = torch.relu(self.w1(g)) * self.w3(g) + g.norm(dim=-1, keepdim=True)
         y = self.w2(h)
         r = fc.all_reduce(y, "sum", self.group)
@@ -88,9 +105,9 @@ class Checkpointed(nn.Module):
         self.w1, self.w2 = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
 
     def block(self, x: torch.Tensor) -> torch.Tensor:
-        g = fc.all_gather_single(x, 0, self.group)
+        g = all_gather_single(x, 0, self.group)
         y = self.w2(torch.relu(self.w1(g)))
-        return fc.reduce_scatter_single(y, "sum", 0, self.group)
+        return reduce_scatter_single(y, "sum", 0, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
         return x + checkpoint(self.block, x, use_reentrant=False)
@@ -105,9 +122,9 @@ class Unmatched(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
         m = fc.all_reduce((x @ self.w).detach(), "max", self.group)  # no backward for max
-        c = fc.all_gather_single(x, 1, self.group)            # [T/W, W*D]: last dim
+        c = all_gather_single(x, 1, self.group)            # [T/W, W*D]: last dim
         s = torch.addmm(x, x, self.w, beta=0.5)
-        return m.sum() + c.sum() + fc.reduce_scatter_single(s, "sum", 0, self.group).sum()
+        return m.sum() + c.sum() + reduce_scatter_single(s, "sum", 0, self.group).sum()
 
 
 WILD: dict[str, tuple[Callable, tuple[int, ...]]] = {
