@@ -118,8 +118,6 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
     from compass_fx.report import Report
 
     torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    module, tokens, context = build(model, layers, world)
     opts = parse_options({**MODES[mode], "inner": inner})
     nodes: dict[str, int] = {}
     nodes_out: dict[str, int] = {}
@@ -138,8 +136,10 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
         compile_s.append(time.perf_counter() - started)
         return compiled
 
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     backend.compass_pass = counting_pass
-    try:
+    try:  # a row that fails, building its model included, leaves no group behind for the next row
+        module, tokens, context = build(model, layers, world)
         compiled = torch.compile(module, backend=timed_backend, fullgraph=True)
         started = time.perf_counter()
         with backend.collect_reports() as reports, context, \

@@ -458,6 +458,22 @@ def _compile_time_dry_run(out: Path, *argv: str) -> dict:
     return json.loads((out / "compile_time-cpu.json").read_text())
 
 
+def test_a_compile_time_row_that_fails_leaves_no_process_group_for_the_next(monkeypatch):
+    """The dry run measures its rows in one process: a row whose model cannot be built (torchtitan on a
+    torch it does not support) is that row's error, and the fake group it made is gone, so the next row
+    does not fail with "trying to initialize the default process group twice"."""
+    import torch.distributed as dist
+
+    compile_time = _bench("compile_time")
+
+    def no_model(model, layers, world):
+        raise ImportError(f"cannot import {model}")
+
+    monkeypatch.setattr(compile_time, "build", no_model)
+    row = compile_time.measure_here(1, "off", "eager", 2, "torchtitan")
+    assert row["error"] == "ImportError: cannot import torchtitan" and not dist.is_initialized(), row
+
+
 def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     """The compile-time benchmark's dry run (1 layer, in one process; a real run starts a fresh one
     per row) at two group sizes, the pass off and every pair split into one part per rank: every
