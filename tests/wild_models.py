@@ -44,7 +44,7 @@ class EinsumBmm(nn.Module):
         self.group, self.w1, self.w2 = group, _param(D, H), _param(H, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [B, S/W, D]
-        g = all_gather_single(x, 1, self.group)            # [B, S, D]
+        g = all_gather_single(x, 1, self.group)               # [B, S, D]
         h = torch.relu(torch.einsum("bsd,dh->bsh", g, self.w1))
         y = torch.bmm(h, self.w2.expand(h.shape[0], H, D))
         return reduce_scatter_single(y, "sum", 1, self.group)
@@ -122,7 +122,7 @@ class Unmatched(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # x: [T/W, D]
         m = fc.all_reduce((x @ self.w).detach(), "max", self.group)  # no backward for max
-        c = all_gather_single(x, 1, self.group)            # [T/W, W*D]: last dim
+        c = all_gather_single(x, 1, self.group)               # [T/W, W*D]: last dim
         s = torch.addmm(x, x, self.w, beta=0.5)
         return m.sum() + c.sum() + reduce_scatter_single(s, "sum", 0, self.group).sum()
 

@@ -71,13 +71,9 @@ class _NoCudaRuntimeNote(logging.Filter):
 def _builder():
     """torch's C++ extension builder (``torch.utils.cpp_extension``), imported without its note "No CUDA
     runtime is found, using CUDA_HOME=...": a CUDA build of torch logs it on a machine without a GPU
-    driver (as where ``compass-fx prepare`` builds ahead), and this extension compiles no CUDA code."""
-    import sys
-
-    name = "torch.utils.cpp_extension"
-    if name in sys.modules:
-        return sys.modules[name]
-    quiet, logger = _NoCudaRuntimeNote(), logging.getLogger(name)
+    driver (as where ``compass-fx prepare`` builds ahead; once, on its first import), and this extension
+    compiles no CUDA code."""
+    quiet, logger = _NoCudaRuntimeNote(), logging.getLogger("torch.utils.cpp_extension")
     logger.addFilter(quiet)
     try:
         import torch.utils.cpp_extension as builder
