@@ -1,0 +1,264 @@
+"""Eager fused calls at a deep model's scale, on ONE GPU: how many of a step's calls replay, what
+the replay graphs keep in GPU memory, and the host's time per call, as the layers grow.
+
+Why (issue 27): a replayed call costs the host tens of microseconds, one issued from Python
+hundreds.  Replays are kept per set of a call's addresses (:mod:`compass_fx.kernels.cuda.replay`),
+and every layer's call of one operator and shape is a set of its own (its weight, its input, its
+output), so a workspace holds as many sets as the model has layers (twice that with activation
+checkpointing, whose recomputed forward has inputs of its own).  What the tests at two layers never
+showed: how many sets the limit holds against 80 or 126 layers, and what each set costs the GPU's
+memory (a graph's private pool keeps whatever its capture allocated).
+
+W ranks (processes in a gloo group) share one GPU and meet in pinned host memory (``--transport
+peer``: each other's buffers of it, through CUDA IPC), as ``fused_host_stress`` does.  A case is
+one operator at one depth L: L layers, each with its own weight and input (seeded per layer and
+rank); a step calls the ``.graph`` overload (what rewritten graphs call) once per layer, keeping
+the outputs until the step ends, as a forward keeps its activations.  ``--steps`` steps, the last
+two measured: the calls replayed and issued from C (the host fast path), the host's time per call,
+and, after the case's tensors are freed, the GPU memory its replay graphs and workspace keep
+(torch's pools, this rank; and, device-wide, the driver's own, all ranks).  The last step's
+outputs of every layer are checked against a reference from every rank's inputs.  Each case has
+rows of its own size (1024 + 16 x its index), so it gets workspaces of its own and earlier cases'
+graphs stay out of its memory figures.
+
+    python benchmarks/fused_replay_scale.py --worlds 2,4,8 --layers 2,8,32,64,80,128 --tag h200-mps
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+NAME = "fused_replay_scale"
+TOL = 2e-2  # of the largest element: bf16 products summed in another order than the reference
+KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+K, N = 1024, 2048  # every layer's weight: K x N (bf16)
+MEASURED = 2  # the last steps, whose calls are counted and timed
+MIB = 1 << 20
+
+
+def layer_operands(kind: str, rows: int, world: int, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``layer``'s input on ``rank`` and its weight (a gather's weight is the same on every rank)."""
+    g = torch.Generator(device="cuda").manual_seed(1000 * layer + rank)
+    a_rows = rows // world if kind == "all_gather_matmul" else rows
+    a = (torch.randn(a_rows, K, generator=g, device="cuda") / K ** 0.25).bfloat16()
+    shared = kind == "all_gather_matmul"
+    gw = torch.Generator(device="cuda").manual_seed(1000 * layer + 999 + (0 if shared else rank))
+    return a, (torch.randn(K, N, generator=gw, device="cuda") / K ** 0.25).bfloat16()
+
+
+def reference(kind: str, rows: int, world: int, rank: int, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s output on ``rank``, from every rank's inputs, in float32."""
+    ins = [layer_operands(kind, rows, world, r, layer) for r in range(world)]
+    if kind == "all_gather_matmul":
+        return torch.cat([a for a, _ in ins]).float() @ ins[0][1].float()
+    total = sum(a.float() @ b.float() for a, b in ins)
+    return total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total
+
+
+def graphs_held() -> int:
+    """Replay graphs every workspace of this process holds (a set keeps one per epoch residue)."""
+    from compass_fx.kernels.cuda import impl
+
+    count = 0
+    for ws in impl._workspaces.values():
+        for replays in (ws.replays, getattr(getattr(ws, "apart", None), "replays", None)):
+            if replays is not None:
+                count += sum(g is not None for graphs in replays.graphs.values() for g in graphs)
+    return count
+
+
+def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: int) -> dict:
+    """One operator at one depth on this rank (see the module's docstring)."""
+    from compass_fx.kernels.cuda import replay
+
+    group = dist.group.WORLD.group_name
+    packet = getattr(torch.ops.compass, kind).graph
+    if kind == "all_gather_matmul":
+        def call(a, b):
+            return packet(a, [b], "direct", group, world)[1][0]
+    else:
+        def call(a, b):
+            return packet(a, b, "direct", group, world)
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    reserved0, graphs0 = torch.cuda.memory_reserved(), graphs_held()
+    operands = [layer_operands(kind, rows, world, rank, layer) for layer in range(layers)]
+    host_us, counted = [], {"replayed": 0, "lane": 0, "calls": 0}
+    outs: list[torch.Tensor] = []
+    for step in range(steps):
+        measured = step >= steps - MEASURED
+        before = dict(replay.stats)
+        outs = []
+        for a, b in operands:
+            t0 = time.perf_counter()
+            outs.append(call(a, b))
+            if measured:
+                host_us.append((time.perf_counter() - t0) * 1e6)
+        if measured:
+            counted["calls"] += layers
+            for key in ("replayed", "lane"):
+                counted[key] += replay.stats.get(key, 0) - before.get(key, 0)
+        if step < steps - 1:
+            del outs
+        dist.barrier()  # the ranks' steps in lockstep, as a model's
+    torch.cuda.synchronize()
+    worst = 0.0
+    for layer, out in enumerate(outs):
+        want = reference(kind, rows, world, rank, layer)
+        worst = max(worst, float((out.float() - want).abs().max() / want.abs().max()))
+    del outs, operands
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    graphs = graphs_held() - graphs0
+    kept = torch.cuda.memory_reserved() - reserved0
+    host_us.sort()
+    return {"status": "pass" if worst < TOL else "FAIL", "relative_error": worst,
+            "replayed": counted["replayed"] / counted["calls"], "from_c": counted["lane"] / counted["calls"],
+            "host_us_median": statistics.median(host_us), "host_us_p90": host_us[int(0.9 * (len(host_us) - 1))],
+            "graphs": graphs, "torch_kept_mib": kept / MIB}
+
+
+def worker(rank: int, world: int, todo: list[dict], steps: int, transport: str, init: str, out_path: str) -> None:
+    """Every case of this world, one after another; device-wide memory read on rank 0 between them."""
+    os.environ["COMPASS_FUSED_TRANSPORT"] = transport
+    os.environ["COMPASS_FUSED_TIMEOUT_S"] = "30"
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import compass_fx.kernels  # noqa: F401  (registers torch.ops.compass)
+
+    results = []
+    for case in todo:
+        dist.barrier()
+        free0 = torch.cuda.mem_get_info()[0]
+        try:
+            res = run_case(rank, world, case["kind"], case["layers"], case["rows"], steps)
+        except Exception as e:  # noqa: BLE001 - the case's outcome (a watchdog error names op, rank, piece)
+            res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-800:]}
+        dist.barrier()
+        res["device_kept_mib"] = (free0 - torch.cuda.mem_get_info()[0]) / MIB  # every rank's, and the driver's
+        results.append(res)
+        with open(f"{out_path}.{rank}", "w") as f:  # what is done so far, should a later case stall
+            json.dump(results, f)
+        agreed = torch.tensor([1 if res["status"] == "pass" else 0])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not agreed.item():
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a rank of a stalled case may leave the group unusable
+        pass
+
+
+def cases(kinds: list[str], depths: list[int]) -> list[dict]:
+    """Each operator at each depth, with rows of its own size (its own workspaces)."""
+    return [dict(kind=kind, layers=layers, rows=1024 + 16 * i)
+            for i, (kind, layers) in enumerate((k, d) for k in kinds for d in depths)]
+
+
+def world_rows(world: int, todo: list[dict], steps: int, transport: str, tmp: str, deadline_s: float) -> list[dict]:
+    """The cases of one world in one set of fresh processes; a row per case, with every rank's figures."""
+    ranks, killed = launch.fresh_ranks(worker, world, (todo, steps, transport), tmp, world, deadline_s)
+    per_rank = [r if isinstance(r, list) else [r] for r in ranks]
+    rows = []
+    for i, case in enumerate(todo):
+        got = [r[i] if i < len(r) else {"status": "error", "error": "rank stopped before this case"}
+               for r in per_rank]
+        statuses = {r["status"] for r in got}
+        row = dict(case, world=world, transport=transport,
+                   status="pass" if statuses == {"pass"} else "FAIL" if "FAIL" in statuses else "error")
+        if row["status"] == "pass":
+            graphs = sum(r["graphs"] for r in got)
+            torch_kept = sum(r["torch_kept_mib"] for r in got)
+            row.update(relative_error=max(r["relative_error"] for r in got),
+                       replayed=min(r["replayed"] for r in got), from_c=min(r["from_c"] for r in got),
+                       host_us_median=statistics.median(r["host_us_median"] for r in got),
+                       host_us_p90=max(r["host_us_p90"] for r in got),
+                       graphs=graphs, torch_kept_mib=torch_kept, device_kept_mib=got[0]["device_kept_mib"],
+                       torch_mib_per_graph=torch_kept / graphs if graphs else None,
+                       driver_mib_per_graph=(got[0]["device_kept_mib"] - torch_kept) / graphs if graphs else None)
+        errors = [r["error"] for r in got if "error" in r]
+        if errors:
+            row["error"] = errors[0][:300]
+        if killed:
+            row["killed_ranks"] = killed
+        rows.append(row)
+        print(f"world {world} {case['kind']} L={case['layers']}: {row['status']} replayed {row.get('replayed')} "
+              f"graphs {row.get('graphs')} kept {row.get('torch_kept_mib')} MiB (device {row.get('device_kept_mib')})",
+              flush=True)
+    return rows
+
+
+def markdown(payload: dict) -> str:
+    lines = [f"# {NAME} ({payload['tag']})", "",
+             f"{'Peer transport (CUDA IPC)' if payload['transport'] == 'peer' else 'Host-staged transport'}, "
+             f"ranks sharing one GPU; a case is one operator at depth L (L layers, each with its weight of "
+             f"{K}x{N} and its input), a step one `.graph` call per layer, outputs kept to the step's end; "
+             f"{payload['steps']} steps, the last {MEASURED} measured. replayed, from C: the fewest over the ranks "
+             "of the measured calls served from replay graphs, and issued by the host fast path; host us: the "
+             "median over ranks of each rank's median per call, and the largest 90th percentile; graphs: replay "
+             "graphs the case left, every rank's; kept MiB: GPU memory the case left once its tensors were freed "
+             "(torch: the ranks' pools, the graphs' private pools and the workspaces' buffers; device: the "
+             "GPU's, the driver's own as well), and per graph. Replay sets a workspace keeps: "
+             f"`COMPASS_FUSED_REPLAY_GRAPHS` = {payload.get('replay_limit')}.", ""]
+    if payload.get("note"):
+        lines[1:1] = [f"Note: {payload['note']}", ""]
+    lines.append(output.markdown_table(payload["rows"], [
+        "world", "kind", "layers", "rows", "status", ("relative_error", "rel. error"), "replayed", ("from_c", "from C"),
+        ("host_us_median", "host us"), ("host_us_p90", "host us p90"), "graphs", ("torch_kept_mib", "torch kept MiB"),
+        ("device_kept_mib", "device kept MiB"), ("torch_mib_per_graph", "torch MiB / graph"),
+        ("driver_mib_per_graph", "driver MiB / graph"), "error"]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="2,4,8")
+    p.add_argument("--layers", default="2,8,32,64,80,128", help="depths, comma-separated")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--steps", type=int, default=7, help="steps per case, the last two measured (at least 3)")
+    p.add_argument("--transport", choices=("host", "peer"), default="host")
+    p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
+    p.add_argument("--tag", default="h200")
+    p.add_argument("--note", default="")
+    p.add_argument("--out-dir", default=str(output.RESULTS))
+    args = p.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if any(k not in KINDS for k in kinds) or args.steps < 3:
+        raise SystemExit(f"--kinds: among {', '.join(KINDS)}; --steps: at least 3")
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_replay_scale runs the CUDA path: it needs a GPU")
+    from compass_fx.kernels.cuda import replay
+
+    todo = cases(kinds, [int(d) for d in args.layers.split(",") if d])
+    rows: list[dict] = []
+    payload = {"benchmark": NAME, "tag": args.tag, "note": args.note, "steps": args.steps,
+               "transport": args.transport, "replay_limit": replay.limit(),
+               "environment": output.environment(False), "rows": rows}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (int(w) for w in args.worlds.split(",") if w):
+            rows += world_rows(world, todo, args.steps, args.transport, tmp, args.deadline)
+            payload["seconds"] = round(time.time() - t0, 1)
+            output.write_results(NAME, args.tag, payload, markdown(payload), args.out_dir)  # what is done so far
+    print(markdown(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
