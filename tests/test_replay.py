@@ -4,6 +4,7 @@ and a workspace captures a set of addresses only on its second sighting, once pe
 import ctypes
 
 import pytest
+import torch
 
 from compass_fx.kernels import flag_codes
 from compass_fx.kernels import protocol as pr
@@ -61,6 +62,30 @@ def test_the_least_recently_used_sets_go_beyond_the_limit():
         r.graph(key, 1, None)
         r.graph(key, 1, None)
     assert list(r.graphs) == ["b", "c"]
+
+
+def _steady_share_replayed(call_sites: int, most: int) -> float:
+    """The share of a step's calls served from graphs once a workspace has settled: ``call_sites``
+    sets called in the same order every step (a model's layers), epochs counting on."""
+    r = _Recorder(most=most)
+    epoch = replayed = 0
+    for step in range(12):
+        for site in range(call_sites):
+            epoch += 1
+            graph = r.graph(("layer", site), epoch, None)
+            replayed += step >= 10 and graph is not None
+    return replayed / (2 * call_sites)
+
+
+def test_every_call_of_a_deep_models_step_replays_at_the_default_limit():
+    """A workspace meets one set of addresses per layer a step, two with activation checkpointing:
+    252 for Llama-3.1-405B's 126 layers.  The least recently used set is the next one called, so a
+    limit below the sets a step calls leaves part of every step issued (the old limit, 64: 20% of
+    80 layers' calls, 49% of 126's); the default holds every set of such a step."""
+    assert _steady_share_replayed(80, 64) == pytest.approx(0.8)
+    assert _steady_share_replayed(126, 64) < 0.55
+    for layers in (2, 80, 126):
+        assert _steady_share_replayed(2 * layers, replay.limit()) == 1.0
 
 
 def test_replays_are_off_when_asked(monkeypatch):
@@ -140,3 +165,39 @@ def test_replay_graphs_keep_their_memsets_when_asked(monkeypatch):
     monkeypatch.setenv("COMPASS_REPLAY_MEMSETS", "sometimes")
     with pytest.raises(ValueError, match="COMPASS_REPLAY_MEMSETS"):
         replay.memsets_as_kernels()
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_sums_of_more_than_two_terms_have_rows_of_the_workspace(world):
+    """A captured call's allocations stay in its graph's pool for the graph's life, so a sum of more
+    than two terms (a reduction beyond two ranks) accumulates in float32 rows the workspace holds,
+    one block per stream that runs such sums, as many rows as its largest; two ranks need none."""
+    from compass_fx.kernels.cuda import impl
+
+    for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+        for host in (False, True):
+            for detach in (False, True):
+                plans = pr.stream_plans(op, "direct", world, 1, 512, 64, 1, 2, host, detach=detach)
+                sums = impl.sum_scratch(plans, 64, torch.device("cpu"))
+                wide = [c for p in plans for c in p.commands if isinstance(c, pr.Reduce) and len(c.srcs) > 2]
+                assert set(sums) == {c.stream for c in wide}
+                assert not sums or world > 2
+                for side, rows in sums.items():
+                    assert rows.dtype == torch.float32 and rows.shape == (
+                        max(c.dst.rows for c in wide if c.stream == side), 64)
+
+
+def test_a_sum_in_the_workspaces_rows_equals_the_sum_a_call_allocated():
+    """Bit for bit what the calls computed before the rows were the workspace's (``terms[0].float()``,
+    the others added, rounded once), the rows reused from call to call."""
+    from compass_fx.kernels.cuda import impl
+
+    acc = torch.empty(16, 8)
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 5, 8):
+        for _ in range(2):  # the rows hold the last call's sum: nothing of it may leak into the next
+            terms = [torch.randn(16, 8, generator=g).bfloat16() for _ in range(n)]
+            want = terms[0] + terms[1] if n == 2 else sum(terms[1:], terms[0].float()).bfloat16()
+            got = torch.empty(16, 8, dtype=torch.bfloat16)
+            impl.add_terms(got, terms, acc if n > 2 else None)
+            assert torch.equal(got, want)

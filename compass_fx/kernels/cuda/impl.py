@@ -162,6 +162,36 @@ def _ranks_share_a_gpu(group, device_index: int, gpu_id: Callable[[int], str] = 
     return len(set(seen)) < len(seen)
 
 
+def sum_scratch(plans: tuple[Plan, ...], cols: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Float32 rows where a sum of more than two terms accumulates, one block per stream that runs
+    such sums (the caller's, or ``TAIL`` for a detached reduction), as many rows as its largest.
+
+    Why the workspace holds them: a sum allocated in the call lands, in a call captured for replay,
+    in that graph's private memory pool, which keeps it for the graph's life: one block per graph,
+    up to four graphs per set of addresses and a set per call site of a model's layers (a 16 MiB
+    block at four ranks, 8192 rows of 4096).  Sums of one stream never overlap: the stream runs them
+    one after another, and a workspace runs its calls one after another (``run``: at most one
+    outstanding)."""
+    rows: dict[str, int] = {}
+    for plan in plans:
+        for cmd in plan.commands:
+            if isinstance(cmd, Reduce) and len(cmd.srcs) > 2:
+                rows[cmd.stream] = max(rows.get(cmd.stream, 0), cmd.dst.rows)
+    return {side: torch.empty((n, cols), dtype=torch.float32, device=device) for side, n in rows.items()}
+
+
+def add_terms(dst: torch.Tensor, terms: list[torch.Tensor], acc: torch.Tensor | None) -> None:
+    """``dst = sum(terms)``: two terms added in their dtype, more accumulated in float32 in ``acc``
+    (rows of :func:`sum_scratch`, as many as ``dst``'s), then rounded once into ``dst``."""
+    if len(terms) == 2:
+        torch.add(terms[0], terms[1], out=dst)
+        return
+    acc.copy_(terms[0])
+    for t in terms[1:]:
+        acc += t
+    dst.copy_(acc)
+
+
 class _Workspace:
     """One rank's buffers, flags, peer addresses and events for one plan."""
 
@@ -194,6 +224,7 @@ class _Workspace:
                         for name, rows in plan.private_rows.items()}
         # one tensor, so that the slots step evenly (a round of pulls fills several: copy_runs)
         self.stage = list(torch.empty((plan.stage_slots, plan.stage_rows, cols), dtype=dtype, device=device))
+        self.sums = sum_scratch((plan, graph_plan), cols, device)
         self.events = {c.event: torch.cuda.Event() for c in graph_plan.commands if isinstance(c, Record)}
         if captured:
             self.device_epoch = torch.zeros(1, dtype=torch.int32, device=device)
@@ -399,16 +430,10 @@ class _Workspace:
         if isinstance(cmd, Reduce):
             dst = self._tensor(cmd.dst, parity)
             srcs = [self._tensor(r, parity) for r in cmd.srcs]
+            acc = self.sums[side][:cmd.dst.rows] if len(srcs) > 2 else None
 
             def reduce(tensors, epoch, streams):
-                terms = [f(tensors) for f in srcs]
-                if len(terms) == 2:
-                    torch.add(terms[0], terms[1], out=dst(tensors))
-                    return
-                acc = terms[0].float()
-                for t in terms[1:]:
-                    acc += t
-                dst(tensors).copy_(acc)
+                add_terms(dst(tensors), [f(tensors) for f in srcs], acc)
             if fixed_stream is None:
                 return reduce
 

@@ -13,12 +13,19 @@ hold the epoch as one bit of four (:mod:`..flag_codes`) and the buffers alternat
 epoch's parity, so the four graphs of a set replay every later call with those addresses.  The
 caching allocator hands a training step's tensors the same addresses step after step, so the
 sets recur; a set is captured on its second sighting (a tensor seen once costs no capture), at
-most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default 64; the least recently used goes;
-a workspace whose sets are evicted before they pay back their captures stops capturing).  Before a graph is
+most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default :data:`MOST_SETS`; the least
+recently used goes; a workspace whose sets are evicted before they pay back their captures stops
+capturing).  Each layer's call of one operator and shape is a set of its own (its weight, input and
+output), so a workspace meets as many sets a step as the model has layers, twice that with
+activation checkpointing (the recomputed forward's inputs are new): 252 for Llama-3.1-405B's 126.
+With fewer places than that, the least recently used set is always the next one called: each
+capture is evicted before it replays, until the workspace stops capturing, and the sets it did not
+keep are issued from Python from then on (the limit of 64 until 2026-12-07 against 80 layers: 20%
+of a step's calls, 49% against 126; ``tests/test_replay.py``, ``benchmarks/fused_replay_scale.py``).  Before a graph is
 instantiated its memset nodes become kernel nodes (:mod:`.graph_edit`: cuBLAS's workspace clears
-cost the launch ~2 us each; ``COMPASS_REPLAY_MEMSETS=memset`` keeps them).  A graph
-keeps what its capture allocated: nothing, except the float32 sum of a reduction of more than two
-terms (a plan beyond two ranks), which stays reserved for the graph while it lives.
+cost the launch ~2 us each; ``COMPASS_REPLAY_MEMSETS=memset`` keeps them).  A graph keeps what its
+capture allocated, in a private pool of its own for its life: nothing (a sum of more than two terms
+accumulates in the workspace's float32 rows, :func:`.impl.sum_scratch`).
 
 Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
 buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
@@ -196,9 +203,12 @@ def kernel_nodes(device_index: int) -> bool:
 _warned: list[str] = []
 
 
+MOST_SETS = 512  # sets of addresses a workspace keeps graphs for: two per layer of a 256-layer model
+
+
 def limit() -> int:
-    """``COMPASS_FUSED_REPLAY_GRAPHS`` (default 64): sets of addresses a workspace keeps graphs for."""
-    return positive_integer("COMPASS_FUSED_REPLAY_GRAPHS", env("COMPASS_FUSED_REPLAY_GRAPHS", "64").strip())
+    """``COMPASS_FUSED_REPLAY_GRAPHS`` (default :data:`MOST_SETS`): sets of addresses a workspace keeps graphs for."""
+    return positive_integer("COMPASS_FUSED_REPLAY_GRAPHS", env("COMPASS_FUSED_REPLAY_GRAPHS", str(MOST_SETS)).strip())
 
 
 def _capture_stream(device_index: int) -> torch.cuda.Stream:
