@@ -78,14 +78,15 @@ def _steady_share_replayed(call_sites: int, most: int) -> float:
 
 
 def test_every_call_of_a_deep_models_step_replays_at_the_default_limit():
-    """A workspace meets one set of addresses per layer a step, two with activation checkpointing:
-    252 for Llama-3.1-405B's 126 layers.  The least recently used set is the next one called, so a
-    limit below the sets a step calls leaves part of every step issued (the old limit, 64: 20% of
-    80 layers' calls, 49% of 126's); the default holds every set of such a step."""
+    """A workspace meets a set of addresses per call site a step: up to two a layer (a layer's two
+    reductions share a workspace: the same rows and width), twice with activation checkpointing, 504
+    for Llama-3.1-405B's 126 layers.  The least recently used set is the next one called, so a limit
+    below the sets a step calls leaves part of every step issued (the old limit, 64: 20% of 80 call
+    sites' calls, 49% of 126's); the default holds every set of such a step."""
     assert _steady_share_replayed(80, 64) == pytest.approx(0.8)
     assert _steady_share_replayed(126, 64) < 0.55
     for layers in (2, 80, 126):
-        assert _steady_share_replayed(2 * layers, replay.limit()) == 1.0
+        assert _steady_share_replayed(4 * layers, replay.limit()) == 1.0
 
 
 def test_replays_are_off_when_asked(monkeypatch):

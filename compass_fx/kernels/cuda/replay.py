@@ -15,9 +15,10 @@ caching allocator hands a training step's tensors the same addresses step after 
 sets recur; a set is captured on its second sighting (a tensor seen once costs no capture), at
 most ``COMPASS_FUSED_REPLAY_GRAPHS`` sets per workspace (default :data:`MOST_SETS`; the least
 recently used goes; a workspace whose sets are evicted before they pay back their captures stops
-capturing).  Each layer's call of one operator and shape is a set of its own (its weight, input and
-output), so a workspace meets as many sets a step as the model has layers, twice that with
-activation checkpointing (the recomputed forward's inputs are new): 252 for Llama-3.1-405B's 126.
+capturing).  Each call site of a step is a set of its own (its weight, input and output): a layer
+has one per workspace, or two where the attention's output and the MLP's are reduced alike (the
+same rows and width: one workspace), and activation checkpointing doubles them (the recomputed
+forward's inputs are new): 504 for Llama-3.1-405B's 126 layers.
 With fewer places than that, the least recently used set is always the next one called: each
 capture is evicted before it replays, until the workspace stops capturing, and the sets it did not
 keep are issued from Python from then on (the limit of 64 until 2026-12-07 against 80 layers: 20%
@@ -203,7 +204,7 @@ def kernel_nodes(device_index: int) -> bool:
 _warned: list[str] = []
 
 
-MOST_SETS = 512  # sets of addresses a workspace keeps graphs for: two per layer of a 256-layer model
+MOST_SETS = 512  # sets of addresses a workspace keeps graphs for: four per layer of a 128-layer model
 
 
 def limit() -> int:
