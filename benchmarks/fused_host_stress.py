@@ -27,7 +27,6 @@ the rings are run too, to record how they behave here.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -151,16 +150,9 @@ def worker(rank: int, world: int, todo: list[dict], calls: int, mix: bool, trans
     for case in todo:
         res = run_one(rank, world, case, calls, mix, overload)
         results.append(res)
-        with open(f"{out_path}.{rank}", "w") as f:  # what is done so far, should a later case stall
-            json.dump(results, f)
-        agreed = torch.tensor([1 if res["status"] == "pass" else 0])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # every rank goes on to the next case, or none
-        if not agreed.item():
+        if not launch.save_and_agree(results, out_path, rank):  # every rank goes on to the next case, or none
             break
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a rank of a stalled case may leave the group unusable
-        pass
+    launch.leave_group()
 
 
 def run_cases(todo: list[dict], calls: int, tmp: str, index: int, deadline_s: float, mix: bool,

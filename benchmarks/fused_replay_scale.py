@@ -26,7 +26,6 @@ graphs stay out of its memory figures.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -151,16 +150,9 @@ def worker(rank: int, world: int, todo: list[dict], steps: int, transport: str, 
         dist.barrier()
         res["device_kept_mib"] = (free0 - torch.cuda.mem_get_info()[0]) / MIB  # every rank's, and the driver's
         results.append(res)
-        with open(f"{out_path}.{rank}", "w") as f:  # what is done so far, should a later case stall
-            json.dump(results, f)
-        agreed = torch.tensor([1 if res["status"] == "pass" else 0])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        if not agreed.item():
+        if not launch.save_and_agree(results, out_path, rank):  # every rank goes on to the next case, or none
             break
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a rank of a stalled case may leave the group unusable
-        pass
+    launch.leave_group()
 
 
 def cases(kinds: list[str], depths: list[int]) -> list[dict]:

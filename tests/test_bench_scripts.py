@@ -623,6 +623,8 @@ def test_fresh_ranks_reports_every_rank(tmp_path):
     assert ranks[0]["status"] == "pass" and "exit code 3" in ranks[1]["error"] and killed == []
     ranks, killed = fresh_ranks(fresh_rank, 2, ("hangs",), str(tmp_path), 2, 4)  # rank 0 answers well within
     assert killed == [1] and ranks[1]["status"] == "error"
+    ranks, killed = fresh_ranks(fresh_rank, 2, ("agrees",), str(tmp_path), 3, 60)
+    assert killed == [] and [r["went_on"] for r in ranks] == [[True, False]] * 2  # one rank's failure stops both
 
 
 def test_every_benchmark_script_starts():

@@ -220,6 +220,25 @@ def fresh_ranks(worker: Callable, world: int, args: tuple, tmp: str, index: int,
     return ranks, killed
 
 
+def save_and_agree(results: list[dict], out_path: str, rank: int) -> bool:
+    """A ``fresh_ranks`` worker's step after each case: write this rank's results so far (they stay
+    should a later case stall) and agree with the other ranks whether to go on: only where every
+    rank's last case passed (the cases after one that did not run in fresh processes)."""
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(results, f)
+    agreed = torch.tensor([1 if results[-1]["status"] == "pass" else 0])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+def leave_group() -> None:
+    """Destroy the process group, which a rank of a stalled case may have left unusable."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the rank's outcome is written already
+        pass
+
+
 def world_outcome(world: int, ranks: list[dict], killed: list[int], deadline_s: float) -> dict:
     """A world's row from its ranks' results (``fresh_ranks``): "pass" only if every rank passed and
     none was killed, with the first error (ranks still running at the deadline first)."""
