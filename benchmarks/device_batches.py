@@ -605,6 +605,18 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _host_time("host_time-parts-peer-w2", 2, f"{MACHINE}-deferred-default-peer-w2-pin-mps", 110, ops=REDUCTIONS,
                    extra=("--deferred-parts", "--transport", "peer")),
     ),
+    # Issue 27 at a deep model's depth (2026-12-07): every call of 2-128 layers replayed and the replay graphs'
+    # memory flat in the depth (fused_replay_scale, host-staged at 4, 8 and 2 ranks), then the reductions' sums
+    # in the workspace's float32 rows (impl.sum_scratch) under 500 calls a case at 4 and 8 ranks, through the
+    # .graph overloads and as deferred starts (the detached plans sum on TAIL: not yet run on a GPU)
+    "h200-replay-scale": (
+        Step("replay_scale", "fused_replay_scale.py", ("--worlds", "4,8,2", "--steps", "5", "--deadline", "45",
+                                                        "--tag", f"{MACHINE}-host-mps", "--out-dir", RESULTS), 150),
+        _stress("stress-500-sums-graph", "4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-sums-500-graph-mps", 160,
+                extra=("--overload", "graph")),
+        _stress("stress-500-sums-start", "4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-sums-500-start-mps", 160,
+                extra=("--overload", "start")),
+    ),
     # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
     # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
     # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
