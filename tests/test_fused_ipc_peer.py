@@ -111,8 +111,27 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             worst = max(worst, _close(reduced, sum(x @ w_host for x in full)))
             del reduced
         torch.cuda.synchronize()
+        # what replay graphs keep: a weight of its own for each of four more call sites of the reductions
+        # (a set of addresses each, captured on its second call), the GPU memory reserved around them;
+        # a graph keeps what its capture allocated, and a sum of more than two terms allocated nothing
+        # only since it accumulates in the workspace's rows (each graph kept a segment of its own before)
+        weights = [w.clone() for _ in range(4)]
+        total = sum(x @ w_host for x in full)  # a holds this rank's rows of the last inputs, every weight w's values
+        rows = total.shape[0] // world
+        torch.cuda.empty_cache()
+        reserved, captured = torch.cuda.memory_reserved(), replay.stats["captured"]
+        for weight in weights:
+            for _ in range(2):
+                scattered = torch.ops.compass.matmul_reduce_scatter.graph(a, weight, "direct", group, world)
+                reduced = torch.ops.compass.matmul_all_reduce.graph(a, weight, "direct", group, world)
+                worst = max(worst, _close(scattered, total[rank * rows:(rank + 1) * rows]), _close(reduced, total))
+                del scattered, reduced
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        graphs_kept = {"bytes": torch.cuda.memory_reserved() - reserved,
+                       "captured": replay.stats["captured"] - captured}
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
-        result = {"worst": worst, "workspaces": len(mapped), "replayed": stats["replayed"],
+        result = {"worst": worst, "workspaces": len(mapped), "replayed": stats["replayed"], "graphs_kept": graphs_kept,
                   "captured": stats["captured"], "from_c": stats["lane"], "ring_from_c": ring_from_c,
                   "python_step": python_step, "fast_path_off": lane._state.get("failed"),
                   "frames": frames, "frames_stats": stats_frames,
@@ -187,6 +206,9 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
         # the ring's all-reduce, once its two calls' graphs exist (by the sixth call): both replays from C, every call
         assert r["ring_from_c"][6:] == [2] * 4, r
+        # eight more graphs (two reductions at four call sites) keep no GPU memory: at four ranks each kept a
+        # segment of its private pool for its sum (2 MiB here) until the sums moved into the workspace's rows
+        assert r["graphs_kept"]["captured"] == 8 and r["graphs_kept"]["bytes"] < 1 << 20, r["graphs_kept"]
 
 
 @pytest.mark.gpu
