@@ -4,7 +4,8 @@ Each benchmark keeps its files in ``benchmarks/results/<benchmark>/`` (``harness
 one stem (``<benchmark>-<machine>[-<variant>]``) with its ``.json`` and ``.md`` (and a ``.log``).
 The index gives, per run: the machine (``h200``: one H200; ``h200x2``: two; ``h100``: one H100, where
 no H200 could be had; ``cpu``), the date and commit it ran at (from the JSON's ``environment`` where
-it recorded them, else the commit that added the file), one line of what it measured (the
+it recorded them: for a dirty checkout, the commit whose package ran, ``+dirty`` where no commit holds it;
+else the commit that added the file), one line of what it measured (the
 markdown's first line of text, else the script's docstring), and its status: ``current``, or
 ``fixture`` where a test reads it.  Runs a newer run replaces are deleted (git keeps them), so what
 is listed is what stands.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import re
 import subprocess
@@ -46,8 +48,47 @@ def machine_and_variant(benchmark: str, stem: str) -> tuple[str, str]:
     return "-", tail
 
 
+def package_digest(commit: str) -> str:
+    """``harness.output.source_digest()`` of ``commit``'s package, read from git: the same files
+    (``compass_fx/**/*.py``), in the same order (``sorted`` of paths: by their parts), the same bytes."""
+    if commit not in _digests:
+        listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", "compass_fx"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60).stdout.split("\n")
+        names = sorted((n for n in listed if n.endswith(".py")), key=lambda n: tuple(n.split("/")))
+        batch = subprocess.run(["git", "cat-file", "--batch"], cwd=ROOT, capture_output=True, timeout=60,
+                               input="".join(f"{commit}:{n}\n" for n in names).encode()).stdout
+        digest, at = hashlib.sha1(), 0
+        for name in names:
+            header_end = batch.index(b"\n", at)
+            size = int(batch[at:header_end].split()[2])
+            digest.update(name.encode() + b"\0" + batch[header_end + 1:header_end + 1 + size])
+            at = header_end + 1 + size + 1  # the object, then a newline
+        _digests[commit] = digest.hexdigest()[:12]
+    return _digests[commit]
+
+
+_digests: dict[str, str] = {}
+
+
+def code_commit(recorded: str, source_sha1: str) -> str:
+    """The commit whose package ran, for a run that recorded a dirty checkout: a working tree copied
+    to a lent machine keeps the ``.git`` it was first copied with, so its HEAD (``recorded``) may be
+    older than the code.  The first commit from ``recorded`` on whose package hashes to the run's
+    ``source_sha1``, else ``recorded`` marked ``+dirty`` (code that no commit holds)."""
+    try:
+        later = subprocess.run(["git", "rev-list", "--reverse", f"{recorded}..HEAD"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=60, check=True).stdout.split()
+        for commit in [recorded, *later]:
+            if package_digest(commit) == source_sha1:
+                return commit[:7]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    return f"{recorded}+dirty"
+
+
 def when_and_commit(files: list[Path]) -> tuple[str, str]:
-    """From the JSON's environment, else from the commit that added the first file."""
+    """From the JSON's environment (for a dirty checkout, the commit whose package ran: :func:`code_commit`),
+    else from the commit that added the first file."""
     for path in files:
         if path.suffix == ".json":
             try:
@@ -55,7 +96,10 @@ def when_and_commit(files: list[Path]) -> tuple[str, str]:
             except (ValueError, AttributeError):
                 env = {}
             if env.get("date_utc"):
-                return env["date_utc"][:10], str(env.get("commit") or "-")[:7]
+                recorded = str(env.get("commit") or "-")[:7]
+                if env.get("dirty") and env.get("source_sha1") and recorded != "-":
+                    return env["date_utc"][:10], code_commit(recorded, env["source_sha1"])
+                return env["date_utc"][:10], recorded
     try:
         log = subprocess.run(["git", "log", "--follow", "--diff-filter=A", "--format=%cs %h", "--", str(files[0])],
                              cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.split("\n")

@@ -50,3 +50,35 @@ def test_each_machine_is_read_from_the_name():
     assert read("fused_host_time", "fused_host_time-h100-lane-w2") == ("h100", "lane-w2")
     assert read("compile_time", "compile_time-cpu") == ("cpu", "")
     assert read("compile_time", "compile_time-laptop-x") == ("-", "laptop-x")
+
+
+def test_a_run_on_a_stale_checkout_names_the_commit_whose_package_ran():
+    """A working tree copied to a lent machine keeps the ``.git`` it was first copied with, so a run
+    there records an older HEAD and ``dirty``; the index names the first commit from that HEAD on
+    whose package hashes to the run's ``source_sha1`` (as ``harness.output.source_digest`` hashes the
+    imported package), and marks code that no commit holds."""
+    import subprocess
+
+    import pytest
+
+    results_index = _results_index()
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    if git("diff", "--quiet", "HEAD", "--", "compass_fx").returncode == 0:  # the package as committed
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        try:
+            from harness import output
+        finally:
+            sys.path.remove(str(ROOT / "benchmarks"))
+        assert results_index.package_digest("HEAD") == output.source_digest()
+    older = git("rev-parse", "--short", "HEAD~3")
+    if older.returncode:
+        pytest.skip("a shallow clone: no commits before HEAD to walk")
+    recorded, wanted = older.stdout.strip(), results_index.package_digest("HEAD")
+    found = results_index.code_commit(recorded, wanted)
+    walked = [recorded] + git("rev-list", "--reverse", f"{recorded}..HEAD").stdout.split()
+    assert results_index.package_digest(found) == wanted
+    assert [c[:7] for c in walked if results_index.package_digest(c) == wanted][0] == found  # the first such
+    assert results_index.code_commit(recorded, "0" * 12) == f"{recorded}+dirty"
