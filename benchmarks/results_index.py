@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from harness.digest import package_digest as digest_of_sources
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,21 +50,21 @@ def machine_and_variant(benchmark: str, stem: str) -> tuple[str, str]:
 
 
 def package_digest(commit: str) -> str:
-    """``harness.output.source_digest()`` of ``commit``'s package, read from git: the same files
-    (``compass_fx/**/*.py``), in the same order (``sorted`` of paths: by their parts), the same bytes."""
+    """``harness.output.source_digest()`` of ``commit``'s package: its ``compass_fx/**/*.py`` read from
+    git, hashed by the same rule (:func:`harness.digest.package_digest`)."""
     if commit not in _digests:
         listed = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit, "--", "compass_fx"], cwd=ROOT,
                                 capture_output=True, text=True, timeout=60).stdout.split("\n")
-        names = sorted((n for n in listed if n.endswith(".py")), key=lambda n: tuple(n.split("/")))
+        names = [n for n in listed if n.endswith(".py")]
         batch = subprocess.run(["git", "cat-file", "--batch"], cwd=ROOT, capture_output=True, timeout=60,
                                input="".join(f"{commit}:{n}\n" for n in names).encode()).stdout
-        digest, at = hashlib.sha1(), 0
+        sources, at = [], 0
         for name in names:
             header_end = batch.index(b"\n", at)
             size = int(batch[at:header_end].split()[2])
-            digest.update(name.encode() + b"\0" + batch[header_end + 1:header_end + 1 + size])
+            sources.append((name, batch[header_end + 1:header_end + 1 + size]))
             at = header_end + 1 + size + 1  # the object, then a newline
-        _digests[commit] = digest.hexdigest()[:12]
+        _digests[commit] = digest_of_sources(sources)
     return _digests[commit]
 
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from . import NO_MULTICAST_ENV, RESULTS, ROOT, cpu_power
+from .digest import package_digest
 from .ranks import Ctx
 
 # Said by the launcher when a rank died tearing down after its work was done; recorded with the results.
@@ -61,13 +62,9 @@ def imported_package() -> Path:
 def source_digest() -> str:
     """SHA-1 of the imported package's Python sources: which code ran, even where the checkout's git
     HEAD is stale (a copied working tree keeps the ``.git`` it was first copied with)."""
-    import hashlib
-
     package = imported_package()
-    digest = hashlib.sha1()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(("compass_fx/" + str(path.relative_to(package))).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:12]
+    return package_digest(("compass_fx/" + path.relative_to(package).as_posix(), path.read_bytes())
+                          for path in package.rglob("*.py"))
 
 
 def environment(dry_run: bool) -> dict:
