@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import launch, output  # noqa: E402  (sets the no-multicast environment first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import fused_host_stress as stress  # noqa: E402  (a layer's operands and reference, as a stress case's)
 
 NAME = "fused_replay_scale"
 TOL = 2e-2  # of the largest element: bf16 products summed in another order than the reference
@@ -45,25 +46,6 @@ KINDS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 K, N = 1024, 2048  # every layer's weight: K x N (bf16)
 MEASURED = 2  # the last steps, whose calls are counted and timed
 MIB = 1 << 20
-
-
-def layer_operands(kind: str, rows: int, world: int, rank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``layer``'s input on ``rank`` and its weight (a gather's weight is the same on every rank)."""
-    g = torch.Generator(device="cuda").manual_seed(1000 * layer + rank)
-    a_rows = rows // world if kind == "all_gather_matmul" else rows
-    a = (torch.randn(a_rows, K, generator=g, device="cuda") / K ** 0.25).bfloat16()
-    shared = kind == "all_gather_matmul"
-    gw = torch.Generator(device="cuda").manual_seed(1000 * layer + 999 + (0 if shared else rank))
-    return a, (torch.randn(K, N, generator=gw, device="cuda") / K ** 0.25).bfloat16()
-
-
-def reference(kind: str, rows: int, world: int, rank: int, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s output on ``rank``, from every rank's inputs, in float32."""
-    ins = [layer_operands(kind, rows, world, r, layer) for r in range(world)]
-    if kind == "all_gather_matmul":
-        return torch.cat([a for a, _ in ins]).float() @ ins[0][1].float()
-    total = sum(a.float() @ b.float() for a, b in ins)
-    return total.chunk(world)[rank] if kind == "matmul_reduce_scatter" else total
 
 
 def graphs_held() -> int:
@@ -94,7 +76,7 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     gc.collect()
     torch.cuda.empty_cache()
     reserved0, graphs0 = torch.cuda.memory_reserved(), graphs_held()
-    operands = [layer_operands(kind, rows, world, rank, layer) for layer in range(layers)]
+    operands = [stress.operands(kind, rows, N, K, world, rank, layer) for layer in range(layers)]  # seeded by layer
     host_us, counted = [], {"replayed": 0, "lane": 0, "calls": 0}
     outs: list[torch.Tensor] = []
     for step in range(steps):
@@ -116,7 +98,7 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     torch.cuda.synchronize()
     worst = 0.0
     for layer, out in enumerate(outs):
-        want = reference(kind, rows, world, rank, layer)
+        want = stress.reference(kind, rows, N, K, world, rank, layer)[0]
         worst = max(worst, float((out.float() - want).abs().max() / want.abs().max()))
     del outs, operands
     torch.cuda.synchronize()
