@@ -170,9 +170,9 @@ def sum_scratch(plans: tuple[Plan, ...], cols: int, device: torch.device) -> dic
     in that graph's private memory pool, which keeps it for the graph's life: one block per graph,
     up to four graphs per set of addresses and a set per call site of a model's layers, and the pool
     gives a sum under 10 MiB a 20 MiB segment (20-25 MiB a graph at four and eight ranks, 10.5 GiB
-    for 64 layers of one operator at eight: ``benchmarks/results/fused_replay_scale``).  Sums of one stream never overlap: the stream runs them
-    one after another, and a workspace runs its calls one after another (``run``: at most one
-    outstanding)."""
+    for 64 layers of one operator at eight: ``benchmarks/results/fused_replay_scale``).  Sums of one
+    stream never overlap: the stream runs them one after another, and a workspace runs its calls one
+    after another (``run``: at most one outstanding)."""
     rows: dict[str, int] = {}
     for plan in plans:
         for cmd in plan.commands:

@@ -22,11 +22,11 @@ forward's inputs are new): 504 for Llama-3.1-405B's 126 layers.
 With fewer places than that, the least recently used set is always the next one called: each
 capture is evicted before it replays, until the workspace stops capturing, and the sets it did not
 keep are issued from Python from then on (the limit of 64 until 2026-12-07 against 80 layers: 20%
-of a step's calls, 49% against 126; ``tests/test_replay.py``, ``benchmarks/fused_replay_scale.py``).  Before a graph is
-instantiated its memset nodes become kernel nodes (:mod:`.graph_edit`: cuBLAS's workspace clears
-cost the launch ~2 us each; ``COMPASS_REPLAY_MEMSETS=memset`` keeps them).  A graph keeps what its
-capture allocated, in a private pool of its own for its life: nothing (a sum of more than two terms
-accumulates in the workspace's float32 rows, :func:`.impl.sum_scratch`).
+of a step's calls, 49% against 126; ``tests/test_replay.py``, ``benchmarks/fused_replay_scale.py``).
+Before a graph is instantiated its memset nodes become kernel nodes (:mod:`.graph_edit`: cuBLAS's
+workspace clears cost the launch ~2 us each; ``COMPASS_REPLAY_MEMSETS=memset`` keeps them).  A
+graph keeps what its capture allocated, in a private pool of its own for its life: nothing (a sum
+of more than two terms accumulates in the workspace's float32 rows, :func:`.impl.sum_scratch`).
 
 Nothing changes for the peers: a replay runs the very commands an eager call issues, on the same
 buffers and flags, so whether a rank replays or issues is its own business (two ranks may well
