@@ -149,6 +149,7 @@ def _stress(name: str, worlds: str, calls: int, shapes: str, tag: str, deadline_
 
 
 GRAPHS = {"COMPASS_FUSED_GRAPHS": "1"}
+ONE_QUEUE = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # every stream of a process on one hardware queue
 HALF_THE_SMS = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}  # two ranks under MPS: a PCIe pair at half speed
 # the gather's pulls, one package per way (h200-drain-ab, h200-slot-reuse): the halves (this checkout),
 # whole rounds and one pull per peer (snapshots of earlier commits, benchmarks/snapshot.py)
@@ -656,6 +657,20 @@ BATCHES: dict[str, tuple[Step, ...]] = {
              (*TORCHAO_RUN, *(a for name in EAGER_ROUNDINGS for a in ("--env", f"{name}=1")),
               "--tag", f"{MACHINE}-torchao-emulated-casts-mps", "--out-dir", RESULTS), 240,
              {**TORCHAO_SOURCE, **{name: "1" for name in EAGER_ROUNDINGS}}),
+    ),
+    # One hardware queue per process (CUDA_DEVICE_MAX_CONNECTIONS=1, what Megatron-style TP overlap sets): every
+    # stream of a rank on one queue, where a wait issued ahead of its rank's own publication would hang.  Last
+    # stressed so (h200-one-queue, 60 calls, fresh processes per case) before the replay graphs, their graph
+    # order guards, the C fast path, the deferred starts and the sums' rows: today's .graph calls and starts at
+    # 2, 4 and 8 ranks, host-staged, and the peer transport's at 2 and 4; run without MPS, so that each rank's
+    # own context holds the setting (the ranks time-slice the GPU: slow, which a stress run does not mind)
+    "h200-one-queue-replay": (
+        _stress("stress-one-queue-graph", "2,4,8", 200, EVERY_OP, f"{MACHINE}-one-queue-200-graph", 180, ONE_QUEUE,
+                extra=("--overload", "graph")),
+        _stress("stress-one-queue-start", "2,4,8", 200, REPLAY_ORDER_CASES, f"{MACHINE}-one-queue-200-start", 150,
+                ONE_QUEUE, extra=("--overload", "start")),
+        _stress("stress-one-queue-peer", "2,4", 200, REPLAY_ORDER_CASES, f"{MACHINE}-one-queue-200-graph-peer", 90,
+                ONE_QUEUE, peer=True, extra=("--overload", "graph")),
     ),
     # the same at two ranks, and whether how a rank waits for the device (fused_host_time --sync: the
     # context spinning or sleeping in a synchronize, not CUDA's auto) moves the first call after the wait
