@@ -16,12 +16,17 @@ rank); a step calls the ``.graph`` overload (what rewritten graphs call) once pe
 the outputs until the step ends, as a forward keeps its activations.  ``--steps`` steps, the last
 two measured: the calls replayed and issued from C (the host fast path), the host's time per call,
 and, after the case's tensors are freed, the GPU memory its replay graphs and workspace keep
-(torch's pools, this rank; and, device-wide, the driver's own, all ranks).  The last step's
+(torch's pools, this rank; and, device-wide, the driver's own, all ranks).  Per step, the graphs
+captured and the calls issued from C, and from which step on every call was (a call site's graphs
+are one per residue of its epoch mod 4: at a depth that is not a multiple of 4 a site's epoch
+moves from step to step, and each residue is captured on its first call; an output's address is
+part of the key too, so where the allocator hands a layer another address than the step before,
+that is a set of its own: both are recorded).  The last step's
 outputs of every layer are checked against a reference from every rank's inputs.  Each case has
 rows of its own size (1024 + 16 x its index), so it gets workspaces of its own and earlier cases'
 graphs stay out of its memory figures.
 
-    python benchmarks/fused_replay_scale.py --worlds 2,4,8 --layers 2,8,32,64,80,128 --tag h200-mps
+    python benchmarks/fused_replay_scale.py --worlds 2,4,8 --tag h200-mps     # depths 2-128, 61 and 126 among them
 """
 from __future__ import annotations
 
@@ -60,6 +65,34 @@ def graphs_held() -> int:
     return count
 
 
+def sets_held() -> int:
+    """Sets of addresses every workspace of this process keeps graphs for."""
+    from compass_fx.kernels.cuda import impl
+
+    return sum(len(replays.graphs) for ws in impl._workspaces.values()
+               for replays in (ws.replays, getattr(getattr(ws, "apart", None), "replays", None)) if replays is not None)
+
+
+def settled_step(from_c: list[int], layers: int) -> int | None:
+    """The first step (counted from 1) from which every step issued all its calls from C, or None."""
+    settled = None
+    for step, count in enumerate(from_c, start=1):
+        if count < layers:
+            settled = None
+        elif settled is None:
+            settled = step
+    return settled
+
+
+def same_share(addresses: list[list[int]], back: int) -> float | None:
+    """The share of the last step's outputs at the address the same layer's had ``back`` steps before
+    (an output's address is part of its replay set's key)."""
+    if len(addresses) <= back:
+        return None
+    last, then = addresses[-1], addresses[-1 - back]
+    return sum(x == y for x, y in zip(last, then)) / len(last)
+
+
 def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: int) -> dict:
     """One operator at one depth on this rank (see the module's docstring)."""
     from compass_fx.kernels.cuda import replay
@@ -75,10 +108,11 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
-    reserved0, graphs0 = torch.cuda.memory_reserved(), graphs_held()
+    reserved0, graphs0, sets0 = torch.cuda.memory_reserved(), graphs_held(), sets_held()
     operands = [stress.operands(kind, rows, N, K, world, rank, layer) for layer in range(layers)]  # seeded by layer
     host_us, counted = [], {"replayed": 0, "lane": 0, "calls": 0}
     outs: list[torch.Tensor] = []
+    captures, from_c, addresses = [], [], []  # per step: graphs captured, calls issued from C, outputs' addresses
     for step in range(steps):
         measured = step >= steps - MEASURED
         before = dict(replay.stats)
@@ -88,6 +122,9 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
             outs.append(call(a, b))
             if measured:
                 host_us.append((time.perf_counter() - t0) * 1e6)
+        captures.append(replay.stats.get("captured", 0) - before.get("captured", 0))
+        from_c.append(replay.stats.get("lane", 0) - before.get("lane", 0))
+        addresses.append([out.data_ptr() for out in outs])
         if measured:
             counted["calls"] += layers
             for key in ("replayed", "lane"):
@@ -104,13 +141,17 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
-    graphs = graphs_held() - graphs0
+    graphs, sets = graphs_held() - graphs0, sets_held() - sets0
     kept = torch.cuda.memory_reserved() - reserved0
     host_us.sort()
     return {"status": "pass" if worst < TOL else "FAIL", "relative_error": worst,
             "replayed": counted["replayed"] / counted["calls"], "from_c": counted["lane"] / counted["calls"],
             "host_us_median": statistics.median(host_us), "host_us_p90": host_us[int(0.9 * (len(host_us) - 1))],
-            "graphs": graphs, "torch_kept_mib": kept / MIB}
+            "graphs": graphs, "sets": sets, "torch_kept_mib": kept / MIB,
+            "captures_by_step": captures, "from_c_by_step": from_c,
+            "settled_step": settled_step(from_c, layers),
+            "same_outputs_as_step_before": same_share(addresses, 1),
+            "same_outputs_as_two_steps_before": same_share(addresses, 2)}
 
 
 def worker(rank: int, world: int, todo: list[dict], steps: int, transport: str, init: str, out_path: str) -> None:
@@ -143,6 +184,12 @@ def cases(kinds: list[str], depths: list[int]) -> list[dict]:
             for i, (kind, layers) in enumerate((k, d) for k in kinds for d in depths)]
 
 
+def latest(steps) -> int | None:
+    """The last of the ranks' settled steps (None where a rank never settled)."""
+    steps = list(steps)
+    return None if None in steps else max(steps)
+
+
 def world_rows(world: int, todo: list[dict], steps: int, transport: str, tmp: str, deadline_s: float) -> list[dict]:
     """The cases of one world in one set of fresh processes; a row per case, with every rank's figures."""
     ranks, killed = launch.fresh_ranks(worker, world, (todo, steps, transport), tmp, world, deadline_s)
@@ -161,7 +208,14 @@ def world_rows(world: int, todo: list[dict], steps: int, transport: str, tmp: st
                        replayed=min(r["replayed"] for r in got), from_c=min(r["from_c"] for r in got),
                        host_us_median=statistics.median(r["host_us_median"] for r in got),
                        host_us_p90=max(r["host_us_p90"] for r in got),
-                       graphs=graphs, torch_kept_mib=torch_kept, device_kept_mib=got[0]["device_kept_mib"],
+                       graphs=graphs, sets=sum(r["sets"] for r in got),
+                       sets_per_layer=sum(r["sets"] for r in got) / (world * case["layers"]),
+                       settled_step=latest(r["settled_step"] for r in got),
+                       captures_by_step=[sum(steps) for steps in zip(*(r["captures_by_step"] for r in got))],
+                       from_c_by_step=[min(steps) for steps in zip(*(r["from_c_by_step"] for r in got))],
+                       same_outputs_as_step_before=min(r["same_outputs_as_step_before"] for r in got),
+                       same_outputs_as_two_steps_before=min(r["same_outputs_as_two_steps_before"] for r in got),
+                       torch_kept_mib=torch_kept, device_kept_mib=got[0]["device_kept_mib"],
                        torch_mib_per_graph=torch_kept / graphs if graphs else None,
                        driver_mib_per_graph=(got[0]["device_kept_mib"] - torch_kept) / graphs if graphs else None)
         errors = [r["error"] for r in got if "error" in r]
@@ -186,13 +240,20 @@ def markdown(payload: dict) -> str:
              "median over ranks of each rank's median per call, and the largest 90th percentile; graphs: replay "
              "graphs the case left, every rank's; kept MiB: GPU memory the case left once its tensors were freed "
              "(torch: the ranks' pools, the graphs' private pools and the workspaces' buffers; device: the "
-             "GPU's, the driver's own as well), and per graph. Replay sets a workspace keeps: "
+             "GPU's, the driver's own as well), and per graph. sets / layer: the sets of addresses the "
+             "workspaces keep graphs for, over the calls of a step (every rank's); settled: the first step from "
+             "which every call of every rank was issued from C; same outputs: the share of the last step's "
+             "outputs at the address the same layer's had one and two steps before (the fewest over the ranks); "
+             "captures: graphs captured in each step, every rank's. Replay sets a workspace keeps: "
              f"`COMPASS_FUSED_REPLAY_GRAPHS` = {payload.get('replay_limit')}.", ""]
     if payload.get("note"):
         lines[1:1] = [f"Note: {payload['note']}", ""]
     lines.append(output.markdown_table(payload["rows"], [
         "world", "kind", "layers", "rows", "status", ("relative_error", "rel. error"), "replayed", ("from_c", "from C"),
-        ("host_us_median", "host us"), ("host_us_p90", "host us p90"), "graphs", ("torch_kept_mib", "torch kept MiB"),
+        ("host_us_median", "host us"), ("host_us_p90", "host us p90"), "graphs", ("sets_per_layer", "sets / layer"),
+        ("settled_step", "settled"), ("same_outputs_as_step_before", "same outputs 1 back"),
+        ("same_outputs_as_two_steps_before", "2 back"), ("captures_by_step", "captures"),
+        ("torch_kept_mib", "torch kept MiB"),
         ("device_kept_mib", "device kept MiB"), ("torch_mib_per_graph", "torch MiB / graph"),
         ("driver_mib_per_graph", "driver MiB / graph"), "error"]))
     return "\n".join(lines)
@@ -203,9 +264,9 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="2,4,8")
-    p.add_argument("--layers", default="2,8,32,64,80,128", help="depths, comma-separated")
+    p.add_argument("--layers", default="2,8,32,61,64,80,126,128", help="depths, comma-separated")
     p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--steps", type=int, default=7, help="steps per case, the last two measured (at least 3)")
+    p.add_argument("--steps", type=int, default=12, help="steps per case, the last two measured (at least 3)")
     p.add_argument("--transport", choices=("host", "peer"), default="host")
     p.add_argument("--deadline", type=float, default=400.0, help="seconds a world may take before its ranks are killed")
     p.add_argument("--tag", default="h200")
