@@ -1347,3 +1347,16 @@ def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path, capsys):
     with pytest.raises(SystemExit) as bad:
         suite_cost.main(["tests/no_such_test.py"])
     assert bad.value.code == 2 and "no such test file" in capsys.readouterr().err
+
+
+def test_replay_scale_says_from_which_step_every_call_is_issued_from_c_and_whether_outputs_recur():
+    scale = _bench("fused_replay_scale")
+    assert scale.settled_step([0, 0, 61, 61], 61) == 3
+    assert scale.settled_step([61, 30, 61, 61], 61) == 3  # a step that fell back starts the count again
+    assert scale.settled_step([61, 61, 30], 61) is None  # the last step fell back: not settled
+    addresses = [[10, 20], [30, 40], [10, 20]]  # each layer's output alternating between two addresses
+    assert scale.same_share(addresses, 1) == 0.0 and scale.same_share(addresses, 2) == 1.0
+    assert scale.same_share(addresses[:1], 1) is None
+    assert scale.latest([3, 5]) == 5 and scale.latest([3, None]) is None
+    with pytest.raises(SystemExit, match="at least 3"):
+        scale.main(["--steps", "2"])
