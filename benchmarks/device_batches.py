@@ -618,6 +618,19 @@ BATCHES: dict[str, tuple[Step, ...]] = {
         _stress("stress-500-sums-start", "4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-sums-500-start-mps", 160,
                 extra=("--overload", "start")),
     ),
+    # Issue 27 at depths that are not a multiple of 4 (2026-12-07): at 61 layers only half the measured calls
+    # were issued from C (fused_replay_scale-h100-odd-depths-host-mps), where the replay policy alone has every
+    # site's four graphs captured by step 5; per step, the captures, the calls from C and whether a layer's
+    # outputs keep their address (a period-2 alternation of addresses would fit the figures), 12 steps, both
+    # transports
+    "h200-replay-settle": (
+        Step("replay_settle", "fused_replay_scale.py", ("--worlds", "2,8", "--layers", "61,64,126", "--steps", "12",
+                                                         "--deadline", "100", "--tag", f"{MACHINE}-settle-host-mps",
+                                                         "--out-dir", RESULTS), 150),
+        Step("replay_settle-peer", "fused_replay_scale.py", ("--worlds", "2,8", "--layers", "61,64,126", "--steps",
+                                                              "12", "--transport", "peer", "--deadline", "100", "--tag",
+                                                              f"{MACHINE}-settle-peer-mps", "--out-dir", RESULTS), 150),
+    ),
     # Issue 27: is plain host code slow after a wait because of the host, CUDA, or the ranks waking together?
     # cold_host_probe: fixed host work touching no GPU, first after a wait and steady, at 1, 2 and 8 pinned
     # processes, without and with a CUDA context (MPS), waits spun, slept, synchronized and polled
