@@ -141,6 +141,13 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
                   # replay steps that issue a run of pulls as 2D copies (impl._join_copies)
                   "joined_replay_copies": sum(getattr(step, "__name__", "") == "copy_all"
                                               for ws in mapped for step in ws.replay_steps[0])}
+        from compass_fx import fused_calls
+
+        usage = fused_calls()  # what a user reads after a few steps
+        result["usage"] = {"replayed": usage.replayed, "from_c": usage.from_c, "issued": usage.issued,
+                           "stopped": [w.op for w in usage.workspaces if w.stopped],
+                           "ops_with_graphs": sorted({w.op for w in usage.workspaces if w.graphs}),
+                           "text": str(usage)}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
@@ -209,6 +216,11 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         # eight more graphs (two reductions at four call sites) keep no GPU memory: at four ranks each kept a
         # segment of its private pool for its sum (2 MiB here) until the sums moved into the workspace's rows
         assert r["graphs_kept"]["captured"] == 8 and r["graphs_kept"]["bytes"] < 1 << 20, r["graphs_kept"]
+        # compass_fx.fused_calls() says the same: the replays, the first calls issued, every operator's graphs
+        usage = r["usage"]
+        assert usage["replayed"] >= r["replayed"] and usage["from_c"] >= r["from_c"] and usage["issued"] >= 4, usage
+        assert usage["ops_with_graphs"] == ["all_gather_matmul", "matmul_all_reduce", "matmul_reduce_scatter"], usage
+        assert not usage["stopped"] and "replayed" in usage["text"], usage
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 as the epoch does, the simulator catches a protocol whose flags run outside the codes' window,
 and a workspace captures a set of addresses only on its second sighting, once per residue."""
 import ctypes
+import warnings
 
 import pytest
 import torch
@@ -83,10 +84,14 @@ def test_every_call_of_a_deep_models_step_replays_at_the_default_limit():
     for Llama-3.1-405B's 126 layers.  The least recently used set is the next one called, so a limit
     below the sets a step calls leaves part of every step issued (the old limit, 64: 20% of 80 call
     sites' calls, 49% of 126's); the default holds every set of such a step."""
-    assert _steady_share_replayed(80, 64) == pytest.approx(0.8)
-    assert _steady_share_replayed(126, 64) < 0.55
-    for layers in (2, 80, 126):
-        assert _steady_share_replayed(4 * layers, replay.limit()) == 1.0
+    with pytest.warns(RuntimeWarning, match="than the 64 this workspace keeps .* stops capturing"):
+        assert _steady_share_replayed(80, 64) == pytest.approx(0.8)
+    with pytest.warns(RuntimeWarning, match="stops capturing"):
+        assert _steady_share_replayed(126, 64) < 0.55
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default limit holds them all: nothing to say
+        for layers in (2, 80, 126):
+            assert _steady_share_replayed(4 * layers, replay.limit()) == 1.0
 
 
 def test_replays_are_off_when_asked(monkeypatch):
@@ -110,10 +115,11 @@ def test_a_workspace_whose_sets_do_not_recur_in_time_stops_capturing():
     """More recurring sets than the limit holds: each would be evicted before its graphs pay back
     their captures (about two eager issues each), so the workspace stops capturing and issues."""
     r = _Recorder(most=2)
-    for round_ in range(6):
-        for key in "abcde":  # five call sites of one shape, the limit two: every set evicted in turn
-            r.graph(key, round_ * 5 + ord(key), None)
-    assert r.thrashing()
+    with pytest.warns(RuntimeWarning, match="stops capturing"):
+        for round_ in range(6):
+            for key in "abcde":  # five call sites of one shape, the limit two: every set evicted in turn
+                r.graph(key, round_ * 5 + ord(key), None)
+    assert r.thrashing() and r.stopped
     captured = len(r.captured)
     for epoch in range(40):
         r.graph("abcde"[epoch % 5], epoch, None)
@@ -202,3 +208,48 @@ def test_a_sum_in_the_workspaces_rows_equals_the_sum_a_call_allocated():
             got = torch.empty(16, 8, dtype=torch.bfloat16)
             impl.add_terms(got, terms, acc if n > 2 else None)
             assert torch.equal(got, want)
+
+
+def test_fused_calls_reads_every_workspace_and_a_workspace_that_stops_capturing_says_so_once(monkeypatch):
+    """What ``compass_fx.fused_calls()`` tells a user: the process's replayed and issued calls and each
+    workspace's sets; a step with more call sites than a workspace keeps graphs for makes it stop
+    capturing, with one warning that names the operator and the setting to raise."""
+    from types import SimpleNamespace
+
+    from compass_fx import fused_calls
+    from compass_fx.kernels.cuda import impl
+
+    r = _Recorder(most=4)
+    r.label = "compass::matmul_reduce_scatter (4096 columns, 8 ranks)"
+    workspace = SimpleNamespace(plan=SimpleNamespace(op="matmul_reduce_scatter", world_size=8), cols=4096,
+                                transport="host", replays=r, apart=None)
+    monkeypatch.setattr(impl, "_workspaces", {("key", False): workspace})
+    monkeypatch.setattr(replay, "_disabled", [])
+    monkeypatch.setattr(replay, "stats", dict(replay.stats))  # the loop's counts stay out of the process's
+    epoch = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(12):  # six call sites a step against four places: each capture evicted before it replays
+            for site in range(6):
+                epoch += 1
+                r.graph(("site", site), epoch, None)
+    stopped = [w for w in caught if "stops capturing" in str(w.message)]
+    assert len(stopped) == 1 and "matmul_reduce_scatter" in str(stopped[0].message), [str(w.message) for w in caught]
+    assert "COMPASS_FUSED_REPLAY_GRAPHS" in str(stopped[0].message)
+    monkeypatch.setattr(replay, "stats", dict(replay.stats, replayed=30, lane=20, issued=12, captured=9))
+    usage = fused_calls()
+    assert (usage.replayed, usage.from_c, usage.issued, usage.calls) == (30, 20, 12, 42)
+    (w,) = usage.workspaces
+    assert (w.op, w.ranks, w.columns, w.sets, w.limit, w.stopped) == ("matmul_reduce_scatter", 8, 4096, 4, 4, True)
+    assert w.evicted > w.limit and w.graphs == sum(g is not None for gs in r.graphs.values() for g in gs)
+    text = str(usage)
+    assert "42 eager, 30 replayed (71%; 20 from C), 12 issued" in text and "STOPPED CAPTURING" in text, text
+
+
+def test_fused_calls_before_any_call_says_there_were_none(monkeypatch):
+    from compass_fx import fused_calls
+    from compass_fx.kernels.cuda import impl
+
+    monkeypatch.setattr(impl, "_workspaces", {})
+    monkeypatch.setattr(replay, "stats", {k: 0 for k in replay.stats})
+    assert str(fused_calls()) == "compass fused calls: none in this process"

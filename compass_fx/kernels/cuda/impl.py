@@ -205,7 +205,7 @@ class _Workspace:
         _agreed_graph_guards(group)  # and its graphs' guards from this process's settings
         index = self.device_index = _device_index(device)
         graph_plan = plan if graph_plan is None else graph_plan
-        self.plan, self.rank, self.epoch = plan, plan.rank, 0
+        self.plan, self.rank, self.epoch, self.cols = plan, plan.rank, 0, cols
         self.captured = captured  # replayed from CUDA graphs: the epoch and the fence's target on the GPU
         self.copies = (_agreed(group, graph_buffer_sets(), "buffer sets in CUDA graphs", "COMPASS_FUSED_GRAPH_BUFFERS")
                        if captured else 2)
@@ -248,7 +248,8 @@ class _Workspace:
         if not captured:  # a captured call's copies may be kernels (graph_flags.engines)
             self._join_copies(plan, self.steps)
         self.join_at = join_start(plan)
-        self.replays = None if captured or not replay.enabled() else replay.Replays(index)
+        self.replays = (None if captured or not replay.enabled() else
+                        replay.Replays(index, label=f"compass::{plan.op} ({cols} columns, {plan.world_size} ranks)"))
         # what a replay graph is captured from: the same commands, the flag writes, the copies to and
         # from host memory (and, opted in, the flag waits) as kernels (replay.node_kinds)
         self.replay_steps = self.steps
@@ -643,6 +644,8 @@ class _Workspace:
         main = torch.cuda.current_stream(self.device_index)  # an index: no device lookup (~30 us)
         if self.captured:
             self.bumps[epoch % self.copies](main.cuda_stream)  # before anything of the call
+        else:
+            replay.stats["issued"] += 1
         steps = self.steps[epoch % self.phases]
         streams = {MAIN: main}
         for step in steps[:self.join_at]:

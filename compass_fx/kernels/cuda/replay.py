@@ -53,9 +53,9 @@ from . import device_launch, driver, env, env_raw
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
 _disabled: list[str] = []  # why replays were turned off in this process (a capture failed)
-# calls of this process served from graphs (of which issued from C: .lane), graphs captured, memset
-# nodes made kernels (graph_edit)
-stats = {"replayed": 0, "lane": 0, "captured": 0, "memsets_replaced": 0, "device_launched": 0}
+# calls of this process served from graphs (of which issued from C: .lane), eager calls issued command by
+# command (impl), graphs captured, memset nodes made kernels (graph_edit)
+stats = {"replayed": 0, "lane": 0, "issued": 0, "captured": 0, "memsets_replaced": 0, "device_launched": 0}
 
 
 _settings: dict = {}  # raw COMPASS_FUSED_REPLAY -> on (read on every call: one dict lookup when unchanged)
@@ -254,6 +254,9 @@ class Captured:
 class Replays:
     """One workspace's graphs: ``graphs[addresses][epoch % PERIOD]``."""
 
+    label = "compass fused operators"  # who warns (the workspace's operator where it names one)
+    stopped = False  # whether this workspace stopped capturing (:meth:`thrashing`), said once
+
     def __init__(self, device_index: int, label: str = "compass fused operators",
                  disabled: list[str] | None = None) -> None:
         self.device_index = device_index
@@ -270,6 +273,19 @@ class Replays:
         about two eager issues, so then this workspace stops capturing (its graphs still replay)."""
         return self.evicted > self.most and self.evicted * PERIOD * 2 > self.captures
 
+    def _say_stopped(self) -> None:
+        """Warn, once, that this workspace stopped capturing: its later calls without a graph cost the
+        host hundreds of microseconds each, which a user can undo by raising the limit."""
+        if self.stopped:
+            return
+        self.stopped = True
+        warnings.warn(f"{self.label}: a step calls more sets of addresses (call sites of one operator and shape) "
+                      f"than the {self.most} this workspace keeps replay graphs for, so each capture was evicted "
+                      f"before it replayed; it stops capturing, and the calls it holds no graph for are issued "
+                      f"command by command from now on (hundreds of microseconds of host each). Set "
+                      f"COMPASS_FUSED_REPLAY_GRAPHS above the call sites a step has "
+                      f"(compass_fx.fused_calls() lists the workspaces)", RuntimeWarning, stacklevel=4)
+
     def graph(self, addresses: Hashable, epoch: int, issue: Callable[[torch.cuda.Stream], None]):
         """The graph that runs this call (captured now if these addresses were seen before), or
         None: issue the call eagerly.  ``issue(stream)`` issues the call's commands with ``stream``
@@ -283,6 +299,7 @@ class Replays:
                 return graphs[phase]
         elif addresses in self.seen:
             if self.thrashing():
+                self._say_stopped()
                 return None
             del self.seen[addresses]
             graphs = self.graphs[addresses] = [None] * PERIOD
