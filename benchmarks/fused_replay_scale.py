@@ -44,6 +44,7 @@ from harness import launch, output  # noqa: E402  (sets the no-multicast environ
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import fused_host_stress as stress  # noqa: E402  (a layer's operands and reference, as a stress case's)
+from compass_fx import fused_calls  # noqa: E402
 
 NAME = "fused_replay_scale"
 TOL = 2e-2  # of the largest element: bf16 products summed in another order than the reference
@@ -55,22 +56,12 @@ MIB = 1 << 20
 
 def graphs_held() -> int:
     """Replay graphs every workspace of this process holds (a set keeps one per epoch residue)."""
-    from compass_fx.kernels.cuda import impl
-
-    count = 0
-    for ws in impl._workspaces.values():
-        for replays in (ws.replays, getattr(getattr(ws, "apart", None), "replays", None)):
-            if replays is not None:
-                count += sum(g is not None for graphs in replays.graphs.values() for g in graphs)
-    return count
+    return sum(w.graphs for w in fused_calls().workspaces)
 
 
 def sets_held() -> int:
     """Sets of addresses every workspace of this process keeps graphs for."""
-    from compass_fx.kernels.cuda import impl
-
-    return sum(len(replays.graphs) for ws in impl._workspaces.values()
-               for replays in (ws.replays, getattr(getattr(ws, "apart", None), "replays", None)) if replays is not None)
+    return sum(w.sets for w in fused_calls().workspaces)
 
 
 def settled_step(from_c: list[int], layers: int) -> int | None:
