@@ -222,7 +222,7 @@ def test_fused_calls_reads_every_workspace_and_a_workspace_that_stops_capturing_
     r = _Recorder(most=4)
     r.label = "compass::matmul_reduce_scatter (4096 columns, 8 ranks)"
     workspace = SimpleNamespace(plan=SimpleNamespace(op="matmul_reduce_scatter", world_size=8), cols=4096,
-                                transport="host", replays=r, apart=None)
+                                transport="host", replays=r, apart=SimpleNamespace(replays=_Recorder()))
     monkeypatch.setattr(impl, "_workspaces", {("key", False): workspace})
     monkeypatch.setattr(replay, "_disabled", [])
     monkeypatch.setattr(replay, "stats", dict(replay.stats))  # the loop's counts stay out of the process's
@@ -239,11 +239,13 @@ def test_fused_calls_reads_every_workspace_and_a_workspace_that_stops_capturing_
     monkeypatch.setattr(replay, "stats", dict(replay.stats, replayed=30, lane=20, issued=12, captured=9))
     usage = fused_calls()
     assert (usage.replayed, usage.from_c, usage.issued, usage.calls) == (30, 20, 12, 42)
-    (w,) = usage.workspaces
+    w, deferred = usage.workspaces  # its eager calls' graphs, and its deferred calls' (none captured yet)
     assert (w.op, w.ranks, w.columns, w.sets, w.limit, w.stopped) == ("matmul_reduce_scatter", 8, 4096, 4, 4, True)
+    assert deferred.deferred and not w.deferred and (deferred.sets, deferred.graphs, deferred.stopped) == (0, 0, False)
     assert w.evicted > w.limit and w.graphs == sum(g is not None for gs in r.graphs.values() for g in gs)
     text = str(usage)
     assert "42 eager, 30 replayed (71%; 20 from C), 12 issued" in text and "STOPPED CAPTURING" in text, text
+    assert "deferred calls of matmul_reduce_scatter (4096 columns, 8 ranks, host): 0 of 2 sets" in text, text
 
 
 def test_fused_calls_before_any_call_says_there_were_none(monkeypatch):
