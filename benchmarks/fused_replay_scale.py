@@ -104,15 +104,23 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     host_us, counted = [], {"replayed": 0, "lane": 0, "calls": 0}
     outs: list[torch.Tensor] = []
     captures, from_c, addresses = [], [], []  # per step: graphs captured, calls issued from C, outputs' addresses
+    step_spans = []  # measured steps: (host seconds, GPU start event, GPU end event)
     for step in range(steps):
         measured = step >= steps - MEASURED
         before = dict(replay.stats)
         outs = []
+        started, t_step = torch.cuda.Event(enable_timing=True), time.perf_counter()
+        if measured:
+            started.record()
         for a, b in operands:
             t0 = time.perf_counter()
             outs.append(call(a, b))
             if measured:
                 host_us.append((time.perf_counter() - t0) * 1e6)
+        if measured:
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            step_spans.append((time.perf_counter() - t_step, started, ended))
         captures.append(replay.stats.get("captured", 0) - before.get("captured", 0))
         from_c.append(replay.stats.get("lane", 0) - before.get("lane", 0))
         addresses.append([out.data_ptr() for out in outs])
@@ -122,8 +130,13 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
                 counted[key] += replay.stats.get(key, 0) - before.get(key, 0)
         if step < steps - 1:
             del outs
+        else:  # how far the GPU is behind once the host has issued the last step
+            issued = time.perf_counter()
+            torch.cuda.synchronize()
+            behind_ms = (time.perf_counter() - issued) * 1e3
         dist.barrier()  # the ranks' steps in lockstep, as a model's
-    torch.cuda.synchronize()
+    host_ms = statistics.median(span[0] * 1e3 for span in step_spans)
+    gpu_ms = statistics.median(span[1].elapsed_time(span[2]) for span in step_spans)
     worst = 0.0
     for layer, out in enumerate(outs):
         want = stress.reference(kind, rows, N, K, world, rank, layer)[0]
@@ -139,6 +152,7 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
             "replayed": counted["replayed"] / counted["calls"], "from_c": counted["lane"] / counted["calls"],
             "host_us_median": statistics.median(host_us), "host_us_p90": host_us[int(0.9 * (len(host_us) - 1))],
             "graphs": graphs, "sets": sets, "torch_kept_mib": kept / MIB,
+            "host_ms_per_step": host_ms, "gpu_ms_per_step": gpu_ms, "gpu_behind_ms": behind_ms,
             "captures_by_step": captures, "from_c_by_step": from_c,
             "settled_step": settled_step(from_c, layers),
             "same_outputs_as_step_before": same_share(addresses, 1),
@@ -199,6 +213,9 @@ def world_rows(world: int, todo: list[dict], steps: int, transport: str, tmp: st
                        replayed=min(r["replayed"] for r in got), from_c=min(r["from_c"] for r in got),
                        host_us_median=statistics.median(r["host_us_median"] for r in got),
                        host_us_p90=max(r["host_us_p90"] for r in got),
+                       host_ms_per_step=statistics.median(r["host_ms_per_step"] for r in got),
+                       gpu_ms_per_step=statistics.median(r["gpu_ms_per_step"] for r in got),
+                       gpu_behind_ms=max(r["gpu_behind_ms"] for r in got),
                        graphs=graphs, sets=sum(r["sets"] for r in got),
                        sets_per_layer=sum(r["sets"] for r in got) / (world * case["layers"]),
                        settled_step=latest(r["settled_step"] for r in got),
@@ -235,13 +252,19 @@ def markdown(payload: dict) -> str:
              "workspaces keep graphs for, over the calls of a step (every rank's); settled: the first step from "
              "which every call of every rank was issued from C; same outputs: the share of the last step's "
              "outputs at the address the same layer's had one and two steps before (the fewest over the ranks); "
-             "captures: graphs captured in each step, every rank's. Replay sets a workspace keeps: "
+             "captures: graphs captured in each step, every rank's; host / GPU ms per step: the median over ranks of "
+             "a measured step's time on the host (issuing its calls) and on the GPU (the caller's stream, from the "
+             "step's first call to its last); GPU behind: how long the GPU took to finish the last step once its "
+             "host had issued it (the most over the ranks). A GPU far behind, with the host's step as long as the "
+             "GPU's, means the host waited for a full launch queue: its time per call is the GPU's pace, not its own "
+             "work; a GPU not behind means the host set the pace. Replay sets a workspace keeps: "
              f"`COMPASS_FUSED_REPLAY_GRAPHS` = {payload.get('replay_limit')}.", ""]
     if payload.get("note"):
         lines[1:1] = [f"Note: {payload['note']}", ""]
     lines.append(output.markdown_table(payload["rows"], [
         "world", "kind", "layers", "rows", "status", ("relative_error", "rel. error"), "replayed", ("from_c", "from C"),
-        ("host_us_median", "host us"), ("host_us_p90", "host us p90"), "graphs", ("sets_per_layer", "sets / layer"),
+        ("host_us_median", "host us"), ("host_us_p90", "host us p90"), ("host_ms_per_step", "host ms / step"),
+        ("gpu_ms_per_step", "GPU ms / step"), ("gpu_behind_ms", "GPU behind ms"), "graphs", ("sets_per_layer", "sets / layer"),
         ("settled_step", "settled"), ("same_outputs_as_step_before", "same outputs 1 back"),
         ("same_outputs_as_two_steps_before", "2 back"), ("captures_by_step", "captures"),
         ("torch_kept_mib", "torch kept MiB"),
