@@ -611,7 +611,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # in the workspace's float32 rows (impl.sum_scratch) under 500 calls a case at 4 and 8 ranks, through the
     # .graph overloads and as deferred starts (the detached plans sum on TAIL: not yet run on a GPU)
     "h200-replay-scale": (
-        Step("replay_scale", "fused_replay_scale.py", ("--worlds", "4,8,2", "--steps", "5", "--deadline", "45",
+        Step("replay_scale", "fused_replay_scale.py", ("--worlds", "4,8,2", "--layers", "2,8,32,64,80,128", "--steps",
+                                                        "5", "--deadline", "45",
                                                         "--tag", f"{MACHINE}-host-mps", "--out-dir", RESULTS), 150),
         _stress("stress-500-sums-graph", "4,8", 500, REPLAY_ORDER_CASES, f"{MACHINE}-sums-500-graph-mps", 160,
                 extra=("--overload", "graph")),
