@@ -29,6 +29,7 @@ class WorkspaceUse:
     transport: str
     deferred: bool
     sets: int  # sets of addresses it holds graphs for
+    seen_once: int  # sets of addresses met once and not (yet) again: many, and addresses do not recur
     graphs: int  # graphs held (up to one per residue of a set's epoch mod 4)
     limit: int  # the sets it may hold (COMPASS_FUSED_REPLAY_GRAPHS)
     evicted: int  # sets evicted to make room
@@ -62,7 +63,7 @@ class FusedCalls:
             what = "deferred calls of " if w.deferred else ""
             stopped = "; STOPPED CAPTURING: raise COMPASS_FUSED_REPLAY_GRAPHS" if w.stopped else ""
             lines.append(f"  {what}{w.op} ({w.columns} columns, {w.ranks} ranks, {w.transport}): {w.sets} of "
-                         f"{w.limit} sets, {w.graphs} graphs, {w.evicted} evicted{stopped}")
+                         f"{w.limit} sets, {w.graphs} graphs, {w.evicted} evicted, {w.seen_once} seen once{stopped}")
         return "\n".join(lines)
 
 
@@ -78,7 +79,7 @@ def fused_calls() -> FusedCalls:
                 continue
             workspaces.append(WorkspaceUse(
                 op=ws.plan.op, ranks=ws.plan.world_size, columns=ws.cols, transport=ws.transport, deferred=deferred,
-                sets=len(replays.graphs), graphs=sum(g is not None for gs in replays.graphs.values() for g in gs),
+                sets=len(replays.graphs), seen_once=len(replays.seen), graphs=sum(g is not None for gs in replays.graphs.values() for g in gs),
                 limit=replays.most, evicted=replays.evicted, stopped=replays.stopped))
     return FusedCalls(replayed=stats.get("replayed", 0), from_c=stats.get("lane", 0), issued=stats.get("issued", 0),
                       captured=stats.get("captured", 0),

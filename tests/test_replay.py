@@ -246,6 +246,7 @@ def test_fused_calls_reads_every_workspace_and_a_workspace_that_stops_capturing_
     text = str(usage)
     assert "42 eager, 30 replayed (71%; 20 from C), 12 issued" in text and "STOPPED CAPTURING" in text, text
     assert "deferred calls of matmul_reduce_scatter (4096 columns, 8 ranks, host): 0 of 2 sets" in text, text
+    assert f"{w.evicted} evicted, {len(r.seen)} seen once; STOPPED" in text, text
 
 
 def test_fused_calls_before_any_call_says_there_were_none(monkeypatch):
