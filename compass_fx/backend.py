@@ -169,8 +169,14 @@ def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
     """Say that the cost model priced the pairs as CUDA graph replays, and what becomes of the
     fused calls: captured with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported:
     the ops carry no ``cudagraph_unsafe`` tag), or left out, which splits the graph or leaves it
-    uncaptured (so "auto" does not price them then)."""
+    uncaptured (so "auto" does not price them then).  Without such a mode, where to see how the
+    fused calls ran eagerly (:func:`compass_fx.fused_calls`)."""
+    fused = [p for p in report.pairs if p.status == "rewritten" and p.strategy == "fuse"]
     if not opts.captures_cuda_graphs():
+        if fused:  # eager: each call replays a graph of its own once its addresses recur
+            report.notes.append(f"the {len(fused)} fused pair(s) run eagerly; print(compass_fx.fused_calls()) after a "
+                                "few steps says how their calls ran (replayed from their own graphs, or issued "
+                                "command by command)")
         return
     from .kernels import fused_ops_capturable
 
@@ -181,7 +187,6 @@ def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
                             + (", a fused call no host floor)" if captured else
                                "; without COMPASS_FUSED_GRAPHS=1 'auto' offers no fused operator: it would split "
                                "the graphs)"))
-    fused = [p for p in report.pairs if p.status == "rewritten" and p.strategy == "fuse"]
     if not fused:
         return
     if not captured:

@@ -238,5 +238,8 @@ def test_the_report_says_what_cuda_graphs_do_with_the_fused_calls(ranks):
     plain = ranks(2).run(_notes_with, 2, {"strategy": "fuse"}, {})[0]
     decomposed = ranks(2).run(_notes_with, 2, {"chunks": 2, "mode": "reduce-overhead"}, {})[0]
     assert not any("CUDA graphs" in n for n in plain + decomposed), plain + decomposed
+    # eagerly, the report says where to see how the fused calls ran; of no fused pair, nothing
+    assert any("1 fused pair(s) run eagerly" in n and "compass_fx.fused_calls()" in n for n in plain), plain
+    assert not any("fused_calls" in n for n in graphs + decomposed), graphs + decomposed
     chosen = ranks(2).run(_notes_with, 2, {"mode": "reduce-overhead"}, {})[0]
     assert any("priced without host issue costs" in n and "'auto' offers no fused operator" in n for n in chosen), chosen
