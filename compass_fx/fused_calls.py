@@ -53,7 +53,8 @@ class FusedCalls:
 
     def __str__(self) -> str:
         if not self.calls and not self.workspaces:
-            return "compass fused calls: none in this process"
+            return ("compass fused calls: no eager call of the CUDA fused operators in this process (on other devices "
+                    "the reference schedules run, which keep no graphs)")
         share = f"{self.replayed / self.calls:.0%}" if self.calls else "-"
         lines = [f"compass fused calls: {self.calls} eager, {self.replayed} replayed ({share}; {self.from_c} from C), "
                  f"{self.issued} issued command by command; {self.captured} graphs captured"]

@@ -255,4 +255,4 @@ def test_fused_calls_before_any_call_says_there_were_none(monkeypatch):
 
     monkeypatch.setattr(impl, "_workspaces", {})
     monkeypatch.setattr(replay, "stats", {k: 0 for k in replay.stats})
-    assert str(fused_calls()) == "compass fused calls: none in this process"
+    assert str(fused_calls()).startswith("compass fused calls: no eager call of the CUDA fused operators in this")
