@@ -1360,3 +1360,59 @@ def test_replay_scale_says_from_which_step_every_call_is_issued_from_c_and_wheth
     assert scale.latest([3, 5]) == 5 and scale.latest([3, None]) is None
     with pytest.raises(SystemExit, match="at least 3"):
         scale.main(["--steps", "2"])
+
+
+def test_replay_scale_case_bookkeeping_on_stand_ins(monkeypatch):
+    """fused_replay_scale's case loop (per-step captures and calls from C, settled step, recurring
+    addresses, a step's host and GPU time, the GPU's lag) on the CPU: the operator, CUDA's events and
+    synchronize, the group and the replay counters are stand-ins; the loop and its figures are the
+    script's own (on a GPU they run against the real operators)."""
+    from compass_fx.kernels.cuda import replay
+
+    scale = _bench("fused_replay_scale")
+    layers, steps, calls = 3, 5, []
+    monkeypatch.setattr(replay, "stats", dict(replay.stats))
+
+    def fake_graph(a, b, schedule, group, world):
+        """Captures in the first two steps, then every call from C (as a settled workspace)."""
+        step = len(calls) // layers
+        calls.append(step)
+        replay.stats["replayed"] += 1
+        replay.stats["captured" if step < 2 else "lane"] += 1
+        return a @ b
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = len(calls)
+
+        def elapsed_time(self, end):
+            return float(end.at - self.at)  # "ms": the calls between the two records
+
+    cuda = SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None, memory_reserved=lambda: 0, Event=Event)
+
+    class Torch:  # the real torch but for its CUDA calls and the operators
+        ops = SimpleNamespace(compass=SimpleNamespace(matmul_all_reduce=SimpleNamespace(graph=fake_graph)))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    Torch.cuda = cuda
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4, 4, generator=g) for _ in range(layers)]
+    a = torch.randn(8, 4, generator=g)
+    monkeypatch.setattr(scale, "torch", Torch())
+    monkeypatch.setattr(scale, "stress", SimpleNamespace(operands=lambda kind, m, n, k, world, rank, layer:
+                                                         (a, weights[layer]),
+                                                         reference=lambda kind, m, n, k, world, rank, layer:
+                                                         [a @ weights[layer]]))
+    monkeypatch.setattr(scale, "dist", SimpleNamespace(group=SimpleNamespace(WORLD=SimpleNamespace(group_name="g")),
+                                                       barrier=lambda: None))
+    r = scale.run_case(0, 2, "matmul_all_reduce", layers, 8, steps)
+    assert r["status"] == "pass" and r["relative_error"] == 0.0
+    assert r["captures_by_step"] == [3, 3, 0, 0, 0] and r["from_c_by_step"] == [0, 0, 3, 3, 3]
+    assert r["settled_step"] == 3 and r["replayed"] == 1.0 and r["from_c"] == 1.0
+    assert r["host_ms_per_step"] > 0 and r["gpu_ms_per_step"] == layers and r["gpu_behind_ms"] >= 0
+    assert 0.0 <= r["same_outputs_as_step_before"] <= 1.0 and len(calls) == layers * steps
