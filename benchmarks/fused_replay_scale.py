@@ -54,14 +54,11 @@ MEASURED = 2  # the last steps, whose calls are counted and timed
 MIB = 1 << 20
 
 
-def graphs_held() -> int:
-    """Replay graphs every workspace of this process holds (a set keeps one per epoch residue)."""
-    return sum(w.graphs for w in fused_calls().workspaces)
-
-
-def sets_held() -> int:
-    """Sets of addresses every workspace of this process keeps graphs for."""
-    return sum(w.sets for w in fused_calls().workspaces)
+def held() -> tuple[int, int]:
+    """Replay graphs (a set keeps one per epoch residue) and sets of addresses every workspace of this
+    process holds."""
+    workspaces = fused_calls().workspaces
+    return sum(w.graphs for w in workspaces), sum(w.sets for w in workspaces)
 
 
 def settled_step(from_c: list[int], layers: int) -> int | None:
@@ -99,7 +96,7 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
-    reserved0, graphs0, sets0 = torch.cuda.memory_reserved(), graphs_held(), sets_held()
+    reserved0, (graphs0, sets0) = torch.cuda.memory_reserved(), held()
     operands = [stress.operands(kind, rows, N, K, world, rank, layer) for layer in range(layers)]  # seeded by layer
     host_us = []
     outs: list[torch.Tensor] = []
@@ -143,7 +140,8 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
-    graphs, sets = graphs_held() - graphs0, sets_held() - sets0
+    graphs1, sets1 = held()
+    graphs, sets = graphs1 - graphs0, sets1 - sets0
     kept = torch.cuda.memory_reserved() - reserved0
     host_us.sort()
     return {"status": "pass" if worst < TOL else "FAIL", "relative_error": worst,
