@@ -257,8 +257,7 @@ class Replays:
     label = "compass fused operators"  # who warns (the workspace's operator where it names one)
     stopped = False  # whether this workspace stopped capturing (:meth:`thrashing`), said once
 
-    def __init__(self, device_index: int, label: str = "compass fused operators",
-                 disabled: list[str] | None = None) -> None:
+    def __init__(self, device_index: int, label: str = label, disabled: list[str] | None = None) -> None:
         self.device_index = device_index
         self.label = label  # who warns when a capture fails
         self.disabled = _disabled if disabled is None else disabled  # whose replays a failed capture turns off
