@@ -7,6 +7,7 @@ as a list indexed by rank.  A failure on any rank raises here with that rank's t
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
 import time
@@ -27,6 +28,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    # A rank that dies in native code (a signal, an abort from the allocator) prints every thread's
+    # Python stack to its stderr, which pytest shows under the failing test.
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -60,6 +64,15 @@ def fork_context():
     return _context
 
 
+_HISTORY = 40  # tasks a dead pool's error lists
+
+
+def _brief(args: tuple) -> str:
+    """A task's arguments in one short line (tensors and long reprs cut)."""
+    text = ", ".join(repr(a) if len(repr(a)) <= 40 else repr(a)[:37] + "..." for a in args)
+    return f"({text})"
+
+
 class RankPool:
     """``world_size`` spawned processes in one gloo group, taking work until closed."""
 
@@ -67,6 +80,7 @@ class RankPool:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._stopping = False
+        self._ran: list[str] = []  # what the ranks were given, oldest first: a death names its history
         ctx = fork_context()
         port = _free_port()
         self._results = ctx.Queue()
@@ -80,6 +94,7 @@ class RankPool:
         """Run ``fn(rank, *args, **kwargs)`` on every rank; return the results by rank."""
         for q in self._tasks:
             q.put((fn, args, kwargs))
+        self._ran.append(f"{getattr(fn, '__module__', '?')}.{fn.__name__}{_brief(args)}")
         out: dict[int, Any] = {}
         failures = []
         deadline = time.monotonic() + self.timeout_s
@@ -92,7 +107,11 @@ class RankPool:
                     codes = {r: self._procs[r].exitcode for r in dead}
                     self.close(force=True)
                     why = f"rank(s) died with exit codes {codes}" if dead else f"timed out after {self.timeout_s}s"
-                    raise RuntimeError(f"{fn.__name__}: {why}")
+                    # A rank killed by corrupted memory may have been corrupted by any earlier task
+                    # in the same processes: name them, newest last.
+                    history = "\n  ".join(self._ran[-_HISTORY:])
+                    raise RuntimeError(f"{fn.__name__}: {why}; the pool's last {min(len(self._ran), _HISTORY)} "
+                                       f"of {len(self._ran)} tasks:\n  {history}")
                 continue
             if ok:
                 out[rank] = value

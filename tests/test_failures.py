@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rank_pool import fork_context
+from rank_pool import RankPool, fork_context
 
 pytestmark = pytest.mark.slow  # fresh ranks killed or timed out on purpose
 
@@ -52,8 +52,14 @@ def timeout_step(rank: int) -> dict:
     return {"rewritten": rewritten, "error": error, "seconds": time.monotonic() - start}
 
 
-def test_collective_timeout_in_a_rewritten_pair_raises(ranks):
-    res = ranks(2).run(timeout_step)
+def test_collective_timeout_in_a_rewritten_pair_raises():
+    # Ranks of its own: rank 0 leaves collectives of a timed-out group behind in gloo, which the
+    # session's shared pool must not carry into other tests.
+    pool = RankPool(2)
+    try:
+        res = pool.run(timeout_step)
+    finally:
+        pool.close(force=True)
     assert res[0]["rewritten"] > 0, "the step must go through a rewritten pair"
     assert res[0]["error"], "a step whose peer never joined must fail, not return"
     assert "timed out" in res[0]["error"].lower() or "timeout" in res[0]["error"].lower(), res[0]["error"]
@@ -105,3 +111,34 @@ def test_peer_death_during_a_rewritten_pair_raises():
     assert outcome not in ("hung", "returned"), outcome
     assert procs[1].exitcode == 3
     assert seconds is not None and seconds < 60
+
+
+def _harmless(rank: int, value: int) -> int:
+    return value + rank
+
+
+def _abort_on_rank_1(rank: int) -> None:
+    if rank == 1:
+        os.abort()  # what the C allocator does when it finds its heap corrupted
+    time.sleep(30)  # rank 0 would wait in a collective with the dead rank
+
+
+def test_a_pool_rank_dying_names_the_pools_history():
+    """A rank killed in native code fails the test at once, and the error lists what the pool's
+    ranks ran before: the task that corrupted a process's memory may be any earlier one."""
+    pool = RankPool(2, timeout_s=60)
+    try:
+        assert pool.run(_harmless, 5) == [5, 6]
+        assert pool.run(_harmless, 7) == [7, 8]
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            pool.run(_abort_on_rank_1)
+        assert time.monotonic() - start < 20, "a dead rank must fail the run without waiting for the others"
+    finally:
+        pool.close(force=True)
+    text = str(err.value)
+    assert "_abort_on_rank_1: rank(s) died with exit codes {1: -6}" in text, text
+    assert "last 3 of 3 tasks" in text, text
+    assert text.index("test_failures._harmless(5)") < text.index("test_failures._harmless(7)") \
+        < text.index("test_failures._abort_on_rank_1()"), text
+    assert not pool.alive
