@@ -7,9 +7,10 @@
 from .cost.hooks import clear_cost_hooks, register_cost_hook, unregister_cost_hook
 from .explain import explain, last_report
 from .fused_calls import FusedCalls, fused_calls
+from .groups import gloo_worker_threads
 from .options import CompassOptions, check_options, parse_options
 from .report import Report
 
 __all__ = ["CompassOptions", "FusedCalls", "Report", "check_options", "clear_cost_hooks", "explain", "fused_calls",
-           "last_report", "parse_options", "register_cost_hook", "unregister_cost_hook"]
+           "gloo_worker_threads", "last_report", "parse_options", "register_cost_hook", "unregister_cost_hook"]
 __version__ = "0.1.0"

@@ -117,7 +117,9 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # one gloo worker thread: torch's two corrupt the heap now and then under functional collectives
+    with compass_fx.gloo_worker_threads(1):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         train(rank, world, args)
     finally:
@@ -127,7 +129,8 @@ def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None
 def main(argv=None) -> None:
     args = parse_args(argv)
     if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group("gloo")
+        with compass_fx.gloo_worker_threads(1):
+            dist.init_process_group("gloo")
         try:
             train(dist.get_rank(), dist.get_world_size(), args)
         finally:

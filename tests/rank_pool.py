@@ -33,18 +33,24 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    while True:
-        item = tasks.get()
-        if item is None:
-            break
-        fn, args, kwargs = item
-        try:
-            results.put((rank, True, fn(rank, *args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - the traceback goes back to the test
-            results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    from compass_fx import gloo_worker_threads
+
+    # Every gloo group of these ranks (the default one and any a test makes) runs one worker thread:
+    # with torch's two, functional gathers in flight corrupt the heap now and then (a rank of the
+    # shared pool died so in CI; compass_fx/groups.py says why).
+    with gloo_worker_threads(1):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        while True:
+            item = tasks.get()
+            if item is None:
+                break
+            fn, args, kwargs = item
+            try:
+                results.put((rank, True, fn(rank, *args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+                results.put((rank, False, traceback.format_exc()))
+        dist.destroy_process_group()
 
 
 # What every rank imports: loaded once into the forkserver that forks the ranks (one per test

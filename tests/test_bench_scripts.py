@@ -1416,3 +1416,24 @@ def test_replay_scale_case_bookkeeping_on_stand_ins(monkeypatch):
     assert r["settled_step"] == 3 and r["replayed"] == 1.0 and r["from_c"] == 1.0
     assert r["host_ms_per_step"] > 0 and r["gpu_ms_per_step"] == layers and r["gpu_behind_ms"] >= 0
     assert 0.0 <= r["same_outputs_as_step_before"] <= 1.0 and len(calls) == layers * steps
+
+
+def test_funcol_gloo_inflight_takes_variants_and_gloo_threads():
+    """The options that pick variants and the groups' worker threads: known names only, counts
+    positive, ``default`` meaning torch's own; the markdown names the threads of each row."""
+    bench = _bench("funcol_gloo_inflight")
+    assert bench._variants("funcol:2, funcol:4") == (("functional all_gather", "funcol", 2),
+                                                     ("functional all_gather", "funcol", 4))
+    assert bench._threads("default,1,3") == [None, 1, 3]
+    for bad in ("funcol:3", "nccl:4", ""):
+        with pytest.raises(Exception, match="unknown variants"):
+            bench._variants(bad)
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(Exception, match="neither 'default' nor a positive count"):
+            bench._threads(bad)
+    rows = [{"op": "functional all_gather", "in_flight": 4, "gloo_threads": g, "run": 1, "status": s,
+             "calls_reached": n, "seconds": 1.0} for g, s, n in (("default", "killed by signal 6", 900),
+                                                                 (1, "clean", 10000))]
+    text = bench.markdown({"tag": "t", "environment": {"torch": "x"}, "calls": 10000, "rows": rows})
+    assert "| gloo threads |" in text and "| 4 | default | 1 | killed by signal 6 | 900 |" in text \
+        and "| 4 | 1 | 1 | clean | 10000 |" in text, text

@@ -71,8 +71,11 @@ def _dying_peer(rank: int, port: int, results) -> None:
 
     sys.path.insert(0, os.path.dirname(__file__))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    from compass_fx import gloo_worker_threads
+
+    with gloo_worker_threads(1):  # as the pools' ranks (tests/rank_pool.py)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
     import wild_models
 
     compiled = _compiled_step_fn(dist.group.WORLD)

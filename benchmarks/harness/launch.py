@@ -3,6 +3,7 @@ another) or under ``torchrun`` (one world, from the environment); NCCL on CUDA, 
 (``--dry-run``).  Rank 0's result comes back to the process that writes the files."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -13,6 +14,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from compass_fx import gloo_worker_threads
 
 from . import NO_MULTICAST_ENV, RESULTS
 from .output import TEARDOWN_WARNINGS, device_tag
@@ -77,7 +80,10 @@ def _init(rank: int, world: int, local_rank: int, dry_run: bool, init_method: st
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world}
     if init_method:
         kwargs["init_method"] = init_method
-    dist.init_process_group(backend, **kwargs)
+    # CPU ranks: one gloo worker thread, so that functional gathers in flight cannot corrupt the heap
+    # (compass_fx.gloo_worker_threads); the GPU runs' groups are NCCL's
+    with gloo_worker_threads(1) if backend == "gloo" else contextlib.nullcontext():
+        dist.init_process_group(backend, **kwargs)
     return Ctx(rank, world, local_rank, device, backend, dry_run)
 
 
