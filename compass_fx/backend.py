@@ -126,6 +126,7 @@ def graph_compiler(opts: CompassOptions, finish: Callable | None = None, in_hist
             report = compass_pass(graph, kind, opts, topology)
         _note_shared_queues(report)
         _note_cuda_graphs(report, opts)
+        _note_gloo_threads(report, graph)
         _record(report, compile_id)
         with _keep_pipelines(report, finish is compile_fx_inner):
             return finish(graph, inputs, **kwargs)
@@ -163,6 +164,23 @@ def _note_shared_queues(report: GraphReport) -> None:
         report.notes.append(f"CUDA_DEVICE_MAX_CONNECTIONS={value}: this process's CUDA streams share {value} hardware "
                             f"queue(s), where they run in issue order; the overlap predicted for the rewritten pairs "
                             f"assumes a queue per stream (no gain was measured with shared queues)")
+
+
+def _note_gloo_threads(report: GraphReport, graph: fx.GraphModule) -> None:
+    """Say so when the graph, as it will run, holds torch's functional collectives on a gloo group
+    of more than one worker thread: torch 2.13-2.14 corrupt the heap now and then when two such
+    gathers run at once on its threads (a rank dies; ``groups.gloo_worker_threads`` says more).
+    Read from the graph, not the pairs: collectives left alone (symbolic shapes, no pair) count."""
+    from .groups import gloo_threads_of
+
+    names = {a for n in graph.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "namespace", None) == "_c10d_functional" for a in n.args if isinstance(a, str)}
+    for name in sorted(names):
+        threads = gloo_threads_of(name)
+        if threads is not None and threads > 1:
+            report.notes.append(f"group {name!r} runs gloo with {threads} worker threads: torch 2.13-2.14's functional "
+                                f"collectives on it corrupt the heap now and then (two gathers at once on its threads "
+                                f"kill a rank); create CPU groups inside compass_fx.gloo_worker_threads(1)")
 
 
 def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:

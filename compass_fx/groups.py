@@ -57,6 +57,19 @@ def backend_for(group_name: str, device_type: str) -> str | None:
     return entries.get(device_type, config if not entries else None)
 
 
+def gloo_threads_of(group_name: str) -> int | None:
+    """How many worker threads ``group_name``'s gloo backend runs for CPU tensors, or None where
+    its CPU collectives are not gloo's (or torch no longer says)."""
+    if backend_for(group_name, "cpu") != "gloo":
+        return None
+    try:
+        import torch
+
+        return int(find_group(group_name)._get_backend(torch.device("cpu")).options._threads)
+    except Exception:  # noqa: BLE001 - private attributes: a torch without them gets no answer
+        return None
+
+
 @contextlib.contextmanager
 def gloo_worker_threads(threads: int = 1) -> Iterator[None]:
     """Gloo process groups created inside this context run ``threads`` worker threads (torch

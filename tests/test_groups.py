@@ -84,3 +84,41 @@ def test_functional_gathers_in_flight_on_the_pools_ranks(ranks):
     # With torch's two threads four gathers in flight killed a rank within 300-4800 rounds in each
     # of 6 runs (results funcol_gloo_inflight-cpu and -cpu-threads); 2000 rounds here.
     assert ranks(2).run(_gathers_in_flight, 2000, 4) == [2000, 2000]
+
+
+def _gloo_notes(rank: int) -> dict:
+    """Compile a rewritten model on the pool's one-thread WORLD group, then on a group made with
+    torch's own class (two threads); return each compile's report notes about gloo threads."""
+    import wild_models
+
+    import compass_fx.backend
+
+    pools_class = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = pools_class.compass_base  # torch's class: two worker threads
+    try:
+        two_threads = dist.new_group(backend="gloo")
+    finally:
+        c10d.ProcessGroupGloo = pools_class
+    notes = {}
+    for label, group in (("one thread", dist.group.WORLD), ("two threads", two_threads)):
+        torch._dynamo.reset()
+        before = len(compass_fx.backend.history)
+        model = torch.compile(wild_models.build("reshape_chain", group), backend="compass",
+                              options={"chunks": 2, "inner": "eager"})
+        model(wild_models.shard_input("reshape_chain", rank)).sum().backward()
+        reports = list(compass_fx.backend.history)[before:]
+        notes[label] = [n for r in reports for n in r.notes if "gloo" in n]
+        notes[label + " graphs"] = len(reports)
+    notes["two threads name"] = two_threads.group_name
+    return notes
+
+
+@pytest.mark.slow  # two small compiles on 2 ranks
+def test_the_report_says_when_a_graphs_collectives_run_on_two_gloo_threads(ranks):
+    res = ranks(2).run(_gloo_notes)[0]
+    assert res["one thread graphs"] == 2 and res["one thread"] == [], res
+    assert res["two threads graphs"] == 2, res
+    assert res["two threads"], f"no note for a group of two gloo threads: {res}"
+    for note in res["two threads"]:
+        assert f"group {res['two threads name']!r} runs gloo with 2 worker threads" in note, note
+        assert "compass_fx.gloo_worker_threads(1)" in note, note
