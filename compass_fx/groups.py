@@ -99,9 +99,13 @@ def gloo_worker_threads(threads: int = 1) -> Iterator[None]:
         compass_base = base
 
         def __init__(self, store, rank: int, size: int,
-                     timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+                     timeout: datetime.timedelta = datetime.timedelta(minutes=30), **settings) -> None:
             options = base._Options()
             options._timeout = timeout
+            for name, value in settings.items():  # what newer torch passes too (2.14: enable_reconfigure)
+                if not hasattr(options, name):
+                    raise TypeError(f"ProcessGroupGloo() got an unexpected keyword argument {name!r}")
+                setattr(options, name, value)
             interfaces = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
             options._devices = ([base.create_device(interface=i) for i in interfaces] if interfaces
                                 else [base.create_default_device()])

@@ -35,6 +35,17 @@ def test_groups_made_inside_run_the_threads_asked_for_and_outside_torchs_default
     assert _threads_of_a_new_group() == default
 
 
+def test_settings_newer_torch_passes_reach_the_options_and_unknown_ones_are_refused():
+    """torch 2.14 passes ``enable_reconfigure=`` when it makes a group: a keyword the options hold
+    is set on them (``group_name`` on every torch here); one they lack is refused as torch would."""
+    store, timeout = dist.HashStore(), datetime.timedelta(seconds=5)
+    with compass_fx.gloo_worker_threads(1):
+        backend = c10d.ProcessGroupGloo(store, 0, 1, timeout=timeout, group_name="named")
+        assert (backend.options.group_name, backend.options._threads) == ("named", 1)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_setting'"):
+            c10d.ProcessGroupGloo(store, 0, 1, timeout=timeout, no_such_setting=1)
+
+
 def test_the_class_is_restored_when_the_body_raises():
     with pytest.raises(KeyError):
         with compass_fx.gloo_worker_threads(1):
