@@ -37,7 +37,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
     # Every gloo group of these ranks (the default one and any a test makes) runs one worker thread:
     # with torch's two, functional gathers in flight corrupt the heap now and then (a rank of the
-    # shared pool died so in CI; compass_fx/groups.py says why).
+    # shared pool died with that allocator abort in CI; compass_fx/groups.py says why).
     with gloo_worker_threads(1):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
