@@ -125,7 +125,7 @@ def graph_compiler(opts: CompassOptions, finish: Callable | None = None, in_hist
         with use_calibration(opts.calibration):
             report = compass_pass(graph, kind, opts, topology)
         _note_shared_queues(report)
-        _note_cuda_graphs(report, opts)
+        _note_launch_mode(report, opts)
         _note_gloo_threads(report, graph)
         _record(report, compile_id)
         with _keep_pipelines(report, finish is compile_fx_inner):
@@ -183,9 +183,10 @@ def _note_gloo_threads(report: GraphReport, graph: fx.GraphModule) -> None:
                                 f"kill a rank); create CPU groups inside compass_fx.gloo_worker_threads(1)")
 
 
-def _note_cuda_graphs(report: GraphReport, opts: CompassOptions) -> None:
-    """Say that the cost model priced the pairs as CUDA graph replays, and what becomes of the
-    fused calls: captured with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported:
+def _note_launch_mode(report: GraphReport, opts: CompassOptions) -> None:
+    """Say how the graph will be launched, eagerly or in CUDA graphs, and what that means for its
+    pairs.  In a CUDA graph mode: that the cost model priced the pairs as replays, and what becomes
+    of the fused calls: captured with the rest (``COMPASS_FUSED_GRAPHS=1`` when compass_fx was imported:
     the ops carry no ``cudagraph_unsafe`` tag), or left out, which splits the graph or leaves it
     uncaptured (so "auto" does not price them then).  Without such a mode, where to see how the
     fused calls ran eagerly (:func:`compass_fx.fused_calls`)."""
