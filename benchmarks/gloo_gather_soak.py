@@ -13,6 +13,10 @@ the blocking form avoids.
 
     python benchmarks/gloo_gather_soak.py                  # writes gloo_gather_soak-cpu.{json,md}
     python benchmarks/gloo_gather_soak.py --functional     # writes gloo_gather_soak-cpu-functional.*
+    python benchmarks/gloo_gather_soak.py --functional --gloo-threads 1 --tag cpu-functional-threads1
+
+``--gloo-threads N`` makes the ranks' group with N gloo worker threads (``compass_fx.gloo_worker_threads``;
+torch starts two): whether the functional form survives on a group of one thread.
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ NAME = "gloo_gather_soak"
 ROWS, COLS, OUT_COLS = 48, 32, 16   # each rank's shard [48, 32] (divisible by 2, 3 and 4 parts)
 
 
-def _rank(rank: int, world: int, parts: int, inner: str, calls: int, functional: bool, init_method: str,
-          out_path: str) -> None:
+def _rank(rank: int, world: int, parts: int, inner: str, calls: int, functional: bool, threads: int | None,
+          init_method: str, out_path: str) -> None:
     """One rank: compile the pair, call it ``calls`` times, check every 100th call; progress in
     ``out_path.<rank>.progress``, the result (with what the compiled graphs hold) at the end."""
     import os
@@ -42,7 +46,12 @@ def _rank(rank: int, world: int, parts: int, inner: str, calls: int, functional:
 
     torch.set_num_threads(1)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    import contextlib
+
+    from compass_fx import gloo_worker_threads
+
+    with gloo_worker_threads(threads) if threads else contextlib.nullcontext():
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     import compass_fx.backend
     import compass_fx.lowering.decompose as decompose
 
@@ -76,10 +85,11 @@ def _rank(rank: int, world: int, parts: int, inner: str, calls: int, functional:
                                                       "us_per_call": round(seconds / calls * 1e6, 1)}))
 
 
-def run_case(parts: int, inner: str, calls: int, functional: bool, deadline_s: float, tmp: str, index: int) -> dict:
+def run_case(parts: int, inner: str, calls: int, functional: bool, deadline_s: float, tmp: str, index: int,
+             threads: int | None = None) -> dict:
     """One case in fresh processes: clean (every rank passed every check), or why not."""
     start = time.time()
-    ranks, killed = launch.fresh_ranks(_rank, 2, (parts, inner, calls, functional), tmp, index, deadline_s)
+    ranks, killed = launch.fresh_ranks(_rank, 2, (parts, inner, calls, functional, threads), tmp, index, deadline_s)
     status, reached = launch.soak_outcome(ranks, killed, str(Path(tmp, f"case{index}.0.progress")), calls, deadline_s)
     per_call = ranks[0].get("gathers_per_call")
     return {"status": status, "calls_reached": reached, "gathers_per_call": per_call,
@@ -92,7 +102,8 @@ def markdown(payload: dict) -> str:
             if payload["functional"] else "each part gathered by `compass::all_gather_blocking` (the lowering on gloo)")
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"Two gloo ranks (torch {payload['environment']['torch']}), fresh processes per case: an all-gather -> "
-             f"matmul pair compiled with `backend=\"compass\"` into `parts` parts, {form}; up to "
+             f"matmul pair compiled with `backend=\"compass\"` into `parts` parts, {form}; gloo worker threads: "
+             f"{payload.get('gloo_threads') or 'as torch makes them (two)'}; up to "
              f"{payload['calls']} calls per case, every 100th checked against the uncompiled pair.", "",
              f"**{payload['gathers_clean']} decomposed gathers in clean cases, {payload['crashed']} case(s) crashed.**",
              "", output.markdown_table(payload["rows"], ["parts", "inner", "status", ("calls_reached", "calls"),
@@ -108,22 +119,27 @@ def main(argv=None) -> int:
     p.add_argument("--inner", default="inductor,eager")
     p.add_argument("--functional", action="store_true",
                    help="functional gathers in flight, as on NCCL (what the lowering no longer emits on gloo)")
+    p.add_argument("--gloo-threads", type=int, default=None,
+                   help="the ranks' gloo worker threads (default: torch's, two)")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds a case may take before its ranks are killed")
     p.add_argument("--tag", default=None, help="file name tag (default: cpu, or cpu-functional)")
     p.add_argument("--out-dir", default=str(output.RESULTS))
     args = p.parse_args(argv)
+    if args.gloo_threads is not None and args.gloo_threads < 1:
+        p.error("--gloo-threads must be a positive count")
     args.tag = args.tag or ("cpu-functional" if args.functional else "cpu")
     cases = [(int(n), inner) for inner in args.inner.split(",") for n in args.parts.split(",")]
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
         for parts, inner in cases:
             row = {"parts": parts, "inner": inner,
-                   **run_case(parts, inner, args.calls, args.functional, args.deadline, tmp, len(rows))}
+                   **run_case(parts, inner, args.calls, args.functional, args.deadline, tmp, len(rows),
+                            args.gloo_threads)}
             print(f"[{len(rows) + 1}/{len(cases)}] {parts} parts, {inner}: {row['status']} after "
                   f"{row['calls_reached']} calls ({row['gathers']} gathers, {row['seconds']} s)", flush=True)
             rows.append(row)
     payload = {"benchmark": NAME, "tag": args.tag, "environment": output.environment(False), "calls": args.calls,
-               "functional": args.functional, "seconds": round(time.time() - t0, 1), "rows": rows,
+               "functional": args.functional, "gloo_threads": args.gloo_threads, "seconds": round(time.time() - t0, 1), "rows": rows,
                "gathers_clean": sum(r["gathers"] or 0 for r in rows if r["status"] == "clean"),
                "crashed": sum(1 for r in rows if r["status"] != "clean")}
     return output.print_and_write(NAME, args, payload, markdown(payload))

@@ -656,19 +656,21 @@ def test_every_benchmark_script_starts():
 
 
 def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
-    """The soak of decomposed gathers on gloo (each part gathered blocking, as the lowering emits it):
-    every case clean, each call ran ``parts`` gathers (so the pair was decomposed), all counted."""
+    """The soak of decomposed gathers on gloo (each part gathered blocking, as the lowering emits it),
+    on a group of one gloo worker thread: every case clean, each call ran ``parts`` gathers (so the
+    pair was decomposed), all counted, the threads said."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(BENCH / "gloo_gather_soak.py"), "--calls", "101", "--parts", "3",
-                           "--inner", "eager", "--out-dir", str(tmp_path)], check=False, cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                           "--inner", "eager", "--gloo-threads", "1", "--out-dir", str(tmp_path)], check=False,
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((tmp_path / "gloo_gather_soak-cpu.json").read_text())
-    assert data["crashed"] == 0 and not data["functional"]
+    assert data["crashed"] == 0 and not data["functional"] and data["gloo_threads"] == 1
     (row,) = data["rows"]
     assert row["status"] == "clean" and row["gathers_per_call"] == 3 and row["gathers"] == 3 * 101
     assert data["gathers_clean"] == 303
-    assert (tmp_path / "gloo_gather_soak-cpu.md").read_text().startswith("# gloo_gather_soak")
+    text = (tmp_path / "gloo_gather_soak-cpu.md").read_text()
+    assert text.startswith("# gloo_gather_soak") and "gloo worker threads: 1;" in text, text
 
 
 def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():
