@@ -16,7 +16,9 @@ the blocking form avoids.
     python benchmarks/gloo_gather_soak.py --functional --gloo-threads 1 --tag cpu-functional-threads1
 
 ``--gloo-threads N`` makes the ranks' group with N gloo worker threads (``compass_fx.gloo_worker_threads``;
-torch starts two): whether the functional form survives on a group of one thread.
+torch starts two): whether the functional form survives on a group of one thread.  On such a group
+the lowering itself emits the functional form (``decompose.gathers_blocking``), so there
+``--functional`` changes nothing.
 """
 from __future__ import annotations
 
@@ -99,7 +101,10 @@ def run_case(parts: int, inner: str, calls: int, functional: bool, deadline_s: f
 
 def markdown(payload: dict) -> str:
     form = ("functional gathers in flight, as NCCL gets them (`--functional`: what the blocking form replaces)"
-            if payload["functional"] else "each part gathered by `compass::all_gather_blocking` (the lowering on gloo)")
+            if payload["functional"] else
+            "functional gathers in flight, as the lowering emits them on a gloo group of one worker thread"
+            if payload.get("gloo_threads") == 1 else
+            "each part gathered by `compass::all_gather_blocking` (the lowering on gloo with torch's two threads)")
     lines = [f"# {NAME} ({payload['tag']})", "",
              f"Two gloo ranks (torch {payload['environment']['torch']}), fresh processes per case: an all-gather -> "
              f"matmul pair compiled with `backend=\"compass\"` into `parts` parts, {form}; gloo worker threads: "

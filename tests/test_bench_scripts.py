@@ -656,9 +656,9 @@ def test_every_benchmark_script_starts():
 
 
 def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
-    """The soak of decomposed gathers on gloo (each part gathered blocking, as the lowering emits it),
-    on a group of one gloo worker thread: every case clean, each call ran ``parts`` gathers (so the
-    pair was decomposed), all counted, the threads said."""
+    """The soak of decomposed gathers on gloo as the lowering emits them, on a group of one gloo
+    worker thread (functional gathers in flight): every case clean, each call ran ``parts`` gathers
+    (so the pair was decomposed), all counted, the threads and the form said."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(BENCH / "gloo_gather_soak.py"), "--calls", "101", "--parts", "3",
                            "--inner", "eager", "--gloo-threads", "1", "--out-dir", str(tmp_path)], check=False,
@@ -671,6 +671,7 @@ def test_gloo_gather_soak_runs_decomposed_gathers_and_counts_them(tmp_path):
     assert data["gathers_clean"] == 303
     text = (tmp_path / "gloo_gather_soak-cpu.md").read_text()
     assert text.startswith("# gloo_gather_soak") and "gloo worker threads: 1;" in text, text
+    assert "as the lowering emits them on a gloo group of one worker thread" in text, text
 
 
 def test_fused_host_time_says_how_many_rows_meet_the_goal_per_world():

@@ -133,3 +133,37 @@ def test_the_report_says_when_a_graphs_collectives_run_on_two_gloo_threads(ranks
     for note in res["two threads"]:
         assert f"group {res['two threads name']!r} runs gloo with 2 worker threads" in note, note
         assert "compass_fx.gloo_worker_threads(1)" in note, note
+
+
+def _threads_disagree(rank: int) -> str:
+    """Rank 0 makes a group with torch's class (two gloo threads), rank 1 with the pool's (one);
+    compiling a decomposed gather on it must fail on both ranks: the gather's form follows the
+    threads, so ranks that differ would lower it differently."""
+    pools_class = c10d.ProcessGroupGloo
+    if rank == 0:
+        c10d.ProcessGroupGloo = pools_class.compass_base
+    try:
+        group = dist.new_group(backend="gloo")
+    finally:
+        c10d.ProcessGroupGloo = pools_class
+    name, world = group.group_name, dist.get_world_size()
+    w = torch.randn(64, 32)
+
+    def gather_mm(x):
+        ops = torch.ops._c10d_functional
+        return ops.wait_tensor(ops.all_gather_into_tensor(x, world, name)) @ w
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(gather_mm, backend="compass", options={"chunks": 2, "inner": "eager"})(torch.randn(32, 64))
+    except Exception as e:  # noqa: BLE001 - the test reads the error
+        return f"{type(e).__name__}: {e}"
+    return "compiled"
+
+
+@pytest.mark.slow  # a compile on 2 ranks
+def test_ranks_whose_gloo_threads_differ_get_a_clear_error(ranks):
+    errors = ranks(2).run(_threads_disagree)
+    for error in errors:
+        assert "RankDisagreement" in error and "gloo worker thread" in error, errors
+    assert "runs 1 gloo worker thread(s) on rank 1 and 2 on rank 0" in errors[1], errors

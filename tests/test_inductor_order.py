@@ -13,11 +13,25 @@ import torch
 pytestmark = pytest.mark.inductor  # reads the code Inductor generates
 
 
-def _one_pair(world: int, kind: str):
-    """A one-pair program (an all-gather then a matmul, or a matmul then a reduce-scatter) and its input."""
+def _torchs_gloo_group():
+    """A gloo group of every rank made with torch's own class (two worker threads)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    pools_class = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = getattr(pools_class, "compass_base", pools_class)
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        c10d.ProcessGroupGloo = pools_class
+
+
+def _one_pair(world: int, kind: str, group=None):
+    """A one-pair program (an all-gather then a matmul, or a matmul then a reduce-scatter) on
+    ``group`` (default: WORLD) and its input."""
     import torch.distributed as dist
 
-    group = dist.group.WORLD.group_name
+    group = (group or dist.group.WORLD).group_name
     c10d = torch.ops._c10d_functional
     w = torch.randn(64, 32)
 
@@ -31,15 +45,17 @@ def _one_pair(world: int, kind: str):
 
 
 def _generated_order(rank: int, world: int, kind: str, options: dict, check: bool = True,
-                     ) -> tuple[list[str], list[str]]:
+                     torchs_gloo_threads: bool = False) -> tuple[list[str], list[str]]:
     """The collectives, waits and part matmuls in the order Inductor's generated code calls them,
-    and the reports' notes; ``check``: the compiled result equals the uncompiled one."""
+    and the reports' notes; ``check``: the compiled result equals the uncompiled one.
+    ``torchs_gloo_threads``: on a gloo group made with torch's own two worker threads (the pools'
+    groups have one)."""
     from torch._inductor.utils import run_and_get_code
 
     import compass_fx.backend
 
     torch._dynamo.reset()
-    fn, x = _one_pair(world, kind)
+    fn, x = _one_pair(world, kind, _torchs_gloo_group() if torchs_gloo_threads else None)
     before = len(compass_fx.backend.history)
     compiled = torch.compile(fn, backend="compass", options=options)
     with torch.no_grad():
@@ -68,14 +84,26 @@ def test_decomposed_reduce_scatter_stays_pipelined_under_inductor(ranks):
     assert any("reorder_for_peak_memory" in n for n in notes)
 
 
-def test_decomposed_gathers_on_gloo_leave_nothing_in_flight(ranks):
-    """On gloo each part is gathered by compass::all_gather_blocking (torch 2.13's functional gathers
-    corrupt the heap there now and then): no functional gather, no wait, and the result is right
-    (``_generated_order`` checks it); the NCCL form is checked below on a fake group."""
-    calls, notes = ranks(2).run(_generated_order, 2, "all_gather", {"chunks": 2})[0]
+def test_decomposed_gathers_on_gloo_of_two_threads_leave_nothing_in_flight(ranks):
+    """On a gloo group of torch's two worker threads each part is gathered by
+    compass::all_gather_blocking (torch 2.13's functional gathers corrupt the heap there now and
+    then): no functional gather, no wait, and the result is right (``_generated_order`` checks it)."""
+    calls, notes = ranks(2).run(_generated_order, 2, "all_gather", {"chunks": 2}, True, True)[0]
     assert calls.count("all_gather_blocking") == 2 and calls.count("mm_into_row_blocks") == 2, calls
     assert "all_gather_into_tensor" not in calls and "wait_tensor" not in calls, calls
     assert any("reorder_for_peak_memory" in n for n in notes)
+
+
+def test_decomposed_gathers_on_gloo_of_one_thread_are_pipelined_and_right(ranks):
+    """On the pools' groups (one gloo worker thread, where functional gathers in flight are safe:
+    ``gloo_gather_soak --gloo-threads 1``) the gathers keep the form NCCL gets for pairs it does not
+    run as one call: the next part's gather issued before the previous part's wait, and the numbers
+    right with the gathers really in flight."""
+    calls, _ = ranks(2).run(_generated_order, 2, "all_gather", {"chunks": 2})[0]
+    collectives, waits, matmuls = _positions(calls)
+    assert "all_gather_blocking" not in calls, calls
+    assert len(collectives) == 2 and len(waits) == 2 and len(matmuls) == 2, calls
+    assert collectives[1] < waits[0] < matmuls[0], calls
 
 
 @pytest.fixture

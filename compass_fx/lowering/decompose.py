@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..graph.pairs import BatchedWeight, GatherPair, ReducePair, mm_operands
 from ..graph.nodes import shape_of
-from ..groups import backend_for
+from ..groups import backend_for, gloo_threads_of
 from . import blocking_gather  # noqa: F401 - defines compass::all_gather_blocking
 from . import gather_parts  # noqa: F401 - defines compass::all_gather_mm_parts
 from .graph_edit import NodeBuilder
@@ -255,12 +255,22 @@ def _all_gather_one_call(b: NodeBuilder, pair: GatherPair, parts: int) -> None:
         b.replace(rc.mm, out)
 
 
+# what gloo's own gathers move (float8 has no gloo type: blocking_gather moves it as bytes)
+GLOO_FUNCTIONAL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def gathers_blocking(pair: GatherPair) -> bool:
-    """Whether the parts are gathered by ``compass::all_gather_blocking`` (gloo: CPU tensors), whose
-    docstring says why; other backends (NCCL) keep the functional collectives in flight."""
+    """Whether the parts are gathered by ``compass::all_gather_blocking``: on gloo (CPU tensors)
+    whose group runs torch's two worker threads, where functional gathers in flight corrupt the
+    heap (``blocking_gather`` says why), or whose dtype gloo has no type for.  A gloo group of one
+    worker thread (``compass_fx.gloo_worker_threads(1)``; the ranks agree on it, ``passes.agree``)
+    and other backends (NCCL) keep the functional collectives in flight, the pipelined form."""
     val = pair.shard.meta.get("val")
     device = val.device.type if isinstance(val, torch.Tensor) else "cpu"
-    return backend_for(pair.group_name, device) == "gloo"
+    if backend_for(pair.group_name, device) != "gloo":
+        return False
+    dtype = val.dtype if isinstance(val, torch.Tensor) else None
+    return gloo_threads_of(pair.group_name) != 1 or dtype not in GLOO_FUNCTIONAL_DTYPES
 
 
 def _writes_in_place(mm: fx.Node) -> bool:

@@ -5,8 +5,9 @@ a different measured number): if each rewrote its graph on its own, the ranks wo
 different collectives and hang.  So the group's first rank decides; the others adopt its
 decisions through the default c10d store, check that they matched the same pairs, and
 acknowledge: one round trip per graph and group, however many pairs the graph has.  A pair that
-differs between ranks, or a rank that never arrives within the store's timeout, raises
-``RankDisagreement`` on every rank instead of hanging.
+differs between ranks, a gloo group whose worker threads differ between ranks (a decomposed
+gather's form follows them: ``lowering.decompose.gathers_blocking``), or a rank that never arrives
+within the store's timeout, raises ``RankDisagreement`` on every rank instead of hanging.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from ..cost.decision import Decision
 from ..graph.pairs import Pair
-from ..groups import default_store, find_group, publish
+from ..groups import default_store, find_group, gloo_threads_of, publish
 
 log = logging.getLogger("compass_fx")
 
@@ -59,15 +60,21 @@ def _agree_group(name: str, pairs: list[Pair], local: list[Decision]) -> list[De
     key = f"compass_fx/agree/{name}/{_calls[name]}"
     mine = [{"pair": p.describe(), "graph": p.graph_name, "strategy": d.strategy, "parts": d.parts,
              "schedule": d.schedule} for p, d in zip(pairs, local)]
+    threads = gloo_threads_of(name)  # the lowering's gather form on gloo follows it (decompose.gathers_blocking)
     if me == leader:
-        publish(store, key, {"pairs": mine})
+        publish(store, key, {"pairs": mine, "gloo_threads": threads})
         problems = [_get(store, f"{key}/ack/{r}", what, r) for r in ranks[1:]]
         problems = [p for p in problems if p != "ok"]
         if problems:
             raise RankDisagreement(f"compass_fx: ranks disagree on {what}: {problems[0]}")
         return local
-    theirs = json.loads(_get(store, key, what, leader))["pairs"]
+    published = json.loads(_get(store, key, what, leader))
+    theirs = published["pairs"]
     problem = _mismatch(pairs, mine, theirs)
+    if problem is None and published.get("gloo_threads") != threads:
+        problem = (f"group {name!r} runs {threads} gloo worker thread(s) on rank {me} and "
+                   f"{published.get('gloo_threads')} on rank {leader}, and a decomposed gather's form follows "
+                   f"them: make every rank's groups inside compass_fx.gloo_worker_threads alike")
     store.set(f"{key}/ack/{me}", problem or "ok")
     if problem:
         raise RankDisagreement(f"compass_fx: ranks disagree on {what}: {problem}")
