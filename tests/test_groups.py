@@ -98,18 +98,14 @@ def test_functional_gathers_in_flight_on_the_pools_ranks(ranks):
 
 
 def _gloo_notes(rank: int) -> dict:
-    """Compile a rewritten model on the pool's one-thread WORLD group, then on a group made with
-    torch's own class (two threads); return each compile's report notes about gloo threads."""
+    """Compile a rewritten model on the pool's one-thread WORLD group, then on a group of torch's
+    default two threads; return each compile's report notes about gloo threads."""
     import wild_models
 
     import compass_fx.backend
 
-    pools_class = c10d.ProcessGroupGloo
-    c10d.ProcessGroupGloo = pools_class.compass_base  # torch's class: two worker threads
-    try:
+    with compass_fx.gloo_worker_threads(2):
         two_threads = dist.new_group(backend="gloo")
-    finally:
-        c10d.ProcessGroupGloo = pools_class
     notes = {}
     for label, group in (("one thread", dist.group.WORLD), ("two threads", two_threads)):
         torch._dynamo.reset()
@@ -136,16 +132,11 @@ def test_the_report_says_when_a_graphs_collectives_run_on_two_gloo_threads(ranks
 
 
 def _threads_disagree(rank: int) -> str:
-    """Rank 0 makes a group with torch's class (two gloo threads), rank 1 with the pool's (one);
+    """Rank 0 makes a group of two gloo threads (torch's default), rank 1 of the pool's one;
     compiling a decomposed gather on it must fail on both ranks: the gather's form follows the
     threads, so ranks that differ would lower it differently."""
-    pools_class = c10d.ProcessGroupGloo
-    if rank == 0:
-        c10d.ProcessGroupGloo = pools_class.compass_base
-    try:
+    with compass_fx.gloo_worker_threads(2 if rank == 0 else 1):
         group = dist.new_group(backend="gloo")
-    finally:
-        c10d.ProcessGroupGloo = pools_class
     name, world = group.group_name, dist.get_world_size()
     w = torch.randn(64, 32)
 

@@ -14,16 +14,13 @@ pytestmark = pytest.mark.inductor  # reads the code Inductor generates
 
 
 def _torchs_gloo_group():
-    """A gloo group of every rank made with torch's own class (two worker threads)."""
+    """A gloo group of every rank with torch's default two worker threads (the pools' have one)."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
-    pools_class = c10d.ProcessGroupGloo
-    c10d.ProcessGroupGloo = getattr(pools_class, "compass_base", pools_class)
-    try:
+    from compass_fx import gloo_worker_threads
+
+    with gloo_worker_threads(2):
         return dist.new_group(backend="gloo")
-    finally:
-        c10d.ProcessGroupGloo = pools_class
 
 
 def _one_pair(world: int, kind: str, group=None):
@@ -48,7 +45,7 @@ def _generated_order(rank: int, world: int, kind: str, options: dict, check: boo
                      torchs_gloo_threads: bool = False) -> tuple[list[str], list[str]]:
     """The collectives, waits and part matmuls in the order Inductor's generated code calls them,
     and the reports' notes; ``check``: the compiled result equals the uncompiled one.
-    ``torchs_gloo_threads``: on a gloo group made with torch's own two worker threads (the pools'
+    ``torchs_gloo_threads``: on a gloo group of torch's default two worker threads (the pools'
     groups have one)."""
     from torch._inductor.utils import run_and_get_code
 
