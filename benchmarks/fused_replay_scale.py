@@ -107,8 +107,9 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
         measured = step >= steps - MEASURED
         before = dict(replay.stats)
         outs = []
-        started, t_step = torch.cuda.Event(enable_timing=True), time.perf_counter()
-        if measured:
+        t_step = time.perf_counter()
+        if measured:  # the GPU's span of the step, on the caller's stream
+            started = torch.cuda.Event(enable_timing=True)
             started.record()
         for a, b in operands:
             t0 = time.perf_counter()
