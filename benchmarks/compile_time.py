@@ -24,6 +24,13 @@ Times (wall clock, seconds):
   ``compass-fx explain`` prints), beside its length in lines (pairs alike share a row: it should
   not grow with the layers).
 
+Memory (MiB, resident, Linux's ``/proc/self/status``): ``peak``, the process's high-water mark
+through the compile and first call (reset once the model is built: ``/proc/self/clear_refs``);
+``compile peak``, that over the memory the process held then (the graphs, the pass's work, the
+inner compiler's).  A pass whose memory grew faster than the graphs it writes would show in the
+summary: the compile peak from 8 to 64 layers, and the peak over the pass off.  (Not
+``getrusage``'s high-water mark: a process started by another carries its parent's from the fork.)
+
 The machine's other load shows as noise: the modes of one layer count take turns, and the summary
 compares the best of the repeats.
 
@@ -106,6 +113,28 @@ def build(model: str, layers: int, world: int):
     return module, tokens, rt.spmd_context(module, tokens)
 
 
+def resident_mib(field: str) -> float | None:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its high-water mark) of this process, in MiB; None
+    where the kernel has no ``/proc`` status."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak() -> bool:
+    """Restart this process's resident high-water mark from what it holds now (Linux 4.0 and
+    later); False where it cannot (the peak then includes what came before)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "demo") -> dict:
     """Compile ``model`` at ``layers`` over ``world`` fake ranks with ``mode``'s options (in this
     process) and time it."""
@@ -141,11 +170,13 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
     try:  # a row that fails, building its model included, leaves no group behind for the next row
         module, tokens, context = build(model, layers, world)
         compiled = torch.compile(module, backend=timed_backend, fullgraph=True)
+        held = resident_mib("VmRSS") if reset_peak() else None
         started = time.perf_counter()
         with backend.collect_reports() as reports, context, \
                 torch._functorch.config.patch(force_non_lazy_backward_lowering=True), torch.enable_grad():
             compiled(tokens)
         first_call = time.perf_counter() - started
+        peak = resident_mib("VmHWM") if held is not None else None
     finally:
         backend.compass_pass = real_pass
         dist.destroy_process_group()
@@ -160,7 +191,9 @@ def measure(layers: int, mode: str, inner: str, world: int = 4, model: str = "de
             "pairs": len(pairs), "rewritten": sum(p.status == "rewritten" for p in pairs),
             "pass_s": round(sum(r.pass_seconds or 0.0 for r in reports), 3),
             "compile_s": round(sum(compile_s), 3), "first_call_s": round(first_call, 3),
-            "report_s": round(report_s, 4), "report_lines": len(text.splitlines())}
+            "report_s": round(report_s, 4), "report_lines": len(text.splitlines()),
+            "peak_mib": None if peak is None else round(peak),
+            "compile_peak_mib": None if peak is None else round(peak - held)}
 
 
 def _failed(layers: int, mode: str, inner: str, world: int, model: str, error: str) -> dict:
@@ -219,12 +252,14 @@ def summary(rows: list[dict]) -> dict:
         if "error" not in r and (key not in best or r["compile_s"] < best[key]["compile_s"]):
             best[key] = r
     out: dict = {"added_compile": {}, "pass_s": {}, "pass_growth_8_to_64": {}, "report_growth_8_to_64": {},
-                 "pass_growth_with_world": {}}
+                 "pass_growth_with_world": {}, "peak_over_off_mib": {}, "compile_peak_growth_8_to_64": {}}
     for (world, layers, mode), r in sorted(best.items()):
         name = f"w{world}/{layers}/{mode}"
         off = best.get((world, layers, "off"))
         if off and mode != "off":
             out["added_compile"][name] = round(r["compile_s"] / off["compile_s"] - 1, 3)
+            if r.get("peak_mib") is not None and off.get("peak_mib") is not None:
+                out["peak_over_off_mib"][name] = r["peak_mib"] - off["peak_mib"]
         out["pass_s"][name] = r["pass_s"]
     worlds = sorted({w for w, _, _ in best})
     modes = sorted({m for _, _, m in best})
@@ -233,6 +268,9 @@ def summary(rows: list[dict]) -> dict:
             d8, d64 = best.get((world, 8, mode)), best.get((world, 64, mode))
             if d8 and d64 and (growth := _ratio(d64["pass_s"], d8["pass_s"])):
                 out["pass_growth_8_to_64"][f"w{world}/{mode}"] = growth
+            if d8 and d64 and (growth := _ratio(d64.get("compile_peak_mib"), d8.get("compile_peak_mib"))):
+                out["compile_peak_growth_8_to_64"][f"w{world}/{mode}"] = {
+                    "growth": growth, "mib": [d8["compile_peak_mib"], d64["compile_peak_mib"]]}
             if d8 and d64 and d8.get("report_s") is not None:
                 out["report_growth_8_to_64"][f"w{world}/{mode}"] = {
                     "time": _ratio(d64["report_s"], d8["report_s"]),
@@ -271,11 +309,13 @@ def markdown(payload: dict) -> str:
              "compass pass; `compile`: the backend's compile (AOTAutograd, the pass, the inner compiler); `first "
              "call`: dynamo's tracing, the compile and one forward run; `nodes out`: the graphs the pass leaves, "
              "forward and backward together; `report`: formatting the explain report of those graphs, and its "
-             "length in lines.", "",
+             "length in lines; `peak MiB`: the process's resident high-water mark through the compile and "
+             "first call, `compile peak`: that over what the process held with the model built.", "",
              output.markdown_table(rows, ["world", "layers", "mode", ("nodes", "nodes fw / bw"), "pairs", "rewritten",
                                           ("nodes_out", "nodes out"), ("pass_s", "pass"), ("compile_s", "compile"),
                                           ("first_call_s", "first call"), ("report_s", "report"),
-                                          ("report_lines", "report lines"), "error"]), "",
+                                          ("report_lines", "report lines"), ("peak_mib", "peak MiB"),
+                                          ("compile_peak_mib", "compile peak MiB"), "error"]), "",
              "Compile time added over the pass off (same ranks and layers; best of the repeats):", "",
              output.markdown_table([{"config": k, "added": f"{v:+.1%}"} for k, v in s["added_compile"].items()],
                                    [("config", "ranks / layers / mode"), "added"])]
@@ -283,6 +323,16 @@ def markdown(payload: dict) -> str:
         lines += ["", "Pass time, 64 layers over 8 layers (linear growth: 8x):", "",
                   output.markdown_table([{"config": k, "growth": f"{v}x"} for k, v in s["pass_growth_8_to_64"].items()],
                                         [("config", "ranks / mode"), "growth"])]
+    if s.get("compile_peak_growth_8_to_64"):
+        lines += ["", "Memory the compile and first call raised the high-water mark by, 64 layers over 8 (linear: 8x):",
+                  "", output.markdown_table(
+                      [{"config": k, "growth": f"{v['growth']}x", "mib": " -> ".join(map(str, v["mib"]))}
+                       for k, v in s["compile_peak_growth_8_to_64"].items()],
+                      [("config", "ranks / mode"), "growth", ("mib", "MiB, 8 -> 64 layers")])]
+    if s.get("peak_over_off_mib"):
+        lines += ["", "High-water mark over the pass off (same ranks and layers; MiB):", "",
+                  output.markdown_table([{"config": k, "mib": f"{v:+d}"} for k, v in s["peak_over_off_mib"].items()],
+                                        [("config", "ranks / layers / mode"), ("mib", "MiB")])]
     if s.get("report_growth_8_to_64"):
         lines += ["", "The explain report, 64 layers over 8 layers (its time; its lines, which pairs alike share):", "",
                   output.markdown_table([{"config": k, "time": f"{v['time']}x" if v["time"] else None,

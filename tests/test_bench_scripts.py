@@ -487,6 +487,7 @@ def test_compile_time_dry_run_times_the_pass_and_the_compile(tmp_path):
     assert all("error" not in r and r["compile_s"] > r["pass_s"] > 0 and r["pairs"] > 0 for r in rows), rows
     assert all(r["rewritten"] == (r["pairs"] if r["mode"] == "parts" else 0) for r in rows), rows
     assert all(r["report_s"] > 0 and r["report_lines"] > 5 for r in rows), rows  # the explain report formatted
+    assert all(r["peak_mib"] > 0 and r["compile_peak_mib"] >= 0 for r in rows), rows  # the compile's memory
     off2, parts2, off8, parts8 = rows
     assert parts8["nodes_out"] - off8["nodes_out"] > 2 * (parts2["nodes_out"] - off2["nodes_out"]) > 0
     summary = data["summary"]
@@ -506,6 +507,42 @@ def test_compile_time_sums_up_the_explain_reports_growth():
     summary = _bench("compile_time").summary([row(8, 0.002, 40), row(64, 0.012, 41)])
     assert summary["report_growth_8_to_64"] == {"w4/auto": {"time": 6.0, "lines": [40, 41]}}
     assert summary["pass_growth_8_to_64"] == {"w4/auto": 8.0}
+
+
+def test_compile_time_sums_up_the_compiles_memory():
+    """The summary sets what the compile raised the high-water mark by at 64 layers beside 8 (a pass
+    whose memory grew faster than its graphs would show here), and each mode's peak over the pass off
+    at the same depth; rows without memory (a kernel without ``/proc``) give neither."""
+    def row(layers, mode, peak, compile_peak):
+        return {"world": 4, "layers": layers, "mode": mode, "pass_s": 0.1 * layers, "compile_s": layers,
+                "peak_mib": peak, "compile_peak_mib": compile_peak}
+
+    compile_time = _bench("compile_time")
+    rows = [row(8, "off", 450, 230), row(8, "auto", 470, 250), row(64, "off", 900, 680), row(64, "auto", 1010, 790)]
+    summary = compile_time.summary(rows)
+    assert summary["compile_peak_growth_8_to_64"] == {"w4/auto": {"growth": 3.16, "mib": [250, 790]},
+                                                      "w4/off": {"growth": 2.96, "mib": [230, 680]}}
+    assert summary["peak_over_off_mib"] == {"w4/8/auto": 20, "w4/64/auto": 110}
+    md = compile_time.markdown({"tag": "cpu", "worlds": [4], "inner": "eager", "rows": rows, "summary": summary,
+                                "environment": {"torch": "2.13.0", "cpus": 2, "commit": "abc"}})
+    assert "| w4/auto | 3.16x | 250 -> 790 |" in md and "| w4/64/auto | +110 |" in md
+    blank = compile_time.summary([dict(r, peak_mib=None, compile_peak_mib=None) for r in rows])
+    assert blank["compile_peak_growth_8_to_64"] == blank["peak_over_off_mib"] == {}
+
+
+def test_a_compile_time_row_measured_in_a_fresh_process_carries_its_memory():
+    """A real run's row (a fresh interpreter, ``--one``, started by this large process): the one-layer
+    demo compiled at two ranks, timed, with the fresh process's own high-water mark (not this one's,
+    which ``getrusage`` would hand it from the fork) and what the compile raised it by."""
+    compile_time = _bench("compile_time")
+    ballast = bytearray(1 << 30)  # this process holds 1 GiB more than the fresh one will
+    ballast[::4096] = b"\x01" * len(ballast[::4096])  # resident: every page touched
+    here = compile_time.resident_mib("VmRSS")
+    row = compile_time.run_fresh(1, "decompose", "eager", 2, "demo", timeout=300)
+    del ballast
+    assert "error" not in row and row["rewritten"] == row["pairs"] > 0, row
+    assert row["peak_mib"] > row["compile_peak_mib"] > 0, row
+    assert row["peak_mib"] < here - 512, (row, here)  # handed this process's, it would read at least ``here``
 
 
 @pytest.mark.slow
