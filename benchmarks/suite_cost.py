@@ -19,11 +19,6 @@ and reports per module:
 
     python benchmarks/suite_cost.py                          # every tests/test_*.py: ~18 min on 2 cores
     python benchmarks/suite_cost.py tests/test_cli.py --tag cpu-cli
-    python benchmarks/suite_cost.py --whole --tag cpu-whole   # the README's command, as CI runs it: ~18 min
-
-``--whole`` runs the suite as CI does (``pytest -q -n 2``), cold (the checkout's ``__pycache__``
-removed, fresh temporary folders), with the checkout byte-compiled first (``tests/conftest.py``)
-and left to compile from source in each interpreter (``COMPASS_SUITE_BYTE_COMPILE=0``), in turn.
 """
 from __future__ import annotations
 
@@ -161,84 +156,6 @@ def measure(modules: list[str], slowest_n: int, timeout_s: float) -> list[dict]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-SOURCE_DIRS = ("compass_fx", "tests", "benchmarks", "examples")  # what tests/conftest.py byte-compiles
-WHOLE_FORMS = {"byte-compiled": {}, "from source": {"COMPASS_SUITE_BYTE_COMPILE": "0"}}
-
-
-def drop_bytecode() -> int:
-    """Remove the checkout's ``__pycache__`` folders (a fresh clone has none); how many there were."""
-    found = [d for name in SOURCE_DIRS for d in (ROOT / name).rglob("__pycache__") if d.is_dir()]
-    for d in found:
-        shutil.rmtree(d, ignore_errors=True)
-    return len(found)
-
-
-def run_whole(form: str, timeout_s: float) -> dict:
-    """The README's test command once, cold, in ``form`` (:data:`WHOLE_FORMS`): its CPU, wall, outcome
-    and g++ builds."""
-    scratch = Path(tempfile.mkdtemp(prefix="suite_cost-"))
-    try:
-        for d in ("bin", "tmp", "extensions"):
-            (scratch / d).mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-        env.update(TMPDIR=str(scratch / "tmp"), TORCH_EXTENSIONS_DIR=str(scratch / "extensions"),
-                   COMPASS_SUITE_GXX_LOG=str(scratch / "gxx.log"), **WHOLE_FORMS[form])
-        wrapper = timed_compiler(scratch / "bin")
-        if wrapper is not None:
-            env["CXX"] = str(wrapper)
-        drop_bytecode()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:randomly"]
-        cpu0, t0 = busy_cpu_s(), time.monotonic()
-        with open(scratch / "pytest.log", "w") as out:
-            rc, timed_out = run_until(cmd, ROOT, env, out, timeout_s)
-        wall, cpu1 = time.monotonic() - t0, busy_cpu_s()
-        text = (scratch / "pytest.log").read_text() + (f"\ntimed out after {timeout_s:g} s" if timed_out else "")
-        return {"form": form, "status": None if timed_out else rc, "outcome": outcome(text), "wall_s": wall,
-                "cpu_s": None if cpu0 is None or cpu1 is None else cpu1 - cpu0, "builds": builds(scratch / "gxx.log")}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def measure_whole(repeats: int, timeout_s: float) -> list[dict]:
-    """:func:`run_whole` in each form, the forms alternating, ``repeats`` rounds."""
-    rows = []
-    for turn in range(repeats):
-        for form in WHOLE_FORMS:
-            row = dict(run_whole(form, timeout_s), turn=turn + 1)
-            rows.append(row)
-            cpu = "?" if row["cpu_s"] is None else f"{row['cpu_s']:.0f}"
-            print(f"[round {turn + 1}] {form}: {row['wall_s']:.0f} s, {cpu} CPU-s, {row['outcome']}", flush=True)
-    drop_bytecode()
-    return rows
-
-
-def whole_markdown(payload: dict) -> str:
-    rows = payload["runs"]
-    lines = [f"# {NAME} ({payload['tag']})", "",
-             "The README's test command (`pytest -q -n 2`) as CI runs it, cold (the checkout's `__pycache__` "
-             "removed, fresh TMPDIR and TORCH_EXTENSIONS_DIR), the checkout byte-compiled at the session's start "
-             "(tests/conftest.py) and each interpreter compiling it from source (`COMPASS_SUITE_BYTE_COMPILE=0`), "
-             "in turn; the machine's busy CPU seconds (/proc/stat) and wall seconds.  "
-             f"PYTHONDONTWRITEBYTECODE: {payload['dont_write_bytecode']}.", ""]
-    table = [{"round": r["turn"], "form": r["form"], "wall s": r["wall_s"], "CPU s": r["cpu_s"],
-              "kernels": r["builds"]["Inductor kernel"]["count"], "outcome": r["outcome"]} for r in rows]
-    lines.append(output.markdown_table(table, ["round", "form", "wall s", "CPU s", "kernels", "outcome"]))
-    ratio = payload["summary"].get("wall_from_source_over_byte_compiled")
-    if ratio:
-        lines += ["", f"Wall, from source over byte-compiled (medians): {ratio}x."]
-    return "\n".join(lines)
-
-
-def whole_summary(rows: list[dict]) -> dict:
-    import statistics
-
-    walls = {form: [r["wall_s"] for r in rows if r["form"] == form and r["status"] == 0] for form in WHOLE_FORMS}
-    if not all(walls.values()):
-        return {}
-    return {"wall_from_source_over_byte_compiled":
-            round(statistics.median(walls["from source"]) / statistics.median(walls["byte-compiled"]), 3)}
-
-
 def totals(rows: list[dict]) -> dict:
     """The sums over the modules: CPU, wall, and the builds by kind."""
     known = [r["cpu_s"] for r in rows if r["cpu_s"] is not None]
@@ -282,17 +199,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout-s", type=float, default=900.0, help="most seconds one module may run")
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", default=str(output.RESULTS))
-    p.add_argument("--whole", action="store_true", help="the whole suite as CI runs it, byte-compiled and not")
-    p.add_argument("--repeats", type=int, default=1, help="--whole: rounds of the two forms")
     args = p.parse_args(argv)
-    if args.whole:
-        if args.modules or args.repeats < 1:
-            p.error("--whole runs every module (name none) at least once (--repeats >= 1)")
-        rows = measure_whole(args.repeats, max(args.timeout_s, 1800.0))
-        payload = {"benchmark": NAME, "tag": args.tag, "runs": rows, "summary": whole_summary(rows),
-                   "dont_write_bytecode": os.environ.get("PYTHONDONTWRITEBYTECODE", "(unset)"),
-                   "environment": output.environment(True)}
-        return output.print_and_write(NAME, args, payload, whole_markdown(payload))
     modules = args.modules or sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py"))
     missing = [m for m in modules if not (ROOT / m).is_file()]
     if missing:

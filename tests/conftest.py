@@ -73,34 +73,6 @@ def fake_mesh(request):
     dist.destroy_process_group()
 
 
-SOURCE_DIRS = ("compass_fx", "tests", "benchmarks", "examples")
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def byte_compile(root: str, dirs: tuple[str, ...] = SOURCE_DIRS) -> None:
-    """Write the ``.pyc`` of every module under ``root``'s ``dirs`` that lacks a current one.
-
-    Why: where ``PYTHONDONTWRITEBYTECODE`` is set (as on the CI machines), no process writes one,
-    so each of the suite's ~100 interpreters (xdist workers, rank pools, the scripts and command
-    lines the tests start) compiled compass_fx and the helpers it imports from source again: 0.7 s
-    an interpreter that imports the package; the suite 535 -> 486 s on 2 cores.  pip compiles the
-    installed packages, not an editable install's source.  Python reads an existing ``.pyc``
-    whatever that variable says, after checking it against its source's time and size; they land
-    in ``__pycache__`` (ignored by git).  A tree that cannot be written is left as it is."""
-    import compileall
-
-    for name in dirs:
-        compileall.compile_dir(os.path.join(root, name), quiet=2)
-
-
-def pytest_configure(config) -> None:
-    """The checkout byte-compiled once, by the controller, before any worker, rank or script starts
-    (an xdist worker's config has ``workerinput``); ``COMPASS_SUITE_BYTE_COMPILE=0`` leaves it as it
-    is, to measure what this saves (``benchmarks/suite_cost.py --whole``)."""
-    if not hasattr(config, "workerinput") and os.environ.get("COMPASS_SUITE_BYTE_COMPILE") != "0":
-        byte_compile(CHECKOUT)
-
-
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist it is never called
 def pytest_xdist_make_scheduler(config, log):
     """Under ``-n``, each test file runs whole on one worker (``--dist loadfile``; a mode other

@@ -1389,30 +1389,6 @@ def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path, capsys):
     assert bad.value.code == 2 and "no such test file" in capsys.readouterr().err
 
 
-def test_suite_cost_whole_sets_the_two_forms_side_by_side(capsys):
-    """suite_cost --whole's summary and table on fixed runs (a run of the whole suite is its own
-    benchmark): the medians' ratio of the forms, none where a form has no passing run; a module named
-    beside --whole is refused."""
-    suite_cost = _bench("suite_cost")
-    no_builds = {kind: {"count": 0, "seconds": 0.0} for kind in suite_cost.BUILD_KINDS}
-
-    def run(turn, form, wall, status=0):
-        return {"turn": turn, "form": form, "wall_s": wall, "cpu_s": 2 * wall, "status": status,
-                "outcome": "9 passed", "builds": no_builds}
-
-    runs = [run(1, "byte-compiled", 400.0), run(1, "from source", 440.0), run(2, "byte-compiled", 420.0),
-            run(2, "from source", 500.0), run(3, "byte-compiled", 100.0, status=1)]
-    summary = suite_cost.whole_summary(runs)
-    assert summary == {"wall_from_source_over_byte_compiled": round(470 / 410, 3)}  # the failed run left out
-    md = suite_cost.whole_markdown({"tag": "cpu-whole", "runs": runs, "summary": summary, "dont_write_bytecode": "1"})
-    assert md.startswith("# suite_cost (cpu-whole)") and "PYTHONDONTWRITEBYTECODE: 1." in md
-    assert "| 2 | from source | 500" in md and f"{round(470 / 410, 3)}x" in md
-    assert suite_cost.whole_summary(runs[:1]) == {}
-    with pytest.raises(SystemExit) as bad:
-        suite_cost.main(["--whole", "tests/test_cpu_power.py"])
-    assert bad.value.code == 2 and "--whole runs every module" in capsys.readouterr().err
-
-
 def test_replay_scale_says_from_which_step_every_call_is_issued_from_c_and_whether_outputs_recur():
     scale = _bench("fused_replay_scale")
     assert scale.settled_step([0, 0, 61, 61], 61) == 3
