@@ -10,6 +10,10 @@ after a few steps (a set is captured on its second call, a graph per residue of 
 
     print(compass_fx.fused_calls())
 
+or one step's own, to see whether the run has settled (every call replayed, none captured):
+
+    before = compass_fx.fused_calls(); train_step(); print(compass_fx.fused_calls().since(before))
+
 Nothing here touches the GPU or loads the operators: it reads the counters the calls keep.
 """
 from __future__ import annotations
@@ -50,6 +54,25 @@ class FusedCalls:
     @property
     def calls(self) -> int:
         return self.replayed + self.issued
+
+    @property
+    def settled(self) -> bool:
+        """Every call replayed and no graph captured: read over a step (:meth:`since`), a run that has
+        warmed up."""
+        return self.calls > 0 and self.issued == 0 and self.captured == 0
+
+    def since(self, earlier: FusedCalls) -> FusedCalls:
+        """The calls made after ``earlier`` was read, with the workspaces as they are now.
+
+        Why: the process's totals keep its first steps, whose calls are issued from Python while the
+        graphs are captured (up to seven steps at a depth that is odd), so they never read 100%;
+        read one before a step and one after it, and the difference is that step's own
+        (:attr:`settled` once every call replays and nothing is captured)."""
+        counts = {name: getattr(self, name) - getattr(earlier, name)
+                  for name in ("replayed", "from_c", "issued", "captured")}
+        if min(counts.values()) < 0:
+            raise ValueError("FusedCalls.since: `earlier` was read after this reading (its counts are larger)")
+        return FusedCalls(**counts, replays_off=self.replays_off, workspaces=self.workspaces)
 
     def __str__(self) -> str:
         if not self.calls and not self.workspaces:

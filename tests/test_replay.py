@@ -256,3 +256,28 @@ def test_fused_calls_before_any_call_says_there_were_none(monkeypatch):
     monkeypatch.setattr(impl, "_workspaces", {})
     monkeypatch.setattr(replay, "stats", {k: 0 for k in replay.stats})
     assert str(fused_calls()).startswith("compass fused calls: no eager call of the CUDA fused operators in this")
+
+
+def test_fused_calls_since_an_earlier_reading_is_one_steps_own(monkeypatch):
+    """Two readings around a step: their difference counts that step's calls alone (the totals keep
+    the first steps' captures and calls from Python, so they never read settled), with the
+    workspaces as they are at the later reading; readings given in the wrong order are refused."""
+    from compass_fx import fused_calls
+    from compass_fx.kernels.cuda import impl
+
+    monkeypatch.setattr(impl, "_workspaces", {})
+    monkeypatch.setattr(replay, "_disabled", [])
+    monkeypatch.setattr(replay, "stats", dict(replay.stats, replayed=30, lane=20, issued=12, captured=9))
+    before = fused_calls()
+    assert not before.settled
+    monkeypatch.setattr(replay, "stats", dict(replay.stats, replayed=36, lane=24, issued=14, captured=11))
+    warming = fused_calls().since(before)  # a step still capturing: 2 of its 8 calls issued from Python
+    assert (warming.replayed, warming.from_c, warming.issued, warming.captured, warming.calls) == (6, 4, 2, 2, 8)
+    assert not warming.settled and "8 eager, 6 replayed (75%; 4 from C), 2 issued" in str(warming)
+    mark = fused_calls()
+    monkeypatch.setattr(replay, "stats", dict(replay.stats, replayed=44, lane=32))
+    step = fused_calls().since(mark)
+    assert step.settled and (step.calls, step.from_c, step.captured) == (8, 8, 0)
+    assert not fused_calls().since(fused_calls()).settled  # no call between: nothing to call settled
+    with pytest.raises(ValueError, match="read after this reading"):
+        before.since(mark)
