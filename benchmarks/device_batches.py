@@ -623,7 +623,8 @@ BATCHES: dict[str, tuple[Step, ...]] = {
     # were issued from C (fused_replay_scale-h100-odd-depths-host-mps), where the replay policy alone has every
     # site's four graphs captured by step 5; per step, the captures, the calls from C and whether a layer's
     # outputs keep their address (a period-2 alternation of addresses would fit the figures), 12 steps, both
-    # transports
+    # transports.  Answered on one H100 (fused_replay_scale-h100-settle-*): no alternation; step 1's outputs
+    # lie elsewhere, so captures begin in step 3 and a site's four residues take steps 3-6
     "h200-replay-settle": (
         Step("replay_settle", "fused_replay_scale.py", ("--worlds", "2,8", "--layers", "61,64,126", "--steps", "12",
                                                          "--deadline", "100", "--tag", f"{MACHINE}-settle-host-mps",
