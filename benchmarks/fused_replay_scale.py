@@ -83,8 +83,6 @@ def same_share(addresses: list[list[int]], back: int) -> float | None:
 
 def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: int) -> dict:
     """One operator at one depth on this rank (see the module's docstring)."""
-    from compass_fx.kernels.cuda import replay
-
     group = dist.group.WORLD.group_name
     packet = getattr(torch.ops.compass, kind).graph
     if kind == "all_gather_matmul":
@@ -105,7 +103,7 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
     step_spans = []  # measured steps: (host seconds, GPU start event, GPU end event)
     for step in range(steps):
         measured = step >= steps - MEASURED
-        before = dict(replay.stats)
+        before = fused_calls()
         outs = []
         t_step = time.perf_counter()
         if measured:  # the GPU's span of the step, on the caller's stream
@@ -120,9 +118,6 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
             ended = torch.cuda.Event(enable_timing=True)
             ended.record()
             step_spans.append((time.perf_counter() - t_step, started, ended))
-        captures.append(replay.stats.get("captured", 0) - before.get("captured", 0))
-        replayed.append(replay.stats.get("replayed", 0) - before.get("replayed", 0))
-        from_c.append(replay.stats.get("lane", 0) - before.get("lane", 0))
         addresses.append([out.data_ptr() for out in outs])
         if step < steps - 1:
             del outs
@@ -130,6 +125,10 @@ def run_case(rank: int, world: int, kind: str, layers: int, rows: int, steps: in
             issued = time.perf_counter()
             torch.cuda.synchronize()
             behind_ms = (time.perf_counter() - issued) * 1e3
+        own = fused_calls().since(before)  # the step's own calls, as a user reads them
+        captures.append(own.captured)
+        replayed.append(own.replayed)
+        from_c.append(own.from_c)
         dist.barrier()  # the ranks' steps in lockstep, as a model's
     host_ms = statistics.median(span[0] * 1e3 for span in step_spans)
     gpu_ms = statistics.median(span[1].elapsed_time(span[2]) for span in step_spans)
