@@ -81,7 +81,7 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
     eager calls entered from C, :func:`compass_fx.kernels.cuda.lane.enter_from_c`), ``start`` (a
     reduction only) the asynchronous form ``fused_async`` calls, with a ``.graph`` call of the same
     operator (another workspace) while it is outstanding, both results checked."""
-    from compass_fx.kernels.cuda import replay
+    from compass_fx import fused_calls
 
     kind, m, n, k, schedule = case["kind"], case["m"], case["n"], case["k"], case["schedule"]
     group = dist.group.WORLD.group_name
@@ -108,7 +108,7 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
             def op(a, b):
                 return [fused(a, b, schedule, group, world)]
         errors = torch.zeros(calls, device="cuda")
-        before = dict(replay.stats)
+        before = fused_calls()
         t0 = time.time()
         for c in range(calls):
             if rank == world - 1 and rng.random() < 0.1:
@@ -125,10 +125,9 @@ def run_one(rank: int, world: int, case: dict, calls: int, mix: bool, overload: 
             del out
         torch.cuda.synchronize()
         err = float(errors.max())
+        during = fused_calls().since(before)
         res.update(status="pass" if err < TOL else "FAIL", relative_error=err, seconds=round(time.time() - t0, 2),
-                   replayed=replay.stats["replayed"] - before["replayed"],
-                   from_c=replay.stats.get("lane", 0) - before.get("lane", 0),
-                   captured=replay.stats["captured"] - before["captured"])
+                   replayed=during.replayed, from_c=during.from_c, captured=during.captured)
     except Exception as e:  # noqa: BLE001 - the case's outcome (a watchdog error names op, rank, piece)
         res.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-600:])
     return res

@@ -99,9 +99,14 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             ("all-reduce", lambda: torch.ops.compass.matmul_all_reduce.graph(a, w, "direct", group, world)))}
         torch.cuda.synchronize()
         stats_frames = {k: replay.stats[k] - stats[k] for k in ("replayed", "lane")}
+        from compass_fx import fused_calls
+
         ring_from_c = []  # the ring's all-reduce (the cost model picks the ring where GPUs reach each other): a
         # fused reduce-scatter, then a gather of the sums; once both have graphs, two replays from one lane
+        ring_settled = None  # its last four calls read as one step would: fused_calls().since(before the sixth)
         for step in range(10 if transport == "peer" else 0):
+            if step == 6:
+                before_sixth = fused_calls()
             g = torch.Generator().manual_seed(100 + step)
             full = [torch.randn(256, 256, generator=g).bfloat16().double() for _ in range(world)]
             a.copy_(full[rank])
@@ -110,6 +115,8 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
             ring_from_c.append(replay.stats["lane"] - before)
             worst = max(worst, _close(reduced, sum(x @ w_host for x in full)))
             del reduced
+            if step == 9:
+                ring_settled = fused_calls().since(before_sixth).settled
         torch.cuda.synchronize()
         # what replay graphs keep: a weight of its own for each of four more call sites of the reductions
         # (a set of addresses each, captured on its second call), the GPU memory reserved around them;
@@ -133,6 +140,7 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
         mapped = [ws for ws in impl._workspaces.values() if ws.transport == transport]
         result = {"worst": worst, "workspaces": len(mapped), "replayed": stats["replayed"], "graphs_kept": graphs_kept,
                   "captured": stats["captured"], "from_c": stats["lane"], "ring_from_c": ring_from_c,
+                  "ring_settled": ring_settled,
                   "python_step": python_step, "fast_path_off": lane._state.get("failed"),
                   "frames": frames, "frames_stats": stats_frames,
                   "wait_batches": sum(len(ws.plan.wait_runs()) for ws in mapped),
@@ -141,8 +149,6 @@ def _peer_transport_calls(rank: int, world: int, init: str, out_dir: str, transp
                   # replay steps that issue a run of pulls as 2D copies (impl._join_copies)
                   "joined_replay_copies": sum(getattr(step, "__name__", "") == "copy_all"
                                               for ws in mapped for step in ws.replay_steps[0])}
-        from compass_fx import fused_calls
-
         usage = fused_calls()  # what a user reads after a few steps
         result["usage"] = {"replayed": usage.replayed, "from_c": usage.from_c, "issued": usage.issued,
                            "stopped": [w.op for w in usage.workspaces if w.stopped],
@@ -213,6 +219,7 @@ def test_peer_transport_on_one_gpu(tmp_path, world):
         assert (r["wait_batches"] > 0) == (world > 2), r  # the all-reduce's runs of waits, batched
         # the ring's all-reduce, once its two calls' graphs exist (by the sixth call): both replays from C, every call
         assert r["ring_from_c"][6:] == [2] * 4, r
+        assert r["ring_settled"] is True, r  # and fused_calls().since() over those calls says the run settled
         # eight more graphs (two reductions at four call sites) keep no GPU memory: at four ranks each kept a
         # segment of its private pool for its sum (2 MiB here) until the sums moved into the workspace's rows
         assert r["graphs_kept"]["captured"] == 8 and r["graphs_kept"]["bytes"] < 1 << 20, r["graphs_kept"]
