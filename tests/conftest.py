@@ -21,6 +21,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # (same machine, same hour).  The tests' tensors are tiny; the checks do not depend on threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gc_tuning  # noqa: E402
 from rank_pool import RankPool  # noqa: E402
 
 
@@ -99,3 +100,9 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+
+
+def pytest_collection_finish(session) -> None:
+    """The test modules and what they import are loaded: freeze them for the collector
+    (:mod:`gc_tuning`); the ranks do the same with their forkserver's imports."""
+    gc_tuning.settle_imports()

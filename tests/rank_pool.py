@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+import gc_tuning
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -32,6 +34,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     # Python stack to its stderr, which pytest shows under the failing test.
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
+    gc_tuning.settle_imports()  # the forkserver's imports, frozen in every rank it forks
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     from compass_fx import gloo_worker_threads
 
@@ -57,7 +60,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 # process), instead of once per rank (~4 s of CPU each on 2 cores; a test session starts 10-20 ranks).
 # The server imports them before it forks anything and starts no threads, so forking it is safe.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "compass_fx.backend",
-            "rank_pool"]
+            "gc_tuning", "rank_pool"]
 _context = None
 
 
