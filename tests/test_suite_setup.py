@@ -1,11 +1,15 @@
-"""The suite's own machinery: how pytest-xdist spreads the tests over its workers."""
+"""The suite's own machinery: how pytest-xdist spreads the tests over its workers, and the garbage
+collector of the processes that compile."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import gc
+
 import pytest
 
 import conftest
+import gc_tuning
 
 
 def _config(dist: str) -> SimpleNamespace:
@@ -31,3 +35,19 @@ def test_each_file_runs_whole_on_one_worker_under_plain_n():
 @pytest.mark.parametrize("dist", ["worksteal", "loadscope", "each"])
 def test_another_named_mode_is_left_to_xdist(dist):
     assert conftest.pytest_xdist_make_scheduler(_config(dist), log=None) is None
+
+
+def _collector(rank: int) -> tuple[int, tuple[int, int, int], bool]:
+    """What a rank's collector skips and when it runs; and whether torch's modules are among what
+    it skips (a frozen object is in no generation)."""
+    import torch
+
+    return gc.get_freeze_count(), gc.get_threshold(), not any(o is torch.nn.Module for o in gc.get_objects())
+
+
+def test_the_processes_that_compile_skip_their_imports_in_every_collection(ranks):
+    """Every rank of a pool, and the test process, froze its imports and collects its youngest
+    generation rarely (``gc_tuning``): a default collector spent twice the time."""
+    assert gc.get_freeze_count() > 10_000 and gc.get_threshold() == gc_tuning.THRESHOLDS
+    for frozen, thresholds, torch_frozen in ranks(2).run(_collector):
+        assert frozen > 10_000 and thresholds == gc_tuning.THRESHOLDS and torch_frozen
