@@ -8,6 +8,7 @@ would have compiled; with ``inner="eager"`` the rewritten graphs run as plain Py
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -15,7 +16,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dynamo.exc import ShortenTraceback
 
 from .options import CompassOptions, parse_options
 from .graph_pass import compass_pass
@@ -80,14 +80,30 @@ def compass_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: 
     try:
         opts = parse_options(options, **({"mode": mode} if mode is not None and mode != "default" else {}))
     except ValueError as e:  # met at the first call of a compiled model: say it as ours, not as dynamo's crash
-        raise CompassOptionsError(str(e), first_useful_frame=inspect.currentframe()) from None
+        raise _options_error_type()(str(e), first_useful_frame=inspect.currentframe()) from None
     return compile_graph(gm, example_inputs, opts)
 
 
-class CompassOptionsError(ShortenTraceback, ValueError):
-    """A bad option given to ``torch.compile(backend="compass", options=...)``.  Dynamo passes
-    this kind of error on as it is (its traceback cut to the backend's frame) instead of wrapping
-    it in ``BackendCompilerFailed``, so the user's last line is the project's message."""
+@functools.cache
+def _options_error_type() -> type:
+    """``CompassOptionsError``, made on first use: its base is Dynamo's, and importing Dynamo costs a
+    process 1.5 CPU-s that ``import compass_fx`` alone (the command line's help, the planning
+    tools, a rank that only runs the fused operators) does not need."""
+    from torch._dynamo.exc import ShortenTraceback
+
+    class CompassOptionsError(ShortenTraceback, ValueError):
+        """A bad option given to ``torch.compile(backend="compass", options=...)``.  Dynamo passes
+        this kind of error on as it is (its traceback cut to the backend's frame) instead of wrapping
+        it in ``BackendCompilerFailed``, so the user's last line is the project's message."""
+
+    CompassOptionsError.__module__, CompassOptionsError.__qualname__ = __name__, "CompassOptionsError"
+    return CompassOptionsError
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CompassOptionsError":
+        return _options_error_type()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompassOptions,
