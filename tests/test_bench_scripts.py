@@ -1383,6 +1383,17 @@ def test_suite_cost_runs_a_module_and_writes_what_it_cost(tmp_path, capsys):
                             "--out-dir", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "suite_cost-cpu-late.json").read_text())["modules"]
     assert row["status"] is None and row["outcome"] == "timed out after 0.5 s", row
+    # The collector timed in every process, here with CPython's own settings in the tests.
+    assert suite_cost.main(["tests/test_cpu_power.py", "--collector", "--collector-defaults", "--tag", "cpu-gc",
+                            "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "suite_cost-cpu-gc.json").read_text())
+    (row,) = data["modules"]
+    assert row["status"] == 0 and data["collector_defaults"] is True, row
+    timed = row["collector"]
+    assert timed["processes"] >= 1 and timed["collections"] > 0 and timed["seconds"] >= 0, timed
+    assert data["totals"]["collector_s"] == timed["seconds"]
+    md = (tmp_path / "suite_cost-cpu-gc.md").read_text()
+    assert "with CPython's own settings" in md and "| collector s |" in md, md
     capsys.readouterr()
     with pytest.raises(SystemExit) as bad:
         suite_cost.main(["tests/no_such_test.py"])

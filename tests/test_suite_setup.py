@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import gc
+import os
 
 import pytest
 
@@ -46,8 +47,13 @@ def _collector(rank: int) -> tuple[int, tuple[int, int, int], bool]:
 
 
 def test_the_processes_that_compile_skip_their_imports_in_every_collection(ranks):
-    """Every rank of a pool, and the test process, froze its imports and collects its youngest
-    generation rarely (``gc_tuning``): a default collector spent twice the time."""
-    assert gc.get_freeze_count() > 10_000 and gc.get_threshold() == gc_tuning.THRESHOLDS
-    for frozen, thresholds, torch_frozen in ranks(2).run(_collector):
-        assert frozen > 10_000 and thresholds == gc_tuning.THRESHOLDS and torch_frozen
+    """Every rank of a pool, and the test process, froze their imports and collect their youngest
+    generation rarely (``gc_tuning``): a default collector spent twice the time.  Under
+    ``COMPASS_TEST_GC=default`` (suite_cost's ``--collector-defaults``) they keep CPython's settings."""
+    defaults = os.environ.get("COMPASS_TEST_GC") == "default"
+    here = (gc.get_freeze_count(), gc.get_threshold(), None)  # torch's classes looked for in the ranks only
+    for frozen, thresholds, torch_frozen in [here] + ranks(2).run(_collector):
+        if defaults:
+            assert frozen == 0 and thresholds != gc_tuning.THRESHOLDS and torch_frozen is not True
+        else:
+            assert frozen > 10_000 and thresholds == gc_tuning.THRESHOLDS and torch_frozen is not False
