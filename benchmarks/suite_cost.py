@@ -100,7 +100,7 @@ if _folder:
 """
 
 
-def collector_seconds(folder: Path) -> dict[str, float]:
+def collector_seconds(folder: Path) -> dict[str, float | int]:
     """The collections the hook logged in ``folder``: seconds and count over every process, and
     how many processes collected."""
     seconds = count = 0.0

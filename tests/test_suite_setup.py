@@ -2,10 +2,9 @@
 collector of the processes that compile."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import gc
 import os
+from types import SimpleNamespace
 
 import pytest
 
