@@ -11,7 +11,10 @@ can run raises :class:`Deadlock`.  The results are compared with plain matmuls a
 ``coded``, every evaluation of a flag wait also checks that the eager CUDA path's coded flags
 (:mod:`.flag_codes`: the epoch as one bit of four) would decide it as the epoch does.
 
-The plans are :mod:`.protocol`'s, the same objects the CUDA implementation executes.
+The plans are :mod:`.protocol`'s, the same objects the CUDA implementation executes.  The data
+are NumPy arrays (the calls' tensors are seen through ``Tensor.numpy()``, so results land in them):
+a slice or a copy of a small array costs NumPy a tenth of what it costs torch, and the commands'
+slices and copies were half of a simulation's time.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from . import flag_codes
@@ -38,7 +42,7 @@ class ProtocolViolation(RuntimeError):
 @dataclass
 class _Call:
     epoch: int
-    tensors: dict[str, list[torch.Tensor]]
+    tensors: dict[str, list[np.ndarray]]  # the call's tensors, seen as arrays (writes land in the tensors)
 
 
 @dataclass
@@ -48,10 +52,11 @@ class RankState:
 
     rank: int
     flags: list[int]
-    symmetric: dict[str, list[torch.Tensor]]
+    symmetric: dict[str, list[np.ndarray]]
     tags: dict[str, list[list[int]]]  # per buffer and parity, the epoch that wrote each row
-    stage: list[torch.Tensor]
-    queues: dict[str, deque[tuple[_Call, object]]] = field(default_factory=lambda: {s: deque() for s in STREAMS})
+    stage: list[np.ndarray]
+    # per stream, the queued commands: (call, command, its handler)
+    queues: dict[str, deque[tuple[_Call, object, Callable]]] = field(default_factory=lambda: {s: deque() for s in STREAMS})
     events: dict[str, int] = field(default_factory=dict)
     scratch: dict = field(default_factory=dict)  # free for extra command handlers
 
@@ -80,13 +85,16 @@ class Simulator:
         rows = {**p.symmetric_rows, **p.private_rows}
         self.ranks = [RankState(
             r, [0] * p.n_flags,
-            {b: [torch.zeros(n, cols, dtype=torch.float64) for _ in range(2)] for b, n in rows.items()},
+            {b: [np.zeros((n, cols)) for _ in range(2)] for b, n in rows.items()},
             {b: [[0] * n for _ in range(2)] for b, n in rows.items()},
-            [torch.zeros(p.stage_rows, cols, dtype=torch.float64) for _ in range(p.stage_slots)])
+            [np.zeros((p.stage_rows, cols)) for _ in range(p.stage_slots)])
             for r in range(self.world)]
-        # the (stream, rank) pairs with queued commands, in rank then stream order; None after a
-        # queue filled or emptied (rebuilt then; most steps leave every queue's emptiness as it was)
-        self._queued: list[tuple[str, RankState]] | None = None
+        # what issuing a call queues, per rank: (stream, command, its handler), looked up once
+        self._issues = [[(MAIN if one_queue else cmd.stream, cmd, self.handlers[type(cmd)]) for cmd in plan.commands]
+                        for plan in plans]
+        # the (queue, rank) pairs of the queues that hold commands, in rank then stream order; None
+        # after a queue filled or emptied (rebuilt then; most steps leave every queue's emptiness as it was)
+        self._queued: list[tuple[deque, RankState]] | None = None
 
     # -- driving ---------------------------------------------------------------------------
     def run(self, calls: list[list[dict[str, list[torch.Tensor]]]], lateness: float = 0.5) -> None:
@@ -96,55 +104,56 @@ class Simulator:
         that could issue passes its turn with probability ``lateness`` while other work can run."""
         issued = [0] * self.world
         n = len(calls)
-        rng = self.rng
+        draw = self.rng.random
         self._queued = None
         while True:
             queued = self._queued
             if queued is None:  # an issue or a queue emptied: the hosts with calls left may have changed too
                 hosts = [st for st in self.ranks if issued[st.rank] < n]
-                queued = self._queued = [(s, st) for st in self.ranks for s in STREAMS if st.queues[s]]
+                queued = self._queued = [(st.queues[s], st) for st in self.ranks for s in STREAMS if st.queues[s]]
             actions = queued.copy()  # _step_any reorders its list
-            actions += [("issue", st) for st in hosts if rng.random() > lateness]
+            for st in hosts:
+                if draw() > lateness:
+                    actions.append((None, st))
             if not self._step_any(actions, issued, calls):
                 if hosts:
-                    self._step("issue", rng.choice(hosts), issued, calls)
+                    self._issue(self.rng.choice(hosts), issued, calls)
                 elif self._busy():
                     raise Deadlock(self._describe())
                 else:
                     return
 
     def _step_any(self, actions: list, issued: list[int], calls) -> bool:
-        """Run the first action that can run, trying ``actions`` in a uniformly random order:
-        the action run is uniform among the runnable ones, as after a shuffle, but an order is
-        drawn only as far as it is tried (a shuffle of every action at every step was most of a
-        simulation's time)."""
-        rng, left = self.rng, len(actions)
+        """Run the first action that can run (a queue's head, or a host's issue where the queue is
+        None), trying ``actions`` in a uniformly random order: the action run is uniform among the
+        runnable ones, as after a shuffle, but an order is drawn only as far as it is tried (a
+        shuffle of every action at every step was most of a simulation's time)."""
+        draw, left = self.rng.random, len(actions)
         while left:
-            i = int(rng.random() * left)
-            what, st = actions[i]
-            if self._step(what, st, issued, calls):
+            i = int(draw() * left)
+            queue, st = actions[i]
+            if queue is None:
+                self._issue(st, issued, calls)
+                return True
+            call, cmd, handler = queue[0]
+            if handler(self, st, cmd, call):
+                queue.popleft()
+                if not queue:
+                    self._queued = None
                 return True
             left -= 1
             actions[i] = actions[left]
         return False
 
-    def _step(self, what: str, st: RankState, issued: list[int], calls) -> bool:
-        if what == "issue":
-            e = issued[st.rank]
-            call = _Call(e + 1, calls[e][st.rank])
-            for cmd in self.plans[st.rank].commands:
-                st.queues[MAIN if self.one_queue else cmd.stream].append((call, cmd))
-            issued[st.rank] += 1
-            self._queued = None
-            return True
-        queue = st.queues[what]
-        call, cmd = queue[0]
-        if self.handlers[type(cmd)](self, st, cmd, call):
-            queue.popleft()
-            if not queue:
-                self._queued = None
-            return True
-        return False
+    def _issue(self, st: RankState, issued: list[int], calls) -> None:
+        """Rank ``st``'s host issues its next call: every command of its plan joins its stream's queue."""
+        e = issued[st.rank]
+        call = _Call(e + 1, {name: [t.numpy() for t in tensors] for name, tensors in calls[e][st.rank].items()})
+        queues = st.queues
+        for stream, cmd, handler in self._issues[st.rank]:
+            queues[stream].append((call, cmd, handler))
+        issued[st.rank] += 1
+        self._queued = None
 
     def _busy(self) -> bool:
         return any(st.queues[s] for st in self.ranks for s in STREAMS)
@@ -156,7 +165,7 @@ class Simulator:
         return "no command can run:\n  " + "\n  ".join(heads + flags)
 
     # -- addressing ------------------------------------------------------------------------
-    def view(self, st: RankState, region: Region, call: _Call, *, reading: bool) -> torch.Tensor:
+    def view(self, st: RankState, region: Region, call: _Call, *, reading: bool) -> np.ndarray:
         owner = self.ranks[st.rank if region.owner == SELF else region.owner]
         if region.owner != SELF and region.buf not in self.plans[owner.rank].symmetric_rows:
             raise ProtocolViolation(f"rank {st.rank} addresses a peer's private buffer {region}")
@@ -200,21 +209,24 @@ def _set_flag(sim: Simulator, st: RankState, cmd: SetFlag, call: _Call) -> bool:
 
 
 def _copy(sim: Simulator, st: RankState, cmd: Copy, call: _Call) -> bool:
-    src = sim.view(st, cmd.src, call, reading=True).clone()
-    sim.view(st, cmd.dst, call, reading=False).copy_(src)
+    src = sim.view(st, cmd.src, call, reading=True)
+    sim.view(st, cmd.dst, call, reading=False)[...] = src  # NumPy copies through a buffer where the two overlap
     return True
 
 
 def _matmul(sim: Simulator, st: RankState, cmd: Matmul, call: _Call) -> bool:
     src = sim.view(st, cmd.src, call, reading=True)
     w = call.tensors["W"][cmd.weight]
-    sim.view(st, cmd.dst, call, reading=False).copy_(src @ w)
+    sim.view(st, cmd.dst, call, reading=False)[...] = src @ w
     return True
 
 
 def _reduce(sim: Simulator, st: RankState, cmd: Reduce, call: _Call) -> bool:
-    total = sum(sim.view(st, s, call, reading=True).clone() for s in cmd.srcs)
-    sim.view(st, cmd.dst, call, reading=False).copy_(total)
+    first, *rest = cmd.srcs
+    total = sim.view(st, first, call, reading=True).copy()  # every term read before the sum is written
+    for src in rest:
+        total += sim.view(st, src, call, reading=True)
+    sim.view(st, cmd.dst, call, reading=False)[...] = total
     return True
 
 
