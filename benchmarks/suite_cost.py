@@ -103,12 +103,12 @@ if _folder:
 def collector_seconds(folder: Path) -> dict[str, float | int]:
     """The collections the hook logged in ``folder``: seconds and count over every process, and
     how many processes collected."""
-    seconds = count = 0.0
+    seconds, count = 0.0, 0
     files = list(folder.iterdir()) if folder.exists() else []
     for f in files:
         s, c = f.read_text().split()
         seconds, count = seconds + float(s), count + int(c)
-    return {"seconds": seconds, "collections": int(count), "processes": len(files)}
+    return {"seconds": seconds, "collections": count, "processes": len(files)}
 
 
 def busy_cpu_s() -> float | None:
